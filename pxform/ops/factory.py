@@ -1,0 +1,52 @@
+"""Factories: arange, zeros/ones/full/empty (and their _like and new_ forms), random fills,
+scalar_tensor, eye.
+
+Constant fills split freely: each rank makes its own shard with the local shape. `arange`,
+`eye` and `linspace` are `^`: their values depend on the global position (a lowering rule
+with an offset can lift this later). `*_like` and `new_*` take their template's dims as
+unrelated `^` inputs. FLOPs: one per output element.
+"""
+
+from __future__ import annotations
+
+from pxform.ir import Op
+from pxform.ops.registry import OpInfo, overloads, register_rule
+from pxform.ops.signature import LabelMaker, Signature
+
+_FILLS = ["zeros", "ones", "full", "empty.memory_format", "empty.names", "empty_strided",
+          "zeros_like", "ones_like", "full_like", "empty_like", "rand_like", "randn_like",
+          "new_zeros", "new_ones", "new_full", "new_empty", "new_empty_strided",
+          "scalar_tensor", "rand", "randn", "randint", "randint_like", "randperm",
+          "normal_functional", "uniform", "bernoulli_functional"]
+_POSITIONAL = ["arange", "eye", "linspace", "logspace", "tril_indices", "triu_indices"]
+
+
+def _factory_info(op: Op, positional: bool) -> OpInfo:
+    lm = LabelMaker()
+    sizes: dict[str, int] = {}
+    ins = []
+    fixed: set[str] = set()
+    for v in op.inputs:  # templates of *_like / new_*: shape only, unrelated dims
+        labels = lm.many(v.type.rank)
+        sizes.update(zip(labels, v.type.shape))
+        fixed |= set(labels)
+        ins.append([(lb,) for lb in labels])
+    outs = []
+    for v in op.outputs:
+        labels = lm.many(v.type.rank)
+        sizes.update(zip(labels, v.type.shape))
+        if positional:
+            fixed |= set(labels)
+        outs.append([(lb,) for lb in labels])
+    return OpInfo(Signature.make(ins, outs, sizes, fixed=fixed),
+                  sum(v.type.numel for v in op.outputs))
+
+
+@register_rule(*overloads(*_FILLS))
+def _fill(op: Op) -> OpInfo:
+    return _factory_info(op, positional=op.name == "randperm")
+
+
+@register_rule(*overloads(*_POSITIONAL))
+def _positional(op: Op) -> OpInfo:
+    return _factory_info(op, positional=True)

@@ -1,0 +1,63 @@
+"""Normalisation and softmax: the normalised dims are `^` (their statistics need every
+element), the leading dims split freely.
+
+FLOPs (a convention, per element): layer_norm 8, rms_norm 4, group_norm/batch_norm 8,
+softmax 5, log_softmax 5 (max, subtract, exp, sum, divide or log).
+"""
+
+from __future__ import annotations
+
+from pxform.ir import Op
+from pxform.ops.registry import OpInfo, bind, norm_dim, overloads, register_rule
+from pxform.ops.signature import LabelMaker, Signature
+
+_NORM_FLOPS = {"layer_norm": 8, "native_layer_norm": 8, "rms_norm": 4, "_fused_rms_norm": 4,
+               "group_norm": 8, "batch_norm": 8, "instance_norm": 8}
+
+
+@register_rule(*overloads("layer_norm", "rms_norm", "native_layer_norm", "_fused_rms_norm"))
+def _layer_norm(op: Op) -> OpInfo:
+    """layer_norm(x[..., *norm], norm_shape, weight[*norm], bias[*norm]): norm dims `^`.
+    native_layer_norm's extra outputs (mean, rstd) keep the leading dims with size-1 norm dims."""
+    x, *params = op.inputs
+    k = len(bind(op)["normalized_shape"])
+    lm = LabelMaker()
+    labels = lm.many(x.type.rank)
+    sizes = dict(zip(labels, x.type.shape))
+    lead, norm = labels[: x.type.rank - k], labels[x.type.rank - k:]
+    x_terms = [(lb,) for lb in labels]
+    ins = [x_terms] + [[(lb,) for lb in norm] for _ in params]
+    outs = [x_terms]
+    for _ in op.outputs[1:]:
+        outs.append([(lb,) for lb in lead] + [()] * k)
+    sig = Signature.make(ins, outs, sizes, fixed=set(norm))
+    return OpInfo(sig, _NORM_FLOPS[op.name] * x.type.numel)
+
+
+@register_rule(*overloads("group_norm", "batch_norm", "instance_norm"))
+def _channel_norm(op: Op) -> OpInfo:
+    """Norms over channels or batch: only dim 0 (group/instance norm) or dim 1 (batch norm)
+    may split; affine params and running stats are per channel."""
+    x, *params = op.inputs
+    lm = LabelMaker()
+    labels = lm.many(x.type.rank)
+    sizes = dict(zip(labels, x.type.shape))
+    keep = labels[1] if op.name == "batch_norm" else labels[0]
+    fixed = set(labels) - {keep}
+    ch = labels[1] if x.type.rank > 1 else labels[0]
+    ins = [[(lb,) for lb in labels]] + [[(ch,)] for _ in params]
+    sig = Signature.make(ins, [[(lb,) for lb in labels]], sizes, fixed=fixed)
+    return OpInfo(sig, _NORM_FLOPS[op.name] * x.type.numel)
+
+
+@register_rule(*overloads("softmax.int", "_softmax", "log_softmax.int", "_log_softmax",
+                          "_safe_softmax"))
+def _softmax(op: Op) -> OpInfo:
+    (x,) = op.inputs
+    dim = norm_dim(bind(op)["dim"], x.type.rank)
+    lm = LabelMaker()
+    labels = lm.many(x.type.rank)
+    terms = [(lb,) for lb in labels]
+    sig = Signature.make([terms], [terms], dict(zip(labels, x.type.shape)),
+                         fixed={labels[dim]} if labels else set())
+    return OpInfo(sig, 5 * x.type.numel)

@@ -1,0 +1,109 @@
+"""Pointwise ops with broadcasting: arithmetic, comparisons, activations, casts, dropout.
+
+Signature: every input is aligned to the broadcast output from the right; a size-1 dim
+that broadcasts is `1` (it can't be split, it is replicated). FLOPs: one per output element
+(a convention; for transformers, pointwise ops are well under 1% of matmul FLOPs).
+"""
+
+from __future__ import annotations
+
+from pxform.ir import Op
+from pxform.ops.registry import (
+    OpInfo, bind, norm_dim, overloads, pointwise_terms, register_rule,
+)
+from pxform.ops.signature import LabelMaker, Signature
+
+# Output linear jointly in all tensor inputs (partial sums pass through).
+_ADDITIVE = ["add", "sub", "rsub", "neg", "positive"]
+# Linear in each tensor input separately (bilinear when both are tensors).
+_MULTIPLICATIVE = ["mul"]
+# Linear in the first input only.
+_FIRST_LINEAR = ["div", "_to_copy", "to.dtype", "to.dtype_layout", "to.device"]
+_NONLINEAR = [
+    "abs", "acos", "asin", "atan", "atan2", "ceil", "clamp", "clamp_min", "clamp_max", "cos",
+    "cosh", "elu", "erf", "erfc", "erfinv", "exp", "exp2", "expm1", "floor", "floor_divide",
+    "fmod", "frac", "gelu", "hardsigmoid", "hardswish", "hardtanh", "isinf", "isnan",
+    "leaky_relu", "lerp", "log", "log10", "log1p", "log2", "logical_and", "logical_not",
+    "logical_or", "logical_xor", "logit", "maximum", "minimum", "mish", "nan_to_num",
+    "pow", "reciprocal", "relu", "relu6", "remainder", "round", "rsqrt", "selu", "sigmoid",
+    "sign", "silu", "sin", "sinh", "softplus", "sqrt", "square", "tan", "tanh", "trunc",
+    "eq", "ne", "lt", "le", "gt", "ge", "bitwise_and", "bitwise_or", "bitwise_xor",
+    "bitwise_not", "__and__", "__or__", "__xor__", "__lshift__", "__rshift__", "where",
+    "masked_fill", "dropout", "feature_dropout", "alpha_dropout", "bernoulli",
+    "xlogy", "heaviside", "copysign", "hypot", "logaddexp", "sgn", "signbit",
+    "addcmul", "addcdiv", "threshold", "prelu",
+]
+
+
+def pointwise_info(op: Op, linear: list[set[int]] | None = None) -> OpInfo:
+    """The broadcasting signature of a pointwise op over all its tensor inputs."""
+    lm = LabelMaker()
+    sizes: dict[str, int] = {}
+    ins, out = pointwise_terms([v.type.shape for v in op.inputs], lm, sizes)
+    sig = Signature.make(ins, [out] * len(op.outputs), sizes, linear=linear or [])
+    return OpInfo(sig, sum(v.type.numel for v in op.outputs))
+
+
+@register_rule(*overloads(*_ADDITIVE))
+def _additive(op: Op) -> OpInfo:
+    return pointwise_info(op, [set(range(len(op.inputs)))])
+
+
+@register_rule(*overloads(*_MULTIPLICATIVE))
+def _multiplicative(op: Op) -> OpInfo:
+    return pointwise_info(op, [{i} for i in range(len(op.inputs))])
+
+
+@register_rule(*overloads(*_FIRST_LINEAR))
+def _first_linear(op: Op) -> OpInfo:
+    return pointwise_info(op, [{0}] if op.inputs else [])
+
+
+@register_rule(*overloads(*_NONLINEAR))
+def _nonlinear(op: Op) -> OpInfo:
+    return pointwise_info(op)
+
+
+@register_rule(*overloads("tril", "triu"))
+def _triangular(op: Op) -> OpInfo:
+    """tril/triu depend on each element's global (row, col) position: those dims are `^`."""
+    info = pointwise_info(op, [{0}])
+    sig = info.signature
+    last_two = {lb for term in sig.outputs[0][-2:] for lb in term}
+    sig = Signature.make([list(t) for t in sig.inputs], [list(t) for t in sig.outputs],
+                         dict(sig.sizes), fixed=last_two, linear=sig.linear)
+    return OpInfo(sig, info.flops)
+
+
+@register_rule(*overloads("native_dropout"))
+def _native_dropout(op: Op) -> OpInfo:
+    return pointwise_info(op)
+
+
+@register_rule(*overloads("glu"))
+def _glu(op: Op) -> OpInfo:
+    """glu halves `dim` and multiplies the halves: that dim is `^`."""
+    (x,) = op.inputs
+    dim = norm_dim(bind(op)["dim"], x.type.rank)
+    lm = LabelMaker()
+    labels = lm.many(x.type.rank)
+    sizes = dict(zip(labels, x.type.shape))
+    out = list(labels)
+    out[dim] = lm()
+    sizes[out[dim]] = x.type.shape[dim] // 2
+    sig = Signature.make([[(lb,) for lb in labels]], [[(lb,) for lb in out]], sizes,
+                         fixed={labels[dim], out[dim]})
+    return OpInfo(sig, x.type.numel)
+
+
+@register_rule(*overloads("to.other", "type_as"))
+def _cast_like(op: Op) -> OpInfo:
+    """`x.to(other)`: only `other`'s dtype matters; its dims are unrelated and kept `^`."""
+    x, other = op.inputs
+    lm = LabelMaker()
+    labels, other_labels = lm.many(x.type.rank), lm.many(other.type.rank)
+    sizes = dict(zip(labels, x.type.shape)) | dict(zip(other_labels, other.type.shape))
+    sig = Signature.make([[(lb,) for lb in labels], [(lb,) for lb in other_labels]],
+                         [[(lb,) for lb in labels]], sizes, fixed=set(other_labels),
+                         linear=[{0}])
+    return OpInfo(sig, x.type.numel)

@@ -1,0 +1,77 @@
+"""Reductions: sum and mean (split reduced dims give partial sums), and the rest (max, var,
+argmax, norms, logsumexp, cumsum, ...) whose reduced dims are `^`.
+
+FLOPs: one per input element.
+"""
+
+from __future__ import annotations
+
+from pxform.ir import Op
+from pxform.ops.registry import OpInfo, bind, norm_dim, norm_dims, overloads, register_rule
+from pxform.ops.signature import LabelMaker, Signature, Term
+
+
+def reduction_info(op: Op, dims: list[int], keepdim: bool, linear: bool) -> OpInfo:
+    """Signature of reducing input 0 over `dims`; every output gets the reduced shape."""
+    x = op.inputs[0]
+    lm = LabelMaker()
+    labels = lm.many(x.type.rank)
+    sizes = dict(zip(labels, x.type.shape))
+    out: list[Term] = []
+    for d, lb in enumerate(labels):
+        if d not in dims:
+            out.append((lb,))
+        elif keepdim:
+            out.append(())
+    reduced = {labels[d] for d in dims}
+    ins = [[(lb,) for lb in labels]]
+    # Extra tensor inputs (rare: e.g. a dtype-carrying tensor) are unrelated: their own `^` dims.
+    extra_fixed: set[str] = set()
+    for v in op.inputs[1:]:
+        extra = lm.many(v.type.rank)
+        sizes.update(zip(extra, v.type.shape))
+        extra_fixed |= set(extra)
+        ins.append([(lb,) for lb in extra])
+    sig = Signature.make(ins, [out] * len(op.outputs), sizes,
+                         fixed=extra_fixed | (set() if linear else reduced),
+                         linear=[{0}] if linear else [])
+    return OpInfo(sig, x.type.numel)
+
+
+def _dims_keepdim(op: Op) -> tuple[list[int], bool]:
+    args = bind(op)
+    rank = op.inputs[0].type.rank
+    dims = args.get("dim", None)
+    if op.target._overloadname in ("default",) and "dim" not in args:
+        dims = None
+    return norm_dims(dims, rank), bool(args.get("keepdim", False) or False)
+
+
+@register_rule(*overloads("sum", "mean", "nansum", "nanmean"))
+def _sum(op: Op) -> OpInfo:
+    dims, keepdim = _dims_keepdim(op)
+    return reduction_info(op, dims, keepdim, linear=True)
+
+
+@register_rule(*overloads("amax", "amin", "max.dim", "min.dim", "max.default",
+                          "min.default", "argmax", "argmin", "var", "std", "var_mean",
+                          "std_mean", "logsumexp", "any", "all", "prod", "linalg_vector_norm",
+                          "norm", "count_nonzero", "aminmax", "median.default",
+                          "median.dim", "mode"))
+def _nonlinear_reduction(op: Op) -> OpInfo:
+    dims, keepdim = _dims_keepdim(op)
+    return reduction_info(op, dims, keepdim, linear=False)
+
+
+@register_rule(*overloads("cumsum", "cumprod", "cummax", "cummin", "logcumsumexp"))
+def _scan(op: Op) -> OpInfo:
+    """Scans keep the shape; the scanned dim depends on everything before it: `^`."""
+    x = op.inputs[0]
+    dim = norm_dim(bind(op)["dim"], x.type.rank)
+    lm = LabelMaker()
+    labels = lm.many(x.type.rank)
+    terms = [(lb,) for lb in labels]
+    sig = Signature.make([terms], [terms] * len(op.outputs), dict(zip(labels, x.type.shape)),
+                         fixed={labels[dim]} if labels else set(),
+                         linear=[{0}] if op.name == "cumsum" else [])
+    return OpInfo(sig, x.type.numel)
