@@ -141,7 +141,8 @@ def make_batch(cfg: GPTConfig, batch_size: int, *, device: str | torch.device = 
                 "targets": torch.empty(shape, dtype=torch.long, device="meta")}
     gen = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, cfg.vocab_size, (batch_size, cfg.seq_len + 1), generator=gen)
-    return {"idx": tokens[:, :-1].to(device), "targets": tokens[:, 1:].to(device)}
+    return {"idx": tokens[:, :-1].clone().to(device),
+            "targets": tokens[:, 1:].clone().to(device)}
 
 
 def main() -> None:

@@ -298,11 +298,14 @@ def cache_key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
 # ---------------------------------------------------------------- running the IR
 
 def run_graph(graph: Graph, inputs: Sequence[torch.Tensor],
-              last_use: dict[str, int] | None = None) -> list[Any]:
+              last_use: dict[str, int] | None = None,
+              on_op: Callable[[Op, list[Any], list[torch.Tensor]], None] | None = None,
+              ) -> list[Any]:
     """Evaluate `graph` on real tensors, op by op, with autograd.
 
     Values are dropped after their last use, so peak memory is that of eager execution.
-    Device arguments (`DEVICE`) take the device of the first input.
+    Device arguments (`DEVICE`) take the device of the first input. `on_op(op, args,
+    results)` is called after each op (for meters and tests).
     """
     device = inputs[0].device if inputs else torch.device("cpu")
     env: dict[str, Any] = {v.name: t for v, t in zip(graph.inputs, inputs)}
@@ -328,6 +331,8 @@ def run_graph(graph: Graph, inputs: Sequence[torch.Tensor],
                    if isinstance(r, torch.Tensor)]
         for v, r in zip(op.outputs, results):
             env[v.name] = r
+        if on_op is not None:
+            on_op(op, args, results)
         for v in op.inputs:
             if last_use.get(v.name) == k:
                 env.pop(v.name, None)
@@ -625,8 +630,9 @@ def _input_names(paths: list[str]) -> list[str]:
         return [c.strip("'\"") for c in text.replace("]", "").split("[") if c.strip("'\"")]
 
     def dotted(parts: list[str]) -> str:
-        text = ".".join(parts)
-        return "".join(ch if ch.isalnum() or ch in "._-" else "_" for ch in text) or "arg"
+        text = "".join(ch if ch.isalnum() or ch in "._-" else "_" for ch in ".".join(parts))
+        # op outputs are numbered %0, %1, ...: an input must never look like one
+        return "arg" + text if not text or text[0].isdigit() else text
 
     split = [keys(p) for p in paths]
     candidates = [
@@ -656,9 +662,14 @@ def _trace_failure(fn_name: str, exc: Exception) -> TraceError:
     text = f"{type(exc).__name__}: {exc}".strip()
     first = text.splitlines()[0] if text else type(exc).__name__
     hint = ""
-    if "data-dependent" in text or "GuardOnDataDependent" in text or "item()" in text:
+    if any(k in text for k in ("data-dependent", "DataDependent", "_local_scalar_dense",
+                               "item()")):
         hint = ("\n  Fix: control flow or shapes that depend on tensor values cannot be traced; "
                 "make them depend on shapes or static arguments instead.")
+    elif "meta" in text and "device" in text:
+        hint = ("\n  Fix: the function uses a tensor on the meta device that it did not get as an "
+                "argument (a captured global or module attribute); pass it as an argument, "
+                "e.g. keep buffers in the params dict that pxform.module_fn returns.")
     return TraceError(f"pxform.trace({fn_name}): tracing failed: {first}{hint}")
 
 

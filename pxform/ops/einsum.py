@@ -107,56 +107,55 @@ def _linear(op: Op) -> OpInfo:
     return OpInfo(Signature.make(ins, [out], sizes, linear=linear), flops)
 
 
+def _einsum_tokens(spec: str) -> list[str]:
+    """`"b...k"` -> `["b", "...", "k"]`."""
+    out: list[str] = []
+    rest = spec
+    while rest:
+        if rest.startswith("..."):
+            out.append("...")
+            rest = rest[3:]
+        else:
+            out.append(rest[0])
+            rest = rest[1:]
+    return out
+
+
 @register_rule(*overloads("einsum"))
 def _einsum(op: Op) -> OpInfo:
-    """einsum with explicit output (`"bij,bjk->bik"`); an ellipsis stands for broadcast dims."""
+    """einsum with an explicit output (`"bij,bjk->bik"`); `...` stands for broadcast dims."""
     eq = bind(op)["equation"].replace(" ", "")
-    operands = op.inputs
     if "->" not in eq:
         raise RuleError(f"einsum: pxform needs an explicit output in the equation, got {eq!r}")
     lhs, rhs = eq.split("->")
-    specs = lhs.split(",")
-    sizes: dict[str, int] = {}
-    n_ell = max((v.type.rank - (len(s) - 3) for s, v in zip(specs, operands) if "..." in s),
-                default=0)
+    specs = [_einsum_tokens(s) for s in lhs.split(",")]
+    operands = op.inputs
+    ell_ranks = [v.type.rank - (len(t) - 1) for t, v in zip(specs, operands) if "..." in t]
+    n_ell = max(ell_ranks, default=0)
     ell = [f"e{i}" for i in range(n_ell)]
+    sizes: dict[str, int] = {lb: 1 for lb in ell}
     ins: list[list[Term]] = []
-    for spec, v in zip(specs, operands):
-        names: list[str] = []
-        for part in spec.split("...") if "..." in spec else [spec]:
-            names.extend(part)
-            names.append("...")
-        names = names[:-1] if "..." not in spec else names
+    for tokens, v in zip(specs, operands):
         terms: list[Term] = []
-        rank_ell = v.type.rank - (len(spec) - 3) if "..." in spec else 0
         pos = 0
-        for name in names:
-            if name == "...":
-                for lb in ell[n_ell - rank_ell:]:
+        for tok in tokens:
+            if tok == "...":
+                r = v.type.rank - (len(tokens) - 1)
+                for lb in ell[n_ell - r:]:
                     d = v.type.shape[pos]
-                    terms.append((lb,) if d != 1 else ())
+                    terms.append(() if d == 1 else (lb,))
                     if d != 1:
                         sizes[lb] = d
                     pos += 1
             else:
-                sizes[name] = v.type.shape[pos]
-                terms.append((name,))
+                sizes[tok] = v.type.shape[pos]
+                terms.append((tok,))
                 pos += 1
         ins.append(terms)
     out: list[Term] = []
-    for part in rhs.split("...") if "..." in rhs else [rhs]:
-        out.extend((c,) for c in part)
-        out.append(("...",))
-    out = out[:-1]
-    out_terms: list[Term] = []
-    for t in out:
-        if t == ("...",):
-            out_terms.extend((lb,) for lb in ell)
-            for lb in ell:
-                sizes.setdefault(lb, 1)
-        else:
-            out_terms.append(t)
-    sig = Signature.make(ins, [out_terms], sizes, linear=[{i} for i in range(len(ins))])
+    for tok in _einsum_tokens(rhs):
+        out.extend([(lb,) for lb in ell] if tok == "..." else [(tok,)])
+    sig = Signature.make(ins, [out], sizes, linear=[{i} for i in range(len(ins))])
     return OpInfo(sig, flops_of_contraction(sig))
 
 

@@ -107,3 +107,14 @@ def _cast_like(op: Op) -> OpInfo:
                          [[(lb,) for lb in labels]], sizes, fixed=set(other_labels),
                          linear=[{0}])
     return OpInfo(sig, x.type.numel)
+
+
+@register_rule(*overloads("broadcast_tensors"))
+def _broadcast_tensors(op: Op) -> OpInfo:
+    """Each output is its input broadcast to the common shape (views, no FLOPs)."""
+    lm = LabelMaker()
+    sizes: dict[str, int] = {}
+    ins, out = pointwise_terms([v.type.shape for v in op.inputs], lm, sizes)
+    sig = Signature.make(ins, [out] * len(op.outputs), sizes,
+                         linear=[{i} for i in range(len(op.inputs))])
+    return OpInfo(sig, 0, view=True)

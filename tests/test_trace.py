@@ -1,0 +1,296 @@
+"""Tracing: IR vs eager (values and gradients), golden IR, static leaves, argument checks,
+constants, in-place ops, no_grad regions, module paths, source lines and op errors."""
+
+from __future__ import annotations
+
+import os
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import pxform
+from pxform.errors import SignatureMismatchError, TraceError, UnsupportedOpError
+
+GOLDEN = os.path.join(os.path.dirname(__file__), "golden")
+
+
+def mlp_loss(params, batch):
+    h = F.gelu(F.linear(batch["x"], params["w1"], params["b1"]))
+    out = h @ params["w2"]
+    return ((out - batch["y"]) ** 2).mean()
+
+
+def mlp_args(dtype=torch.float64):
+    g = torch.Generator().manual_seed(0)
+    params = {
+        "w1": torch.randn(32, 16, generator=g, dtype=dtype).requires_grad_(),
+        "b1": torch.randn(32, generator=g, dtype=dtype).requires_grad_(),
+        "w2": torch.randn(32, 8, generator=g, dtype=dtype).requires_grad_(),
+    }
+    batch = {"x": torch.randn(4, 16, generator=g, dtype=dtype),
+             "y": torch.randn(4, 8, generator=g, dtype=dtype)}
+    return params, batch
+
+
+def assert_same_values_and_grads(fn, traced, params, *rest):
+    ref = fn(params, *rest)
+    got = traced(params, *rest)
+    torch.testing.assert_close(got, ref, rtol=0, atol=0)
+    leaves = [p for p in params.values() if p.requires_grad] if isinstance(params, dict) else params
+    g_ref = torch.autograd.grad(ref, leaves)
+    g_got = torch.autograd.grad(got, leaves)
+    for a, b in zip(g_got, g_ref):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_mlp_matches_eager_values_and_gradients():
+    params, batch = mlp_args()
+    traced = pxform.trace(mlp_loss, params, batch)
+    pxform.check(traced.graph)
+    assert_same_values_and_grads(mlp_loss, traced, params, batch)
+
+
+def test_golden_ir_of_small_mlp():
+    params, batch = mlp_args(torch.float32)
+    text = str(pxform.trace(mlp_loss, params, batch))
+    with open(os.path.join(GOLDEN, "mlp.ir.txt")) as f:
+        assert text == f.read().rstrip("\n")
+
+
+def test_op_table_rows_and_totals():
+    params, batch = mlp_args(torch.float32)
+    table = pxform.trace(mlp_loss, params, batch).op_table()
+    linear_row = next(line for line in table.splitlines() if " linear " in line)
+    # linear: 2*4*16*32 multiply-adds + 4*32 bias adds; output 4x32 f32
+    assert "a b, c b, c -> a c" in linear_row
+    assert "4.22 k" in linear_row and "512 B" in linear_row
+    assert table.splitlines()[-1].startswith("total: 6 ops")
+    by_target = pxform.trace(mlp_loss, params, batch).op_table(by="target")
+    assert "aten.linear.default" in by_target and "aten.matmul.default" in by_target
+
+
+def test_trace_from_meta_and_run_on_real():
+    params, batch = mlp_args(torch.float32)
+    meta = {k: torch.empty_like(v, device="meta") for k, v in params.items()}
+    meta_batch = {k: torch.empty_like(v, device="meta") for k, v in batch.items()}
+    traced = pxform.trace(mlp_loss, meta, meta_batch)
+    assert_same_values_and_grads(mlp_loss, traced, params, batch)
+
+
+def test_trace_from_fake_tensors():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    params, batch = mlp_args(torch.float32)
+    with FakeTensorMode() as mode:
+        fake = {k: mode.from_tensor(v) for k, v in params.items()}
+        fake_batch = {k: mode.from_tensor(v) for k, v in batch.items()}
+    traced = pxform.trace(mlp_loss, fake, fake_batch)
+    assert_same_values_and_grads(mlp_loss, traced, params, batch)
+
+
+def test_pytree_outputs_and_static_leaves():
+    def fn(params, x, scale, mode):
+        y = x @ params[0] * scale
+        if mode == "double":
+            y = y * 2
+        return {"y": y, "n": 3, "parts": (y.sum(), y.mean())}
+
+    params = [torch.randn(3, 5)]
+    x = torch.randn(2, 3)
+    traced = pxform.trace(fn, params, x, 0.5, "double")
+    out = traced(params, x, 0.5, "double")
+    ref = fn(params, x, 0.5, "double")
+    assert out["n"] == 3
+    torch.testing.assert_close(out["y"], ref["y"])
+    torch.testing.assert_close(out["parts"][1], ref["parts"][1])
+    with pytest.raises(SignatureMismatchError, match=re.escape(
+            "non-tensor argument mode is 'single' but was 'double' when traced")):
+        traced(params, x, 0.5, "single")
+
+
+def test_argument_mismatch_messages_name_the_path():
+    params, batch = mlp_args(torch.float32)
+    traced = pxform.trace(mlp_loss, params, batch)
+    bad = dict(batch, x=torch.randn(5, 16))
+    with pytest.raises(SignatureMismatchError) as err:
+        traced(params, bad)
+    assert str(err.value) == (
+        "pxform.trace(mlp_loss): argument batch['x'] is f32[5,16] but was traced as f32[4,16]."
+        "\n  Fix: pass a tensor of shape [4, 16] and dtype torch.float32, or trace again for "
+        "the new shape.")
+    with pytest.raises(SignatureMismatchError, match="called with arguments of structure"):
+        traced(params, {"x": batch["x"]})
+
+
+def test_captured_real_tensor_becomes_constant():
+    table = torch.arange(6.0).reshape(2, 3)
+
+    def fn(x):
+        return x * table + torch.tensor(1.5)
+
+    x = torch.randn(2, 3)
+    traced = pxform.trace(fn, x)
+    assert len(traced.graph.constants) == 2
+    pxform.check(traced.graph)
+    torch.testing.assert_close(traced(x), fn(x))
+
+
+def test_captured_meta_tensor_is_a_clear_error():
+    table = torch.empty(2, 3, device="meta")
+    with pytest.raises(TraceError, match=r"(?s)tracing failed: .*two devices.*Fix: the function "
+                                         r"uses a tensor on the meta device .* pass it as an"):
+        pxform.trace(lambda x: x * table, torch.randn(2, 3))
+
+
+def test_inplace_on_local_is_functionalised():
+    def fn(x):
+        y = x * 2
+        y.add_(1)
+        y.mul_(3)
+        return y
+
+    x = torch.randn(4, requires_grad=True)
+    traced = pxform.trace(fn, x)
+    assert [op.name for op in traced.graph.ops] == ["mul", "add", "mul"]
+    pxform.check(traced.graph)
+    torch.testing.assert_close(traced(x), fn(x))
+
+
+def test_inplace_on_argument_is_refused():
+    def fn(x):
+        x.add_(1)
+        return x * 2
+
+    with pytest.raises(TraceError, match=r"aten.add_.Tensor mutates the function's argument %x "
+                                         r"in place at .*test_trace.py:\d+ in fn"):
+        pxform.trace(fn, torch.randn(4))
+
+
+def test_no_grad_region_is_kept():
+    def fn(w, x):
+        with torch.no_grad():
+            scale = (x @ w).abs().amax()
+        return ((x @ w) / scale).sum()
+
+    w = torch.randn(3, 3, requires_grad=True)
+    x = torch.randn(2, 3)
+    traced = pxform.trace(fn, w, x)
+    assert [op.grad for op in traced.graph.ops[:3]] == [False, False, False]
+    assert "[no_grad]" in str(traced)
+    (g_ref,) = torch.autograd.grad(fn(w, x), [w])
+    (g_got,) = torch.autograd.grad(traced(w, x), [w])
+    torch.testing.assert_close(g_got, g_ref)
+
+
+def test_unknown_op_error_names_op_and_user_line():
+    def fn(x):
+        y = x + 1
+        return torch.special.zeta(y, 2.0)  # no rule for zeta
+
+    with pytest.raises(UnsupportedOpError) as err:
+        pxform.trace(fn, torch.rand(4))
+    msg = str(err.value)
+    assert msg.startswith("pxform.trace: op aten.special_zeta.other_scalar (special_zeta) has "
+                          "no sharding rule (called at ")
+    assert re.search(r"test_trace.py:\d+ in fn: return torch.special.zeta\(y, 2.0\)", msg)
+    assert "@pxform.ops.register_rule(torch.ops.aten.special_zeta.other_scalar)" in msg
+    assert "allow_fallback=True" in msg
+
+
+def test_fallback_runs_replicated_and_reports():
+    def fn(x):
+        return torch.special.zeta(x + 1, 2.0).sum()
+
+    x = torch.rand(4)
+    with pytest.warns(pxform.PxformWarning, match=r"1 ops have no sharding rule and will run "
+                                                  r"replicated: special_zeta at .*test_trace"):
+        traced = pxform.trace(fn, x, allow_fallback=True)
+    assert [op.name for op in traced.fallbacks] == ["special_zeta"]
+    sig = pxform.ops.rule_info(traced.fallbacks[0]).signature
+    assert sig.splittable() == frozenset()
+    pxform.check(traced.graph)
+    torch.testing.assert_close(traced(x), fn(x))
+    assert "1 ops run replicated by the fallback: special_zeta" in traced.summary()
+
+
+def test_registering_a_rule_makes_an_op_traceable():
+    from pxform.ops.pointwise import pointwise_info
+    from pxform.ops.registry import _RULES
+
+    target = torch.ops.aten.special_zeta.other_scalar
+    pxform.register_rule(target)(lambda op: pointwise_info(op))
+    try:
+        traced = pxform.trace(lambda x: torch.special.zeta(x, 2.0), torch.rand(4))
+        assert str(pxform.ops.rule_info(traced.graph.ops[0]).signature) == "a -> a"
+        with pytest.raises(pxform.RuleError, match="already has a rule"):
+            pxform.register_rule(target)(lambda op: pointwise_info(op))
+    finally:
+        _RULES.pop(target)
+
+
+def test_data_dependent_control_flow_is_a_clear_error():
+    def fn(x):
+        if x.sum() > 0:
+            return x
+        return -x
+
+    with pytest.raises(TraceError, match=r"pxform.trace\(fn\): tracing failed: .*\n  Fix: "
+                                         r"control flow or shapes that depend on tensor values"):
+        pxform.trace(fn, torch.randn(3))
+
+
+def test_module_fn_records_module_paths_and_traces_on_meta():
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm = torch.nn.LayerNorm(8)
+            self.fc = torch.nn.Linear(8, 8)
+            self.register_buffer("scale", torch.full((8,), 2.0))
+
+        def forward(self, x):
+            return self.fc(self.norm(x)) * self.scale
+
+    with torch.device("meta"):
+        model = torch.nn.Sequential(Block(), Block())
+    fn, params = pxform.module_fn(model)
+    assert set(params) >= {"0.fc.weight", "0.scale", "1.norm.bias"}
+    assert not params["0.scale"].requires_grad
+    traced = pxform.trace(fn, params, torch.empty(2, 8, device="meta"))
+    modules = [op.module for op in traced.graph.ops]
+    assert modules == ["0.norm", "0.fc", "0", "1.norm", "1.fc", "1"]
+    assert "# 1.fc" in str(traced)
+    # the same function runs on materialised parameters
+    real = torch.nn.Sequential(Block(), Block())
+    fn_real, real_params = pxform.module_fn(real)
+    x = torch.randn(2, 8)
+    traced_real = pxform.trace(fn_real, real_params, x)
+    torch.testing.assert_close(traced_real(real_params, x), real(x))
+
+
+def test_source_lines_point_at_user_code():
+    params, batch = mlp_args(torch.float32)
+    traced = pxform.trace(mlp_loss, params, batch)
+    sources = [op.source for op in traced.graph.ops]
+    assert all(re.match(r"tests/test_trace.py:\d+ in mlp_loss: ", s) for s in sources), sources
+    assert sources[0].endswith('F.gelu(F.linear(batch["x"], params["w1"], params["b1"]))')
+
+
+def test_returning_an_unflattenable_object_is_a_clear_error():
+    class Out:
+        def __init__(self, loss):
+            self.loss = loss
+
+    with pytest.raises(TraceError, match=r"output is a Out, which pxform cannot flatten"):
+        pxform.trace(lambda x: Out(x.sum()), torch.randn(3))
+
+
+def test_cache_key_depends_on_shapes_dtypes_and_static_leaves():
+    from pxform.trace import cache_key
+
+    x = torch.randn(2, 3)
+    assert cache_key((x, 1), {}) == cache_key((torch.zeros(2, 3), 1), {})
+    assert cache_key((x, 1), {}) != cache_key((x, 2), {})
+    assert cache_key((x,), {}) != cache_key((x.double(),), {})
+    assert cache_key((x,), {}) != cache_key((torch.randn(3, 3),), {})
