@@ -5,3 +5,4 @@ source "$(dirname "$0")/scripts/setup.sh" "[test,dev]"
 export HYPOTHESIS_PROFILE="${HYPOTHESIS_PROFILE:-ci}"
 python -m pytest "$@"
 ruff check pxform transforms schedules tests examples benchmarks
+mypy

@@ -6,8 +6,13 @@ The public API is re-exported here and only here.
 
 from pxform import ops
 from pxform.errors import (
-    GraphCheckError, PxformError, PxformWarning, RuleError, SignatureMismatchError,
-    TraceError, UnsupportedOpError,
+    GraphCheckError,
+    PxformError,
+    PxformWarning,
+    RuleError,
+    SignatureMismatchError,
+    TraceError,
+    UnsupportedOpError,
 )
 from pxform.ir import Graph, Op, TensorType, Value, check
 from pxform.ops import OpInfo, Signature, register_rule

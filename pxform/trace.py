@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import math
 import operator
 import os
 import sys
@@ -42,7 +41,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from pxform.errors import PxformWarning, SignatureMismatchError, TraceError
-from pxform.ir import DEVICE, Constant, Graph, Op, TensorType, Value, iter_values, map_values
+from pxform.ir import DEVICE, Constant, Graph, Op, TensorType, Value, map_values
 from pxform.ops import FALLBACK_TAG, has_rule, rule_info, unsupported_error
 
 MODULE_KEY = "pxform.module"
@@ -107,7 +106,8 @@ class Traced:
         return optree.tree_unflatten(self.out_tree, outs)
 
     def _check_args(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
-        paths, leaves, tree = optree.tree_flatten_with_path((args, kwargs))
+        paths, leaves, tree = optree.tree_flatten_with_path(  # type: ignore[var-annotated]
+            (args, kwargs))  # type: ignore[arg-type]
         name = f"pxform.trace({self.fn_name})"
         if tree != self.in_tree:
             raise SignatureMismatchError(
@@ -150,6 +150,8 @@ class Traced:
         infos = [(op, rule_info(op)) for op in self.graph.ops]
         total_flops = sum(i.flops for _, i in infos)
         total_bytes = sum(_op_bytes(op, i.view) for op, i in infos)
+        header: tuple[str, ...]
+        rows: list[tuple[str, ...]]
         if by == "op":
             header = ("#", "op", "signature", "FLOPs", "out bytes", "module / source")
             rows = [(str(k), op.name, str(info.signature), _si(info.flops),
@@ -228,7 +230,7 @@ def trace(fn: Callable[..., Any], *args: Any, allow_fallback: bool = False,
         %0: f32[2,8] = matmul(%x, %w1)
     """
     fn_name = getattr(fn, "__name__", type(fn).__name__)
-    paths, leaves, in_tree = optree.tree_flatten_with_path((args, kwargs))
+    paths, leaves, in_tree = optree.tree_flatten_with_path((args, kwargs))  # type: ignore[arg-type,var-annotated]
     names = _arg_names(fn, len(args))
     leaf_infos = []
     for path, leaf in zip(paths, leaves):
@@ -285,7 +287,7 @@ def cache_key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
 
     Transforms cache traces under this key, as `jax.jit` caches on abstract signatures.
     """
-    leaves, tree = optree.tree_flatten((args, kwargs))
+    leaves, tree = optree.tree_flatten((args, kwargs))  # type: ignore[arg-type,var-annotated]
     parts: list[Any] = [tree]
     for leaf in leaves:
         if isinstance(leaf, torch.Tensor):
@@ -516,7 +518,7 @@ def _record_modules() -> Iterator[None]:
 
 
 # torch, optree and the standard library (contextlib's folder) are never the user's code.
-_SKIP_DIRS = tuple(os.path.dirname(m.__file__) + os.sep for m in (torch, optree, contextlib)
+_SKIP_DIRS = tuple(os.path.dirname(str(m.__file__)) + os.sep for m in (torch, optree, contextlib)
                    if getattr(m, "__file__", None))
 
 
@@ -527,7 +529,7 @@ def _internal_dirs() -> tuple[str, ...]:
     for name in ("pxform", "pxform.transforms", "pxform.schedules"):
         mod = sys.modules.get(name)
         if mod is not None and getattr(mod, "__file__", None):
-            dirs.append(os.path.dirname(os.path.abspath(mod.__file__)) + os.sep)
+            dirs.append(os.path.dirname(os.path.abspath(str(mod.__file__))) + os.sep)
     return tuple(dirs)
 
 
@@ -547,11 +549,11 @@ def _record_user_frames() -> Iterator[None]:
         frames = [f for f in summary if _is_user_frame(f.filename, internal)]
         return traceback.StackSummary.from_list(frames[-1:])
 
-    tracer_base._filter_traceback_frames = keep_user
+    setattr(tracer_base, "_filter_traceback_frames", keep_user)  # noqa: B010
     try:
         yield
     finally:
-        tracer_base._filter_traceback_frames = original
+        setattr(tracer_base, "_filter_traceback_frames", original)  # noqa: B010
 
 
 def _is_user_frame(filename: str, internal: tuple[str, ...]) -> bool:
@@ -694,7 +696,7 @@ def _op_bytes(op: Op, view: bool) -> int:
 def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
     widths = [max(len(header[i]), *(len(r[i]) for r in rows)) if rows else len(header[i])
               for i in range(len(header))]
-    fmt = "  ".join("{:<%d}" % w for w in widths)
+    fmt = "  ".join("{:<" + str(w) + "}" for w in widths)
     lines = [fmt.format(*header).rstrip(), "  ".join("-" * w for w in widths)]
     lines += [fmt.format(*r).rstrip() for r in rows]
     return lines

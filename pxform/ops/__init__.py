@@ -5,11 +5,27 @@ One module per family; importing this package registers them all. Extend pxform 
 """
 
 from pxform.ops import (  # noqa: F401  (imported for their registrations)
-    attention, einsum, factory, indexing, loss, norm, pointwise, reduction, view,
+    attention,
+    einsum,
+    factory,
+    indexing,
+    loss,
+    norm,
+    pointwise,
+    reduction,
+    view,
 )
 from pxform.ops.registry import (
-    FALLBACK_TAG, OpInfo, bind, fallback_info, has_rule, infer_types, meta_types,
-    register_rule, rule_info, unsupported_error,
+    FALLBACK_TAG,
+    OpInfo,
+    bind,
+    fallback_info,
+    has_rule,
+    infer_types,
+    meta_types,
+    register_rule,
+    rule_info,
+    unsupported_error,
 )
 from pxform.ops.signature import LabelMaker, Signature
 

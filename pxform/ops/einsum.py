@@ -13,7 +13,12 @@ import math
 from pxform.errors import RuleError
 from pxform.ir import Op
 from pxform.ops.registry import (
-    OpInfo, bind, flops_of_contraction, overloads, pointwise_terms, register_rule,
+    OpInfo,
+    bind,
+    flops_of_contraction,
+    overloads,
+    pointwise_terms,
+    register_rule,
 )
 from pxform.ops.signature import LabelMaker, Signature, Term
 
@@ -88,14 +93,17 @@ def _linear(op: Op) -> OpInfo:
     sizes.update(zip(batch, x.type.shape[:-1]))
     k = lm()
     sizes[k] = x.type.shape[-1]
-    x_terms = [(lb,) for lb in batch] + [(k,)]
+    out: list[Term] = [(lb,) for lb in batch]
+    x_terms: list[Term] = [*out, (k,)]
+    w_terms: list[Term]
     if w.type.rank == 1:
-        w_terms, out = [(k,)], [(lb,) for lb in batch]
+        w_terms = [(k,)]
     else:
         n = lm()
         sizes[n] = w.type.shape[0]
-        w_terms, out = [(n,), (k,)], [(lb,) for lb in batch] + [(n,)]
-    ins = [x_terms, w_terms]
+        w_terms = [(n,), (k,)]
+        out.append((n,))
+    ins: list[list[Term]] = [x_terms, w_terms]
     flops = 2 * math.prod(sizes.values())
     linear: list[set[int]] = [{0}, {1}]
     if rest:
@@ -192,10 +200,8 @@ def _conv(op: Op) -> OpInfo:
     ksz = list(w.type.shape[2:])
     xsp = list(x.type.shape[-nsp:])
     if isinstance(padding, str):
-        if padding == "valid":
-            pad = [0] * nsp
-        else:  # "same": output spatial size equals input size for stride 1
-            pad = None
+        # "same": output spatial size equals input size (torch allows it for stride 1 only)
+        pad = [0] * nsp if padding == "valid" else None
     else:
         pad = per_dim("padding", 0)
     lm = LabelMaker()

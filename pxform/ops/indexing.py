@@ -55,22 +55,24 @@ def _index(op: Op) -> OpInfo:
                 shape[rank - v.type.rank + i] = s
     blabels = lm.many(rank)
     sizes.update(zip(blabels, shape))
-    idx_terms = []
+    idx_terms: list[list[Term]] = []
     for v in idx_values:
         off = rank - v.type.rank
         idx_terms.append([() if s == 1 and shape[off + i] != 1 else (blabels[off + i],)
                           for i, s in enumerate(v.type.shape)])
     adjacent = positions == list(range(positions[0], positions[-1] + 1))
-    rest = [(lb,) for i, lb in enumerate(labels) if i not in positions]
+    rest: list[Term] = [(lb,) for i, lb in enumerate(labels) if i not in positions]
     bterms: list[Term] = [(lb,) for lb in blabels]
     if adjacent:
-        before = [(labels[i],) for i in range(positions[0])]
-        after = [(labels[i],) for i in range(positions[-1] + 1, x.type.rank) if i not in positions]
+        before: list[Term] = [(labels[i],) for i in range(positions[0])]
+        after: list[Term] = [(labels[i],) for i in range(positions[-1] + 1, x.type.rank)
+                             if i not in positions]
         out = before + bterms + after
     else:
         out = bterms + rest
     fixed = {labels[i] for i in positions}
-    sig = Signature.make([[(lb,) for lb in labels]] + idx_terms, [out], sizes, fixed=fixed,
+    x_terms: list[Term] = [(lb,) for lb in labels]
+    sig = Signature.make([x_terms, *idx_terms], [out], sizes, fixed=fixed,
                          linear=[{0}])
     return OpInfo(sig, op.outputs[0].type.numel)
 

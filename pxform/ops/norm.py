@@ -25,9 +25,9 @@ def _layer_norm(op: Op) -> OpInfo:
     labels = lm.many(x.type.rank)
     sizes = dict(zip(labels, x.type.shape))
     lead, norm = labels[: x.type.rank - k], labels[x.type.rank - k:]
-    x_terms = [(lb,) for lb in labels]
+    x_terms: list[tuple[str, ...]] = [(lb,) for lb in labels]
     ins = [x_terms] + [[(lb,) for lb in norm] for _ in params]
-    outs = [x_terms]
+    outs: list[list[tuple[str, ...]]] = [x_terms]
     for _ in op.outputs[1:]:
         outs.append([(lb,) for lb in lead] + [()] * k)
     sig = Signature.make(ins, outs, sizes, fixed=set(norm))

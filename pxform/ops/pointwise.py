@@ -9,7 +9,12 @@ from __future__ import annotations
 
 from pxform.ir import Op
 from pxform.ops.registry import (
-    OpInfo, bind, norm_dim, overloads, pointwise_terms, register_rule,
+    OpInfo,
+    bind,
+    norm_dim,
+    overloads,
+    pointwise_terms,
+    register_rule,
 )
 from pxform.ops.signature import LabelMaker, Signature
 

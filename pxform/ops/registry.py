@@ -135,7 +135,7 @@ def fallback_info(op: Op) -> OpInfo:
     sizes: dict[str, int] = {}
 
     def terms(v: Value) -> list[tuple[str, ...]]:
-        out = []
+        out: list[tuple[str, ...]] = []
         for s in v.type.shape:
             lb = lm()
             sizes[lb] = s
@@ -238,9 +238,9 @@ def pointwise_terms(shapes: list[tuple[int, ...]], lm: LabelMaker,
     out_labels = lm.many(rank)
     for lb, d in zip(out_labels, out_shape):
         sizes[lb] = d
-    ins = []
+    ins: list[list[tuple[str, ...]]] = []
     for s in shapes:
-        terms = []
+        terms: list[tuple[str, ...]] = []
         for i, d in enumerate(s):
             j = rank - len(s) + i
             terms.append(() if d == 1 and out_shape[j] != 1 else (out_labels[j],))

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pxform.errors import RuleError
@@ -65,11 +66,12 @@ class Signature:
                                     f"there are {len(self.inputs)} inputs")
 
     @staticmethod
-    def make(inputs: list[list[Term]], outputs: list[list[Term]], sizes: dict[str, int],
+    def make(inputs: Sequence[Sequence[Sequence[str]]],
+             outputs: Sequence[Sequence[Sequence[str]]], sizes: dict[str, int],
              fixed: set[str] | frozenset[str] = frozenset(),
-             linear: list[set[int]] | tuple[frozenset[int], ...] = ()) -> Signature:
+             linear: Sequence[set[int] | frozenset[int]] = ()) -> Signature:
         """Build a signature from lists; unused sizes are dropped, so rules may over-supply."""
-        used = {lb for t in inputs + outputs for term in t for lb in term}
+        used = {lb for t in [*inputs, *outputs] for term in t for lb in term}
         return Signature(
             tuple(tuple(tuple(term) for term in t) for t in inputs),
             tuple(tuple(tuple(term) for term in t) for t in outputs),
@@ -87,7 +89,7 @@ class Signature:
         fixed: set[str] = set()
 
         def tensors(side: str) -> list[list[Term]]:
-            out = []
+            out: list[list[Term]] = []
             for part in side.split(","):
                 part = part.strip()
                 if part == "()":

@@ -27,7 +27,7 @@ def _plain(v: Value, lm: LabelMaker, sizes: dict[str, int]) -> list[str]:
     return labels
 
 
-def _terms(labels: list[str]) -> list[Term]:
+def _terms(labels: list[str]) -> list[Term]:  # noqa: D103
     return [(lb,) for lb in labels]
 
 
@@ -121,7 +121,7 @@ def _reshape_target(op: Op, in_shape: tuple[int, ...]) -> tuple[int, ...] | None
     args = bind(op)
     numel = math.prod(in_shape)
     if op.name in ("view", "reshape", "_unsafe_view", "_reshape_alias"):
-        shape = list(args.get("size", args.get("shape")))
+        shape = list(args.get("size") or args.get("shape") or [])
     elif op.name == "flatten":
         rank = len(in_shape)
         if rank == 0:
@@ -311,7 +311,7 @@ def _cat(op: Op) -> OpInfo:
     out_labels = lm.many(len(out))
     sizes.update(zip(out_labels, out))
     fixed = {out_labels[dim]}
-    ins = []
+    ins: list[list[Term]] = []
     for v in tensors:
         if v.type.rank == 1 and v.type.shape[0] == 0 and not stack:
             ins.append([(lb,) for lb in _plain(v, lm, sizes)])  # legacy empty tensor
