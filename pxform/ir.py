@@ -296,7 +296,7 @@ def check(graph: Graph) -> None:
     Example:
         >>> check(pxform.trace(fn, *args).graph)   # silent when the graph is well formed
     """
-    from pxform.ops import infer_types, meta_types  # ops import ir: import late
+    from pxform.ops import infer_types, meta_types, rule_info  # ops import ir: import late
 
     defined: dict[str, Value] = {}
 
@@ -321,6 +321,12 @@ def check(graph: Graph) -> None:
             if defined[v.name] != v:
                 raise GraphCheckError(f"check: {where} reads {v} as {v.type}, but it was "
                                       f"defined as {defined[v.name].type}")
+        expected_in = rule_info(op).signature.input_shapes()
+        got_in = tuple(v.type.shape for v in op.inputs)
+        if expected_in != got_in:
+            raise GraphCheckError(
+                f"check: {where} reads inputs of shapes {[list(s) for s in got_in]} but its "
+                f"rule's signature expects {[list(s) for s in expected_in]}")
         got = tuple(TensorType(v.type.shape, v.type.dtype) for v in op.outputs)
         for source, expected in (("its rule", infer_types(op)), ("torch", meta_types(op))):
             if tuple(expected) != got:

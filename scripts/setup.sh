@@ -15,7 +15,8 @@ source .venv/bin/activate
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 if ! python -c "import torch" >/dev/null 2>&1; then
     echo "setup: installing torch==2.13.0"
-    python -m pip install -q torch==2.13.0
+    python -m pip install -q torch==2.13.0 2>&1 | grep -v "^WARNING: Location" || true
+    python -c "import torch" || { echo "setup: torch did not install"; exit 1; }
 fi
 python -m pip install -q -e ".${EXTRAS}" 2>&1 | grep -v "^WARNING: Location" || true
 python -c "import pxform" || { echo "setup: pxform did not install"; exit 1; }

@@ -92,6 +92,17 @@ def test_check_rejects_input_read_with_wrong_type():
         pxform.check(g.replace(ops=(bad,) + g.ops[1:]))
 
 
+def test_check_rejects_input_shape_the_rule_does_not_accept():
+    g = small_graph()
+    relu = g.ops[1]
+    # relu reads %0 (f32[2,4]); claim it reads a value of another shape defined earlier
+    fake_in = Value(g.inputs[0].name, g.inputs[0].type)  # %w: f32[3,4]
+    bad = relu.replace(args=(fake_in,))
+    with pytest.raises(GraphCheckError, match=r"op 1 \(relu.*\) declares outputs \(f32\[2,4\]\) "
+                                              r"but its rule gives \(f32\[3,4\]\)"):
+        pxform.check(g.replace(ops=(g.ops[0], bad) + g.ops[2:]))
+
+
 def test_check_rejects_undefined_output():
     g = small_graph()
     ghost = Value("ghost", TensorType((), torch.float32))

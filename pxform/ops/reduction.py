@@ -41,10 +41,8 @@ def reduction_info(op: Op, dims: list[int], keepdim: bool, linear: bool) -> OpIn
 def _dims_keepdim(op: Op) -> tuple[list[int], bool]:
     args = bind(op)
     rank = op.inputs[0].type.rank
-    dims = args.get("dim", None)
-    if op.target._overloadname in ("default",) and "dim" not in args:
-        dims = None
-    return norm_dims(dims, rank), bool(args.get("keepdim", False) or False)
+    # overloads without a `dim` argument (sum.default, max.default) reduce every dim
+    return norm_dims(args.get("dim"), rank), bool(args.get("keepdim") or False)
 
 
 @register_rule(*overloads("sum", "mean", "nansum", "nanmean"))
