@@ -28,6 +28,10 @@ class GraphCheckError(PxformError):
     """`pxform.ir.check` found a malformed graph (broken SSA form or wrong types)."""
 
 
+class SpecError(PxformError):
+    """A partition spec does not fit a tensor or a mesh."""
+
+
 class RuleError(PxformError):
     """An op rule was registered or applied incorrectly."""
 
