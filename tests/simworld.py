@@ -38,12 +38,20 @@ def distribute(full: torch.Tensor, layout: Layout, mesh: AbstractMesh,
     def root(c: Coord) -> Coord:  # the rank of c's partial group with every partial coord 0
         return tuple(0 if i in ks else x for i, x in enumerate(c))
 
+    # Replicated axes must hold identical copies, so the noise of a rank depends only on its
+    # coordinates on the axes the layout uses (shard and partial axes).
+    used = [mesh.names.index(a) for a in layout.used_axes()]
     local = {c: shard_of(full, layout, mesh, c).clone() for c in coords(mesh)}
+    noise_of: dict[Coord, torch.Tensor] = {}
     for c in coords(mesh):
         if root(c) != c:  # a non-root member: holds noise that its root cancels
-            noise = torch.randn(local[c].shape, generator=gen, dtype=full.dtype)
-            local[c] = noise
-            local[root(c)] = local[root(c)] - noise
+            key = tuple(c[i] for i in sorted(used))
+            if key not in noise_of:
+                noise_of[key] = torch.randn(local[c].shape, generator=gen, dtype=full.dtype)
+            local[c] = noise_of[key]
+    for c in coords(mesh):
+        if root(c) != c:
+            local[root(c)] = local[root(c)] - local[c]
     return local
 
 

@@ -3,8 +3,8 @@ scalar_tensor, eye.
 
 Constant fills split freely: each rank makes its own shard with the local shape. `arange`,
 `eye` and `linspace` are `^`: their values depend on the global position (a lowering rule
-with an offset can lift this later). `*_like` and `new_*` take their template's dims as
-unrelated `^` inputs. FLOPs: one per output element.
+with an offset can lift this later). `*_like` outputs share their template's dims; `new_*`
+take their template's dims as unrelated `^` inputs. FLOPs: one per output element.
 """
 
 from __future__ import annotations
@@ -14,10 +14,11 @@ from pxform.ops.registry import OpInfo, overloads, register_rule
 from pxform.ops.signature import LabelMaker, Signature
 
 _FILLS = ["zeros", "ones", "full", "empty.memory_format", "empty.names", "empty_strided",
-          "zeros_like", "ones_like", "full_like", "empty_like", "rand_like", "randn_like",
           "new_zeros", "new_ones", "new_full", "new_empty", "new_empty_strided",
-          "scalar_tensor", "rand", "randn", "randint", "randint_like", "randperm",
+          "scalar_tensor", "rand", "randn", "randint", "randperm",
           "normal_functional", "uniform", "bernoulli_functional"]
+_LIKE = ["zeros_like", "ones_like", "full_like", "empty_like", "rand_like", "randn_like",
+         "randint_like"]
 _POSITIONAL = ["arange", "eye", "linspace", "logspace", "tril_indices", "triu_indices"]
 
 
@@ -45,6 +46,18 @@ def _factory_info(op: Op, positional: bool) -> OpInfo:
 @register_rule(*overloads(*_FILLS))
 def _fill(op: Op) -> OpInfo:
     return _factory_info(op, positional=op.name == "randperm")
+
+
+@register_rule(*overloads(*_LIKE))
+def _like(op: Op) -> OpInfo:
+    """`zeros_like(x)`: the output has x's dims (so a shard of x gives a shard of the
+    output); the values do not depend on x, so the op is not linear in it."""
+    (x,) = op.inputs
+    lm = LabelMaker()
+    labels = lm.many(x.type.rank)
+    terms = [(lb,) for lb in labels]
+    return OpInfo(Signature.make([terms], [terms], dict(zip(labels, x.type.shape))),
+                  x.type.numel)
 
 
 @register_rule(*overloads(*_POSITIONAL))

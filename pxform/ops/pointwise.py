@@ -116,10 +116,12 @@ def _cast_like(op: Op) -> OpInfo:
 
 @register_rule(*overloads("broadcast_tensors"))
 def _broadcast_tensors(op: Op) -> OpInfo:
-    """Each output is its input broadcast to the common shape (views, no FLOPs)."""
+    """Each output is its input broadcast to the common shape (views, no FLOPs). Linear
+    jointly in all inputs: a linear group makes every output partial, and output i is
+    partial only if input i is."""
     lm = LabelMaker()
     sizes: dict[str, int] = {}
     ins, out = pointwise_terms([v.type.shape for v in op.inputs], lm, sizes)
     sig = Signature.make(ins, [out] * len(op.outputs), sizes,
-                         linear=[{i} for i in range(len(op.inputs))])
+                         linear=[set(range(len(op.inputs)))])
     return OpInfo(sig, 0, view=True)

@@ -45,7 +45,7 @@ def _dims_keepdim(op: Op) -> tuple[list[int], bool]:
     return norm_dims(args.get("dim"), rank), bool(args.get("keepdim") or False)
 
 
-@register_rule(*overloads("sum", "mean", "nansum", "nanmean"))
+@register_rule(*overloads("sum", "mean", "nansum"))
 def _sum(op: Op) -> OpInfo:
     dims, keepdim = _dims_keepdim(op)
     return reduction_info(op, dims, keepdim, linear=True)
@@ -54,7 +54,7 @@ def _sum(op: Op) -> OpInfo:
 @register_rule(*overloads("amax", "amin", "max.dim", "min.dim", "max.default",
                           "min.default", "argmax", "argmin", "var", "std", "var_mean",
                           "std_mean", "logsumexp", "any", "all", "prod", "linalg_vector_norm",
-                          "norm", "count_nonzero", "aminmax", "median.default",
+                          "norm", "count_nonzero", "aminmax", "median.default", "nanmean",
                           "median.dim", "mode"))
 def _nonlinear_reduction(op: Op) -> OpInfo:
     dims, keepdim = _dims_keepdim(op)

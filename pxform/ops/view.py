@@ -107,9 +107,9 @@ def _reshape(op: Op) -> OpInfo:
                         f"declared {list(out_shape)}")
     ins, outs, fixed = reshape_terms(x.type.shape, out_shape, lm, sizes)
     all_ins = [ins]
-    for v in op.inputs[1:]:  # view_as / reshape_as: the template's dims are unrelated
-        extra = _plain(v, lm, sizes)
-        fixed |= set(extra)
+    for v in op.inputs[1:]:  # view_as / reshape_as: the template's dims are unrelated, and
+        extra = _plain(v, lm, sizes)  # the template (not a local shape) gives the output
+        fixed |= set(extra) | {lb for t in outs for lb in t} | {lb for t in ins for lb in t}
         all_ins.append(_terms(extra))
     view = op.name in ("view", "_unsafe_view", "view_as", "_reshape_alias")
     return OpInfo(Signature.make(all_ins, [outs], sizes, fixed=fixed, linear=_LINEAR0), 0,
@@ -190,9 +190,9 @@ def _expand(op: Op) -> OpInfo:
         ins.append(() if d == 1 and out_shape[off + i] != 1 else (out_labels[off + i],))
     all_ins = [ins]
     fixed: set[str] = set()
-    for v in op.inputs[1:]:
+    for v in op.inputs[1:]:  # expand_as: the template, not a local shape, gives the output
         extra = _plain(v, lm, sizes)
-        fixed |= set(extra)
+        fixed |= set(extra) | set(out_labels)
         all_ins.append(_terms(extra))
     if op.name == "expand":
         want = [int(s) for s in bind(op)["size"]]
