@@ -1,0 +1,157 @@
+"""Testing helpers for pxform and its users: a multi-process gloo world that starts once and
+runs many functions.
+
+Starting processes and a process group costs seconds (each worker imports torch), so a test
+module starts one `World` and reuses it for every test:
+
+    @pytest.fixture(scope="module")
+    def world():
+        with pxform.testing.World(2) as w:
+            yield w
+
+    def test_all_reduce(world):
+        assert world.run(all_reduce_rank) == [1, 1]   # one result per rank
+
+`run(fn, *args)` pickles `fn` and its arguments to every rank (so `fn` must be importable:
+a module-level function), calls `fn(*args)` there with the default process group
+initialised (gloo over localhost TCP), and returns the results in rank order. An exception
+on any rank is re-raised here as `WorkerError` naming the rank, with its traceback.
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import os
+import socket
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+_STOP = "__stop__"
+
+
+class WorkerError(RuntimeError):
+    """A function failed on one or more ranks of a `World`."""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _worker(rank: int, world_size: int, port: int, timeout: float, inbox: Any,
+            outbox: Any) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # 2-core machines: don't oversubscribe
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    try:
+        # a rank that fails mid-collective leaves its peers waiting: the group's timeout
+        # bounds that wait, so a broken test fails instead of hanging CI
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=world_size,
+                                timeout=datetime.timedelta(seconds=timeout))
+        outbox.put((rank, "ready", None))
+    except Exception:  # report start-up failures instead of hanging the parent
+        outbox.put((rank, "error", traceback.format_exc()))
+        return
+    while True:
+        job = inbox.get()
+        if job == _STOP:
+            break
+        fn, args, kwargs = job
+        try:
+            outbox.put((rank, "ok", fn(*args, **kwargs)))
+        except BaseException:
+            outbox.put((rank, "error", traceback.format_exc()))
+    dist.destroy_process_group()
+
+
+class World:
+    """`num_ranks` worker processes in one gloo process group, started once.
+
+    Args:
+        num_ranks: processes to start (4 works on a 2-core machine, slowly).
+        timeout: seconds to wait for any rank to answer before failing.
+
+    Example:
+        >>> with World(2) as world:
+        ...     world.run(torch.distributed.get_rank)
+        [0, 1]
+    """
+
+    def __init__(self, num_ranks: int, timeout: float = 300.0) -> None:
+        if num_ranks < 1:
+            raise ValueError(f"World: num_ranks must be >= 1, got {num_ranks}")
+        self.num_ranks = num_ranks
+        self.timeout = timeout
+        self._ctx = mp.get_context("spawn")
+        self._procs: list[Any] = []
+        self._inboxes: list[Any] = []
+        self._outbox: Any = None
+
+    def __enter__(self) -> World:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def start(self) -> None:
+        port = _free_port()
+        self._outbox = self._ctx.Queue()
+        for rank in range(self.num_ranks):
+            inbox = self._ctx.Queue()
+            proc = self._ctx.Process(target=_worker, daemon=True, name=f"pxform-rank{rank}",
+                                     args=(rank, self.num_ranks, port, self.timeout, inbox,
+                                           self._outbox))
+            proc.start()
+            self._procs.append(proc)
+            self._inboxes.append(inbox)
+        self._collect("start the process group")
+
+    def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
+        """Call `fn(*args, **kwargs)` on every rank; return the results in rank order."""
+        if not self._procs:
+            raise RuntimeError("World.run: the world is not started (use `with World(n)`)")
+        for inbox in self._inboxes:
+            inbox.put((fn, args, kwargs))
+        return self._collect(getattr(fn, "__name__", repr(fn)))
+
+    def _collect(self, what: str) -> list[Any]:
+        import queue
+
+        results: dict[int, Any] = {}
+        errors: dict[int, str] = {}
+        while len(results) + len(errors) < self.num_ranks:
+            try:
+                rank, status, payload = self._outbox.get(timeout=self.timeout)
+            except queue.Empty:
+                dead = [p.name for p in self._procs if not p.is_alive()]
+                self.close()
+                raise WorkerError(f"World: {what} got no answer from ranks "
+                                  f"{sorted(set(range(self.num_ranks)) - set(results))} within "
+                                  f"{self.timeout:.0f} s (dead processes: {dead or 'none'}); "
+                                  f"the world was shut down") from None
+            if status == "error":
+                errors[rank] = payload
+            else:
+                results[rank] = payload
+        if errors:
+            first = min(errors)
+            raise WorkerError(f"World: {what} failed on rank(s) {sorted(errors)}; rank {first}:"
+                              f"\n{errors[first]}")
+        return [results[r] for r in range(self.num_ranks)]
+
+    def close(self) -> None:
+        for inbox, proc in zip(self._inboxes, self._procs):
+            if proc.is_alive():
+                inbox.put(_STOP)
+        for proc in self._procs:
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.kill()
+        self._procs, self._inboxes = [], []

@@ -1,0 +1,63 @@
+"""The multi-process gloo harness: started once per module, real collectives, errors that
+name the rank."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from pxform.testing import WorkerError, World
+
+
+@pytest.fixture(scope="module")
+def world():
+    with World(2) as w:
+        yield w
+
+
+def rank_and_pid():
+    return dist.get_rank(), dist.get_world_size(), os.getpid()
+
+
+def all_reduce_rank_plus(offset):
+    t = torch.tensor([float(dist.get_rank() + offset)])
+    dist.all_reduce(t)
+    return t.item()
+
+
+def fail_on_rank_one():
+    if dist.get_rank() == 1:
+        raise ValueError("rank one refuses")
+    return "fine"
+
+
+def test_ranks_answer_in_order_and_processes_are_reused(world):
+    first = world.run(rank_and_pid)
+    assert [(r, n) for r, n, _ in first] == [(0, 2), (1, 2)]
+    again = world.run(rank_and_pid)
+    assert [p for *_, p in again] == [p for *_, p in first]  # same processes
+    assert os.getpid() not in [p for *_, p in first]
+
+
+def test_real_collectives_run(world):
+    assert world.run(all_reduce_rank_plus, 10) == [21.0, 21.0]  # (0+10) + (1+10)
+
+
+def test_errors_name_the_rank_and_keep_the_world_usable(world):
+    with pytest.raises(WorkerError, match=r"(?s)fail_on_rank_one failed on rank\(s\) \[1\]; "
+                                          r"rank 1:.*ValueError: rank one refuses"):
+        world.run(fail_on_rank_one)
+    assert world.run(all_reduce_rank_plus, 0) == [1.0, 1.0]
+
+
+def test_world_must_be_started():
+    with pytest.raises(RuntimeError, match="the world is not started"):
+        World(2).run(rank_and_pid)
+
+
+def test_four_ranks_on_two_cores():
+    with World(4) as w4:
+        assert w4.run(all_reduce_rank_plus, 0) == [6.0] * 4
