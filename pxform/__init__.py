@@ -15,15 +15,18 @@ from pxform.errors import (
     UnsupportedOpError,
 )
 from pxform.ir import Graph, Op, TensorType, Value, check
+from pxform.mesh import AbstractMesh, Mesh
 from pxform.ops import OpInfo, Signature, register_rule
 from pxform.spec import UNCONSTRAINED, P
 from pxform.trace import Traced, module_fn, trace
+from pxform.transforms.grad import value_and_grad
+from pxform.transforms.shard import Sharded, shard
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "Graph", "GraphCheckError", "Op", "OpInfo", "P", "PxformError", "PxformWarning",
-    "RuleError", "Signature", "SignatureMismatchError", "TensorType", "TraceError", "Traced",
-    "UNCONSTRAINED", "UnsupportedOpError", "Value", "check", "module_fn", "ops",
-    "register_rule", "trace",
+    "AbstractMesh", "Graph", "GraphCheckError", "Mesh", "Op", "OpInfo", "P", "PxformError",
+    "PxformWarning", "RuleError", "Sharded", "Signature", "SignatureMismatchError",
+    "SpecError", "TensorType", "TraceError", "Traced", "UNCONSTRAINED", "UnsupportedOpError",
+    "Value", "check", "module_fn", "ops", "register_rule", "shard", "trace", "value_and_grad",
 ]

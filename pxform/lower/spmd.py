@@ -1,0 +1,275 @@
+"""SPMD lowering: a Graph, a mesh, a strategy per op and layouts for inputs and outputs ->
+a per-rank `Program` of local ops and conversions (DESIGN.md §7).
+
+Each op input is converted from its producer's layout L to the layout R the op's strategy
+needs. The conversion's backward takes the gradient from the layout C the consumer delivers
+to the canonical gradient layout G(L) (shard stays shard; replicate and partial become
+replicate). C follows from the consumer's strategy, per mesh axis: where the input is
+sharded, C is the same shard; where the input is a partial sum or the op does nothing on
+the axis, C is replicated; where the op splits a dim the input lacks, C is partial.
+
+When every consumer of a converted value delivers the same C, the conversion's backward
+goes straight from C to G(L) (ZeRO-3's reduce-scatter). Otherwise each consumer whose C
+differs gets its own identity conversion whose backward takes C to G(R) (Megatron's f), so
+the gradients autograd sums are all in one layout.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any
+
+from pxform.ir import Graph, Op, TensorType, Value, map_values
+from pxform.layout import Layout, Relayout, plan_relayout
+from pxform.lower.local import LocalCall, local_call
+from pxform.mesh import AbstractMesh
+from pxform.ops.strategy import REPLICATE, Strategy
+
+
+def gradient_layout(layout: Layout) -> Layout:
+    """G(L): the layout gradients of a value laid out as L are kept in."""
+    return Layout(layout.dims)
+
+
+def consumer_gradient_layout(strategy: Strategy, index: int) -> Layout:
+    """C: the layout in which the op delivers the gradient of its input `index`."""
+    need = strategy.inputs[index]
+    partial = {axis for axis, choice in strategy.choices
+               if choice != REPLICATE and axis not in need.used_axes()}
+    return Layout(need.dims, frozenset(partial))
+
+
+@dataclass(frozen=True, slots=True)
+class ConvertInstr:
+    """`dst = convert(src)`: forward steps L -> R, backward steps C -> G(L)."""
+
+    src: str
+    dst: Value
+    forward: Relayout
+    backward: Relayout
+
+
+@dataclass(frozen=True, slots=True)
+class CallInstr:
+    """One op on local shards; `inputs` maps the op's input names to local value names."""
+
+    op: Op
+    call: LocalCall
+    inputs: tuple[tuple[str, str], ...]
+    outputs: tuple[Value, ...]
+
+
+Instr = ConvertInstr | CallInstr
+
+
+@dataclass(frozen=True)
+class Program:
+    """The per-rank program. Values carry global types with their specs and partial axes;
+    `local_shape` gives what a rank holds."""
+
+    name: str
+    mesh: AbstractMesh
+    inputs: tuple[Value, ...]
+    instrs: tuple[Instr, ...]
+    outputs: tuple[Any, ...]
+    constants: tuple[Any, ...] = ()
+
+    def local_shape(self, v: Value) -> tuple[int, ...]:
+        layout = layout_of(v.type)
+        return layout.local_shape(v.type.shape, self.mesh)
+
+    def collectives(self) -> list[str]:
+        """Forward collectives in program order, e.g. `['all_reduce(tp)']`."""
+        out = []
+        for instr in self.instrs:
+            if isinstance(instr, ConvertInstr):
+                out += [str(s) for s in instr.forward.steps
+                        if s.kind not in ("slice", "zero") and self.mesh.axis_size(s.axis) > 1]
+        return out
+
+    def backward_collectives(self) -> list[str]:
+        out = []
+        for instr in self.instrs:
+            if isinstance(instr, ConvertInstr):
+                out += [str(s) for s in instr.backward.steps
+                        if s.kind not in ("slice", "zero") and self.mesh.axis_size(s.axis) > 1]
+        return out
+
+    def as_text(self) -> str:
+        """The program as text: each value's global type with its layout, local shapes in
+        comments, and every conversion with its forward and backward steps."""
+        def typed(v: Value) -> str:
+            return f"{v}: {v.type}"
+
+        lines = [f"def {self.name}[{self.mesh}]("]
+        lines += [f"    {typed(v)},  # local {list(self.local_shape(v))}" for v in self.inputs]
+        lines.append("):")
+        for instr in self.instrs:
+            if isinstance(instr, ConvertInstr):
+                fwd = "; ".join(map(str, instr.forward.steps)) or "identity"
+                bwd = "; ".join(map(str, instr.backward.steps)) or "identity"
+                lines.append(f"  {typed(instr.dst)} = convert(%{instr.src})  "
+                             f"# fwd: {fwd} | bwd: {bwd}")
+            else:
+                names = dict(instr.inputs)
+                args = [map_values(a, lambda v, n=names: Value(n[v.name], v.type))
+                        for a in instr.call.args]
+                shown = Op(instr.call.target, tuple(args), instr.outputs, instr.call.kwargs)
+                extra = ""
+                if instr.call.scale != 1.0:
+                    extra += f" * {instr.call.scale:g}"
+                if instr.call.count is not None:
+                    extra += f" / count(over {', '.join(instr.call.count.axes)})"
+                local = ", ".join(str(list(self.local_shape(v))) for v in instr.outputs)
+                lines.append(f"  {shown}{extra}  # local {local}")
+        outs = [f"%{o.name}" if isinstance(o, Value) else repr(o) for o in self.outputs]
+        lines.append("  return " + (outs[0] if len(outs) == 1 else "(" + ", ".join(outs) + ")"))
+        return "\n".join(lines)
+
+
+def typed_layout(t: TensorType, layout: Layout) -> TensorType:
+    return TensorType(t.shape, t.dtype, layout.to_spec(), layout.partial)
+
+
+def layout_of(t: TensorType) -> Layout:
+    from pxform.spec import P
+
+    spec = t.spec if isinstance(t.spec, P) else P()
+    return Layout.of(spec, len(t.shape), t.partial)
+
+
+@lru_cache(maxsize=65536)
+def _plan(shape: tuple[int, ...], itemsize: int, src: Layout, dst: Layout,
+          mesh: AbstractMesh) -> Relayout:
+    return plan_relayout(shape, itemsize, src, dst, mesh)
+
+
+def lower(graph: Graph, mesh: AbstractMesh, input_layouts: list[Layout],
+          strategies: list[Strategy], output_layouts: list[Layout | None]) -> Program:
+    """Lower `graph` to a per-rank program.
+
+    Args:
+        input_layouts: one per graph input (how the caller's local tensors are laid out).
+        strategies: one per op (e.g. from `propagate`).
+        output_layouts: one per graph output; None keeps the producer's layout.
+    """
+    # Pass 1: every (value, layout needed) pair and the gradient layouts its consumers give.
+    consumers: dict[tuple[str, Layout], list[Layout]] = defaultdict(list)
+    for op, strategy in zip(graph.ops, strategies):
+        for i, v in enumerate(op.inputs):
+            consumers[(v.name, strategy.inputs[i])].append(consumer_gradient_layout(strategy, i))
+    for o, want in zip(graph.outputs, output_layouts):
+        if isinstance(o, Value) and want is not None:
+            consumers[(o.name, want)].append(gradient_layout(want))
+
+    layouts: dict[str, Layout] = {v.name: lay for v, lay in zip(graph.inputs, input_layouts)}
+    for c in graph.constants:
+        layouts[c.value.name] = Layout.replicated(c.value.type.rank)
+    types: dict[str, TensorType] = {v.name: v.type for v in graph.values()}
+    instrs: list[Instr] = []
+    converted: dict[tuple[str, Layout], str] = {}
+    fresh: defaultdict[str, int] = defaultdict(int)
+
+    def new_name(base: str) -> str:
+        fresh[base] += 1
+        return f"{base}.{fresh[base]}"
+
+    def emit_convert(src: str, src_layout: Layout, dst_layout: Layout, grad_from: Layout,
+                     grad_to: Layout) -> str:
+        t = types[src]
+        fwd = _plan(t.shape, t.dtype.itemsize, src_layout, dst_layout, mesh)
+        bwd = _plan(t.shape, t.dtype.itemsize, grad_from, grad_to, mesh)
+        dst = Value(new_name(src), typed_layout(t, dst_layout))
+        instrs.append(ConvertInstr(src, dst, fwd, bwd))
+        return dst.name
+
+    def use(name: str, need: Layout, grad: Layout) -> str:
+        """The local name of `name` laid out as `need`, with gradients arriving as `grad`."""
+        have = layouts[name]
+        key = (name, need)
+        grads = set(consumers[key])
+        shared = grads.pop() if len(grads) == 1 else gradient_layout(need)
+        if key not in converted:
+            if have != need or shared != gradient_layout(have):
+                converted[key] = emit_convert(name, have, need, shared, gradient_layout(have))
+            else:
+                converted[key] = name
+        local = converted[key]
+        if grad != shared:  # consumers disagree: this one brings its gradient to G(need)
+            local = emit_convert(local, need, need, grad, shared)
+            layouts[local] = need
+        return local
+
+    for op, strategy in zip(graph.ops, strategies):
+        names = []
+        for i, v in enumerate(op.inputs):
+            local = use(v.name, strategy.inputs[i], consumer_gradient_layout(strategy, i))
+            names.append((v.name, local))
+        call = local_call(op, strategy.inputs, strategy.outputs, mesh)
+        outs = tuple(Value(v.name, typed_layout(v.type, lay))
+                     for v, lay in zip(op.outputs, strategy.outputs))
+        for v, lay in zip(op.outputs, strategy.outputs):
+            layouts[v.name] = lay
+        instrs.append(CallInstr(op, call, tuple(names), outs))
+    outputs: list[Any] = []
+    for o, want in zip(graph.outputs, output_layouts):
+        if isinstance(o, Value):
+            target = want if want is not None else layouts[o.name]
+            name = use(o.name, target, gradient_layout(target))
+            outputs.append(Value(name, typed_layout(o.type, target)))
+        else:
+            outputs.append(o)
+    inputs = tuple(Value(v.name, typed_layout(v.type, lay))
+                   for v, lay in zip(graph.inputs, input_layouts))
+    return Program(graph.name, mesh, inputs, tuple(instrs), tuple(outputs), graph.constants)
+
+
+# ---------------------------------------------------------------- propagation
+
+def propagate(graph: Graph, mesh: AbstractMesh, input_layouts: list[Layout]) -> list[Strategy]:
+    """Choose a strategy per op, greedily in program order: the one needing the least
+    forward communication to bring its inputs into layout (planner's default costs); costs
+    within 1% are ties (bytes that small do not matter next to a collective's latency), and
+    ties go to strategies that keep inputs as they are, then to those that split less. So a
+    partial sum is all-reduced where it is (Megatron's g) rather than reduce-scattered into
+    a layout nothing asked for (sequence parallelism is asked for with specs, or chosen by
+    the search). Backward
+    communication is what the forward choice implies (DP's gradient all-reduce). The search
+    of a later issue replaces this."""
+    from pxform.ops.strategy import strategies as all_strategies
+
+    layouts: dict[str, Layout] = {v.name: lay for v, lay in zip(graph.inputs, input_layouts)}
+    for c in graph.constants:
+        layouts[c.value.name] = Layout.replicated(c.value.type.rank)
+    chosen = []
+    for op in graph.ops:
+        best: tuple[float, int, float] | None = None
+        pick = None
+        for s in all_strategies(op, mesh):
+            comm = 0.0
+            moves = 0
+            for i, v in enumerate(op.inputs):
+                t = v.type
+                fwd = _plan(t.shape, t.dtype.itemsize, layouts[v.name], s.inputs[i], mesh)
+                comm += fwd.cost
+                moves += len(fwd.steps)
+            ways = sum(math.log(mesh.axis_size(a)) for a, c in s.choices if c != REPLICATE)
+            key = (comm, moves, ways)
+            if best is None or _better(key, best):
+                best, pick = key, s
+        assert pick is not None  # "replicate everywhere" is always a strategy
+        chosen.append(pick)
+        for v, lay in zip(op.outputs, pick.outputs):
+            layouts[v.name] = lay
+    return chosen
+
+
+def _better(key: tuple[float, int, float], best: tuple[float, int, float]) -> bool:
+    cost, moves, ways = key
+    best_cost, best_moves, best_ways = best
+    if abs(cost - best_cost) > 0.01 * max(cost, best_cost):
+        return cost < best_cost
+    return (moves, ways) < (best_moves, best_ways)

@@ -1,0 +1,1 @@
+"""The runtime: the only part of pxform that calls `torch.distributed`."""

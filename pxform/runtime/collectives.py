@@ -1,0 +1,112 @@
+"""Re-layout steps on real process groups, and the autograd function that converts a value
+between layouts (DESIGN.md §7).
+
+`run_steps` executes a `Relayout`'s steps with torch.distributed functional collectives,
+one process group per mesh axis. `Convert` is the conversion rule: forward runs the steps
+from the producer's layout L to the layout R the consumer needs; backward runs the steps
+from the gradient's layout C (set by the consumer's strategy) to the value's canonical
+gradient layout G(L). Megatron's f and g, data parallelism's gradient all-reduce, ZeRO-3's
+all-gather / reduce-scatter pair and sequence parallelism are all instances of it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed._functional_collectives as fc
+
+from pxform.layout import Step
+
+
+@dataclass(frozen=True)
+class AxisGroups:
+    """This rank's view of the mesh: a process group and this rank's index per axis."""
+
+    groups: Mapping[str, Any]
+    index: Mapping[str, int]
+    sizes: Mapping[str, int]
+
+
+def run_step(x: torch.Tensor, step: Step, axes: AxisGroups) -> torch.Tensor:
+    """Execute one step on this rank's local tensor."""
+    a = step.axis
+    n = axes.sizes[a]
+    if n == 1:
+        return x  # a size-1 axis moves nothing
+    group = axes.groups[a]
+    if step.kind == "all_gather":
+        assert step.dim is not None
+        return fc.wait_tensor(fc.all_gather_single(x.contiguous(), step.dim, group))
+    if step.kind == "reduce_scatter":
+        assert step.dim is not None
+        return fc.wait_tensor(fc.reduce_scatter_single(x.contiguous(), "sum", step.dim, group))
+    if step.kind == "all_reduce":
+        return fc.wait_tensor(fc.all_reduce(x.contiguous(), "sum", group))
+    if step.kind == "all_to_all":
+        assert step.dim is not None and step.to_dim is not None
+        send = torch.stack(x.chunk(n, dim=step.to_dim), dim=0).contiguous()
+        recv = fc.wait_tensor(fc.all_to_all_single(send, None, None, group))
+        return torch.cat(list(recv.unbind(0)), dim=step.dim)
+    if step.kind == "slice":
+        assert step.dim is not None
+        return x.chunk(n, dim=step.dim)[axes.index[a]].contiguous()
+    if step.kind == "zero":
+        return x if axes.index[a] == 0 else torch.zeros_like(x)
+    raise ValueError(f"run_step: unknown step {step}")
+
+
+def local_shard(full: torch.Tensor, layout: Any, axes: AxisGroups) -> torch.Tensor:
+    """This rank's piece of a full tensor under a layout without partial axes (each axis of
+    a dim takes successive contiguous chunks, outer axis first)."""
+    out = full
+    for d, dim_axes in enumerate(layout.dims):
+        for a in dim_axes:
+            out = out.chunk(axes.sizes[a], dim=d)[axes.index[a]]
+    # a partial sum: the whole value on index 0 of each partial axis, zeros elsewhere
+    if any(axes.index[a] != 0 for a in layout.partial):
+        out = torch.zeros_like(out)
+    return out.contiguous()
+
+
+def run_steps(x: torch.Tensor, steps: Sequence[Step], axes: AxisGroups) -> torch.Tensor:
+    for step in steps:
+        x = run_step(x, step, axes)
+    return x
+
+
+class Convert(torch.autograd.Function):
+    """Forward: `forward_steps` (L -> R). Backward: `backward_steps` (C -> G(L))."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, forward_steps: tuple[Step, ...],  # type: ignore[override]
+                backward_steps: tuple[Step, ...], axes: AxisGroups) -> torch.Tensor:
+        ctx.backward_steps = backward_steps
+        ctx.axes = axes
+        y = run_steps(x, forward_steps, axes)
+        # autograd needs a new tensor object even when no step ran (identity forward)
+        return y.view_as(y) if y is x else y
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        if grad is None:
+            return None, None, None, None
+        return run_steps(grad, ctx.backward_steps, ctx.axes), None, None, None
+
+
+def convert(x: torch.Tensor, forward_steps: tuple[Step, ...], backward_steps: tuple[Step, ...],
+            axes: AxisGroups) -> torch.Tensor:
+    """Apply the conversion rule to one local tensor (autograd-aware when x needs grad)."""
+    if not (x.requires_grad and torch.is_grad_enabled()):
+        return run_steps(x, forward_steps, axes)
+    return Convert.apply(x, forward_steps, backward_steps, axes)
+
+
+def all_reduce_sum(x: torch.Tensor, axes: Sequence[str], groups: AxisGroups) -> torch.Tensor:
+    """Sum `x` over the given mesh axes (no autograd: used for counts)."""
+    for a in axes:
+        if groups.sizes[a] > 1:
+            x = fc.wait_tensor(fc.all_reduce(x.contiguous(), "sum", groups.groups[a]))
+    return x

@@ -1,0 +1,155 @@
+"""Functions run on gloo ranks by the SPMD tests (module level, so workers can import them)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from pxform.layout import Layout
+from pxform.spec import P
+
+
+def mlp_loss(params, batch):
+    h = F.gelu(F.linear(batch["x"], params["w1"], params["b1"]))
+    return ((h @ params["w2"] - batch["y"]) ** 2).mean()
+
+
+def mlp_args():
+    g = torch.Generator().manual_seed(0)
+    params = {"w1": torch.randn(8, 4, generator=g, dtype=torch.float64),
+              "b1": torch.randn(8, generator=g, dtype=torch.float64),
+              "w2": torch.randn(8, 4, generator=g, dtype=torch.float64)}
+    batch = {"x": torch.randn(4, 4, generator=g, dtype=torch.float64),
+             "y": torch.randn(4, 4, generator=g, dtype=torch.float64)}
+    return params, batch
+
+
+def run_lowered(fn, args, axes_sizes, specs):
+    """On every rank: trace, propagate, lower, execute with autograd; return the loss, the
+    max gradient error against the single-process reference, and the collectives."""
+    import optree
+
+    import pxform
+    from pxform.lower.spmd import gradient_layout, lower, propagate
+    from pxform.mesh import Mesh
+    from pxform.runtime.collectives import AxisGroups, local_shard
+    from pxform.runtime.program import execute
+
+    mesh = Mesh(axes_sizes)
+    axes = AxisGroups({a: mesh.group(a) for a in mesh.names}, mesh.coordinate(),
+                      dict(mesh.abstract.axes))
+    traced = pxform.trace(fn, *args)
+    leaves = optree.tree_leaves(args)
+    spec_leaves = optree.tree_leaves(specs, none_is_leaf=True)
+    layouts = [Layout.of(s or P(), t.dim()) for s, t in zip(spec_leaves, leaves)]
+    strategies = propagate(traced.graph, mesh.abstract, layouts)
+    program = lower(traced.graph, mesh.abstract, layouts, strategies,
+                    [Layout.replicated(0)])
+    local = [local_shard(t, lay, axes).requires_grad_(t.dtype.is_floating_point)
+             for t, lay in zip(leaves, layouts)]
+    (loss,) = execute(program, local, axes)
+    float_local = [t for t in local if t.requires_grad]
+    grads = torch.autograd.grad(loss, float_local)
+    ref_leaves = [t.clone().requires_grad_(t.dtype.is_floating_point) for t in leaves]
+    ref_args = optree.tree_unflatten(optree.tree_structure(args), ref_leaves)
+    ref = fn(*ref_args)
+    ref_grads = torch.autograd.grad(ref, [t for t in ref_leaves if t.requires_grad])
+    float_layouts = [lay for lay, t in zip(layouts, leaves) if t.dtype.is_floating_point]
+    err = 0.0
+    for g, rg, lay in zip(grads, ref_grads, float_layouts):
+        expected = local_shard(rg, gradient_layout(lay), axes)
+        err = max(err, (g - expected).abs().max().item())
+    return {"loss": loss.item(), "ref": ref.item(), "grad_err": err,
+            "fwd": program.collectives(), "bwd": program.backward_collectives(),
+            "text": program.as_text()}
+
+
+def big_mlp_args(batch=16):
+    params, _ = mlp_args()
+    g = torch.Generator().manual_seed(1)
+    data = {"x": torch.randn(batch, 4, generator=g, dtype=torch.float64),
+            "y": torch.randn(batch, 4, generator=g, dtype=torch.float64)}
+    return params, data
+
+
+def shard_value_and_grad(fn, args, axes_sizes, in_specs, out_specs=None):
+    """On every rank: pxform.shard + value_and_grad; compare with the single-process
+    reference; report errors and the program's collectives."""
+    import optree
+
+    import pxform
+
+    mesh = pxform.Mesh(axes_sizes)
+    step = pxform.shard(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
+    loss, grads = pxform.value_and_grad(step)(*args)
+    ref_loss, ref_grads = pxform.value_and_grad(fn)(*args)
+    program = step.lower(*args)
+    errs = []
+    for g, rg in zip(optree.tree_leaves(grads), optree.tree_leaves(ref_grads)):
+        full = g.full_tensor() if hasattr(g, "full_tensor") else g
+        errs.append((full - rg).abs().max().item())
+    again = step(*args)  # cached: no new trace
+    return {"loss": float(loss.detach()), "ref": float(ref_loss), "grad_err": max(errs),
+            "fwd": program.collectives(), "bwd": program.backward_collectives(),
+            "text": program.as_text(), "cached": len(step._cache),
+            "again": float(again.detach()),
+            "grad_types": sorted({type(g).__name__ for g in optree.tree_leaves(grads)})}
+
+
+def gpt_case(tp_mlp=False):
+    import sys
+
+    sys.path.insert(0, "examples")
+    import gpt
+
+    cfg = gpt.GPTConfig(vocab_size=32, seq_len=8, num_layers=2, num_heads=2, d_model=16)
+    params = gpt.init_params(cfg, dtype=torch.float64)
+    batch = gpt.make_batch(cfg, 4)
+    batch["targets"][0, :3] = -100
+
+    def loss(p, b):
+        return gpt.loss_fn(p, b, cfg)
+
+    loss.__name__ = "gpt_loss"
+    pspec = None
+    if tp_mlp:
+        blocks = [{"ln1_w": None, "ln1_b": None, "qkv_w": None, "qkv_b": None, "proj_w": None,
+                   "proj_b": None, "ln2_w": None, "ln2_b": None, "fc_w": P("tp", None),
+                   "fc_b": P("tp"), "out_w": P(None, "tp"), "out_b": None}
+                  for _ in params["blocks"]]
+        pspec = {"wte": None, "wpe": None, "blocks": blocks, "lnf_w": None, "lnf_b": None}
+    return loss, (params, batch), pspec
+
+
+def gpt_shard(axes_sizes, batch_spec, tp_mlp=False):
+    fn, args, pspec = gpt_case(tp_mlp)
+    return shard_value_and_grad(fn, args, axes_sizes, (pspec, batch_spec))
+
+
+def spec_errors():
+    """Each bad input gives its message (run on rank 0 of a 2-rank world)."""
+    import pxform
+
+    out = {}
+    mesh = pxform.Mesh({"dp": 2})
+    params, batch = big_mlp_args()
+    cases = {
+        "indivisible": (None, {"x": P("dp"), "y": P(None, "dp")}),
+        "unknown_axis": (None, {"x": P("pp"), "y": None}),
+        "too_long": (None, {"x": P("dp", None, None), "y": None}),
+        "prefix": (None, {"x": P("dp")}),
+    }
+    batch_odd = dict(batch, y=torch.randn(16, 3, dtype=torch.float64))
+    for name, specs in cases.items():
+        try:
+            args = (params, batch_odd if name == "indivisible" else batch)
+            pxform.shard(mlp_loss, mesh=mesh, in_specs=specs)(*args)
+            out[name] = "no error"
+        except pxform.PxformError as exc:
+            out[name] = str(exc)
+    try:
+        pxform.Mesh({"dp": 2, "tp": 2})
+        out["world"] = "no error"
+    except pxform.PxformError as exc:
+        out["world"] = str(exc)
+    return out
