@@ -89,10 +89,15 @@ def shard_value_and_grad(fn, args, axes_sizes, in_specs, out_specs=None):
         full = g.full_tensor() if hasattr(g, "full_tensor") else g
         errs.append((full - rg).abs().max().item())
     again = step(*args)  # cached: no new trace
+    dargs = step.distribute(*args)  # DTensors laid out per the specs, accepted as inputs
+    dloss, dgrads = pxform.value_and_grad(step)(*dargs)
+    dist_err = max((getattr(g, "full_tensor", lambda g=g: g)() - rg).abs().max().item()
+                   for g, rg in zip(optree.tree_leaves(dgrads), optree.tree_leaves(ref_grads)))
     return {"loss": float(loss.detach()), "ref": float(ref_loss), "grad_err": max(errs),
             "fwd": program.collectives(), "bwd": program.backward_collectives(),
             "text": program.as_text(), "cached": len(step._cache),
-            "again": float(again.detach()),
+            "again": float(again.detach()), "dtensor_loss": float(dloss.detach()),
+            "dtensor_grad_err": dist_err,
             "grad_types": sorted({type(g).__name__ for g in optree.tree_leaves(grads)})}
 
 

@@ -22,6 +22,7 @@ def check(results, tol=1e-12):
         assert abs(r["loss"] - r["ref"]) < tol, r["text"]
         assert r["grad_err"] < tol, r["text"]
         assert r["again"] == r["loss"] and r["cached"] == 1
+        assert abs(r["dtensor_loss"] - r["ref"]) < tol and r["dtensor_grad_err"] < tol
     return results[0]
 
 
