@@ -231,10 +231,10 @@ def trace(fn: Callable[..., Any], *args: Any, allow_fallback: bool = False,
     """
     fn_name = getattr(fn, "__name__", type(fn).__name__)
     paths, leaves, in_tree = optree.tree_flatten_with_path((args, kwargs))  # type: ignore[arg-type,var-annotated]
-    names = _arg_names(fn, len(args))
+    names = arg_names(fn, len(args))
     leaf_infos = []
     for path, leaf in zip(paths, leaves):
-        shown = _path_text(path, names)
+        shown = path_text(path, names)
         if isinstance(leaf, torch.Tensor):
             leaf_infos.append(Leaf(shown, True))
         else:
@@ -254,7 +254,7 @@ def trace(fn: Callable[..., Any], *args: Any, allow_fallback: bool = False,
         result = fn(*a, **kw)
         opaths, out_leaves, out_tree = optree.tree_flatten_with_path(result)
         out_tree_box.append(out_tree)
-        out_paths.extend(_path_text(p, None, root="output") for p in opaths)
+        out_paths.extend(path_text(p, None, root="output") for p in opaths)
         for p, leaf in zip(out_paths, out_leaves):
             if not isinstance(leaf, (torch.Tensor, int, float, bool, str, type(None))):
                 raise TraceError(
@@ -594,7 +594,7 @@ def _short_source(source: str) -> str:
     return source.split(": ", 1)[0] if source else ""
 
 
-def _arg_names(fn: Callable[..., Any], n: int) -> list[str] | None:
+def arg_names(fn: Callable[..., Any], n: int) -> list[str] | None:
     try:
         params = list(inspect.signature(fn).parameters.values())
     except (TypeError, ValueError):
@@ -609,7 +609,7 @@ def _arg_names(fn: Callable[..., Any], n: int) -> list[str] | None:
     return names if len(names) >= n else None
 
 
-def _path_text(path: tuple[Any, ...], names: list[str] | None, root: str | None = None) -> str:
+def path_text(path: tuple[Any, ...], names: list[str] | None, root: str | None = None) -> str:
     """`params['w1']`-style text for a pytree path of ((args), kwargs)."""
     if root is not None:
         return root + "".join(f"[{k!r}]" for k in path)

@@ -68,7 +68,7 @@ def test_gpt_data_parallel(world2):
 def test_spec_errors_name_function_path_shape_mesh_and_fix(world2):
     out = world2.run(W.spec_errors)[0]
     assert out["indivisible"] == (
-        "shard(mlp_loss): args[1]['y'] (shape [16, 3], spec P(None, 'dp'), Mesh(dp=2)): dim 1 "
+        "shard(mlp_loss): batch['y'] (shape [16, 3], spec P(None, 'dp'), Mesh(dp=2)): dim 1 "
         "has size 3, which is not divisible by 2 (dp=2).\n  Fix: make dim 1 a multiple of 2, "
         "or shard it over fewer or smaller axes.")
     assert "mesh axis 'pp' (dim 0) is not in the mesh.\n  Fix: use one of ['dp']" in \

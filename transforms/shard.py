@@ -25,7 +25,7 @@ from pxform.layout import Layout
 from pxform.lower.spmd import Program, gradient_layout, lower, propagate
 from pxform.mesh import AbstractMesh, Mesh, check_spec
 from pxform.spec import P
-from pxform.trace import Traced, cache_key, trace
+from pxform.trace import Traced, arg_names, cache_key, path_text, trace
 
 
 @dataclass(frozen=True, eq=False)
@@ -70,11 +70,12 @@ class Sharded:
         paths, leaves, _ = flat
         specs = _broadcast_specs(self.in_specs, args, name)
         layouts = []
+        names = arg_names(self.fn, len(args))
         for path, leaf, spec in zip(paths, leaves, specs):
             if not isinstance(leaf, torch.Tensor):
                 continue
             spec = spec if spec is not None else P()
-            where = _path_text(path)
+            where = path_text((0, *path), names)  # paths as trace() names them
             check_spec(spec, tuple(leaf.shape), self.abstract_mesh, fn=name, path=where)
             layouts.append(Layout.of(spec, leaf.dim()))
         return layouts
@@ -297,9 +298,3 @@ def _broadcast_specs(specs: Any, tree: Any, name: str, what: str = "in_specs") -
             f"per argument (a P, None, or a dict/list/tuple mirroring it), e.g. "
             f"in_specs=(None, {{'x': P('dp')}}).") from None
     return list(per_leaf)
-
-
-def _path_text(path: tuple[Any, ...]) -> str:
-    if not path:
-        return "args"
-    return f"args[{path[0]}]" + "".join(f"[{k!r}]" for k in path[1:])

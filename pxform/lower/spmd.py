@@ -83,18 +83,18 @@ class Program:
 
     def collectives(self) -> list[str]:
         """Forward collectives in program order, e.g. `['all_reduce(tp)']`."""
-        out = []
-        for instr in self.instrs:
-            if isinstance(instr, ConvertInstr):
-                out += [str(s) for s in instr.forward.steps
-                        if s.kind not in ("slice", "zero") and self.mesh.axis_size(s.axis) > 1]
-        return out
+        return self._collectives(backward=False)
 
     def backward_collectives(self) -> list[str]:
+        """Collectives the backward pass runs (in forward program order)."""
+        return self._collectives(backward=True)
+
+    def _collectives(self, backward: bool) -> list[str]:
         out = []
         for instr in self.instrs:
             if isinstance(instr, ConvertInstr):
-                out += [str(s) for s in instr.backward.steps
+                steps = (instr.backward if backward else instr.forward).steps
+                out += [str(s) for s in steps
                         if s.kind not in ("slice", "zero") and self.mesh.axis_size(s.axis) > 1]
         return out
 
