@@ -10,7 +10,7 @@ take their template's dims as unrelated `^` inputs. FLOPs: one per output elemen
 from __future__ import annotations
 
 from pxform.ir import Op
-from pxform.ops.registry import OpInfo, overloads, register_rule
+from pxform.ops.registry import OpInfo, fresh_labels, overloads, register_rule
 from pxform.ops.signature import LabelMaker, Signature
 
 _FILLS = ["zeros", "ones", "full", "empty.memory_format", "empty.names", "empty_strided",
@@ -27,15 +27,13 @@ def _factory_info(op: Op, positional: bool) -> OpInfo:
     sizes: dict[str, int] = {}
     ins = []
     fixed: set[str] = set()
-    for v in op.inputs:  # templates of *_like / new_*: shape only, unrelated dims
-        labels = lm.many(v.type.rank)
-        sizes.update(zip(labels, v.type.shape))
+    for v in op.inputs:  # templates of new_*: shape only, unrelated dims
+        labels = fresh_labels(v, lm, sizes)
         fixed |= set(labels)
         ins.append([(lb,) for lb in labels])
     outs = []
     for v in op.outputs:
-        labels = lm.many(v.type.rank)
-        sizes.update(zip(labels, v.type.shape))
+        labels = fresh_labels(v, lm, sizes)
         if positional:
             fixed |= set(labels)
         outs.append([(lb,) for lb in labels])

@@ -8,15 +8,9 @@ per output element.
 
 from __future__ import annotations
 
-from pxform.ir import Op, Value
-from pxform.ops.registry import OpInfo, bind, norm_dim, overloads, register_rule
+from pxform.ir import Op
+from pxform.ops.registry import OpInfo, bind, fresh_labels, norm_dim, overloads, register_rule
 from pxform.ops.signature import LabelMaker, Signature, Term
-
-
-def _plain(v: Value, lm: LabelMaker, sizes: dict[str, int]) -> list[str]:
-    labels = lm.many(v.type.rank)
-    sizes.update(zip(labels, v.type.shape))
-    return labels
 
 
 @register_rule(*overloads("embedding"))
@@ -25,8 +19,8 @@ def _embedding(op: Op) -> OpInfo:
     weight, indices = op.inputs
     lm = LabelMaker()
     sizes: dict[str, int] = {}
-    v, d = _plain(weight, lm, sizes)
-    idx = _plain(indices, lm, sizes)
+    v, d = fresh_labels(weight, lm, sizes)
+    idx = fresh_labels(indices, lm, sizes)
     out = [(lb,) for lb in idx] + [(d,)]
     sig = Signature.make([[(v,), (d,)], [(lb,) for lb in idx]], [out], sizes, fixed={v},
                          linear=[{0}])
@@ -42,7 +36,7 @@ def _index(op: Op) -> OpInfo:
     indices = bind(op)["indices"]
     lm = LabelMaker()
     sizes: dict[str, int] = {}
-    labels = _plain(x, lm, sizes)
+    labels = fresh_labels(x, lm, sizes)
     positions = [i for i, t in enumerate(indices) if t is not None]
     idx_values = [t for t in indices if t is not None]
     # bool masks select a data-dependent number of elements; fake tracing already rejects
@@ -85,7 +79,7 @@ def _gather(op: Op) -> OpInfo:
     dim = norm_dim(bind(op)["dim"], x.type.rank)
     lm = LabelMaker()
     sizes: dict[str, int] = {}
-    xl = _plain(x, lm, sizes)
+    xl = fresh_labels(x, lm, sizes)
     il = list(xl)
     fixed = {xl[dim]}
     for d in range(index.type.rank):
@@ -104,8 +98,8 @@ def _index_select(op: Op) -> OpInfo:
     dim = norm_dim(bind(op)["dim"], x.type.rank)
     lm = LabelMaker()
     sizes: dict[str, int] = {}
-    xl = _plain(x, lm, sizes)
-    (il,) = _plain(index, lm, sizes) or [lm()]
+    xl = fresh_labels(x, lm, sizes)
+    (il,) = fresh_labels(index, lm, sizes) or [lm()]
     sizes.setdefault(il, 1)
     out = [(lb,) for lb in xl]
     out[dim] = (il,)
@@ -124,13 +118,13 @@ def _scatter(op: Op) -> OpInfo:
     args = bind(op)
     lm = LabelMaker()
     sizes: dict[str, int] = {}
-    xl = _plain(x, lm, sizes)
+    xl = fresh_labels(x, lm, sizes)
     dim = args.get("dim")
     scatter_dims = set(range(x.type.rank)) if dim is None else {norm_dim(dim, x.type.rank)}
     fixed = {xl[d] for d in scatter_dims}
     ins = [[(lb,) for lb in xl]]
     for v in op.inputs[1:]:
-        vl = _plain(v, lm, sizes)
+        vl = fresh_labels(v, lm, sizes)
         terms = []
         for d, lb in enumerate(vl):
             if (v.type.rank == x.type.rank and d not in scatter_dims

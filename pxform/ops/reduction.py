@@ -7,7 +7,15 @@ FLOPs: one per input element.
 from __future__ import annotations
 
 from pxform.ir import Op
-from pxform.ops.registry import OpInfo, bind, norm_dim, norm_dims, overloads, register_rule
+from pxform.ops.registry import (
+    OpInfo,
+    bind,
+    fresh_labels,
+    norm_dim,
+    norm_dims,
+    overloads,
+    register_rule,
+)
 from pxform.ops.signature import LabelMaker, Signature, Term
 
 
@@ -28,8 +36,7 @@ def reduction_info(op: Op, dims: list[int], keepdim: bool, linear: bool) -> OpIn
     # Extra tensor inputs (rare: e.g. a dtype-carrying tensor) are unrelated: their own `^` dims.
     extra_fixed: set[str] = set()
     for v in op.inputs[1:]:
-        extra = lm.many(v.type.rank)
-        sizes.update(zip(extra, v.type.shape))
+        extra = fresh_labels(v, lm, sizes)
         extra_fixed |= set(extra)
         ins.append([(lb,) for lb in extra])
     sig = Signature.make(ins, [out] * len(op.outputs), sizes,

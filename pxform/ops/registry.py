@@ -185,6 +185,13 @@ def norm_dims(dims: Any, rank: int) -> list[int]:
     return sorted({norm_dim(d, rank) for d in dims})
 
 
+def fresh_labels(v: Value, lm: LabelMaker, sizes: dict[str, int]) -> list[str]:
+    """New labels for every dim of `v`, with their sizes recorded in `sizes`."""
+    labels = lm.many(v.type.rank)
+    sizes.update(zip(labels, v.type.shape))
+    return labels
+
+
 def out_bytes(op: Op) -> int:
     return sum(v.type.nbytes for v in op.outputs)
 

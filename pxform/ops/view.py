@@ -15,19 +15,14 @@ import math
 
 from pxform.errors import RuleError
 from pxform.ir import Op, Value
-from pxform.ops.registry import OpInfo, bind, norm_dim, overloads, register_rule
+from pxform.ops.registry import OpInfo, bind, fresh_labels, norm_dim, overloads, register_rule
 from pxform.ops.signature import LabelMaker, Signature, Term
 
 _LINEAR0 = [{0}]
 
 
-def _plain(v: Value, lm: LabelMaker, sizes: dict[str, int]) -> list[str]:
-    labels = lm.many(v.type.rank)
-    sizes.update(zip(labels, v.type.shape))
-    return labels
 
-
-def _terms(labels: list[str]) -> list[Term]:  # noqa: D103
+def _terms(labels: list[str]) -> list[Term]:
     return [(lb,) for lb in labels]
 
 
@@ -37,7 +32,7 @@ def _identity(op: Op) -> OpInfo:
     lm = LabelMaker()
     sizes: dict[str, int] = {}
     (x,) = op.inputs
-    t = _terms(_plain(x, lm, sizes))
+    t = _terms(fresh_labels(x, lm, sizes))
     copies = op.name in ("clone", "lift_fresh_copy")
     return OpInfo(Signature.make([t], [t], sizes, linear=_LINEAR0),
                   x.type.numel if copies else 0, view=not copies)
@@ -108,7 +103,7 @@ def _reshape(op: Op) -> OpInfo:
     ins, outs, fixed = reshape_terms(x.type.shape, out_shape, lm, sizes)
     all_ins = [ins]
     for v in op.inputs[1:]:  # view_as / reshape_as: the template's dims are unrelated, and
-        extra = _plain(v, lm, sizes)  # the template (not a local shape) gives the output
+        extra = fresh_labels(v, lm, sizes)  # the template (not a local shape) gives the output
         fixed |= set(extra) | {lb for t in outs for lb in t} | {lb for t in ins for lb in t}
         all_ins.append(_terms(extra))
     view = op.name in ("view", "_unsafe_view", "view_as", "_reshape_alias")
@@ -169,7 +164,7 @@ def _permute(op: Op) -> OpInfo:
             perm[-1], perm[-2] = perm[-2], perm[-1]
     lm = LabelMaker()
     sizes: dict[str, int] = {}
-    labels = _plain(x, lm, sizes)
+    labels = fresh_labels(x, lm, sizes)
     return OpInfo(Signature.make([_terms(labels)], [[(labels[p],) for p in perm]], sizes,
                                  linear=_LINEAR0), 0, view=True)
 
@@ -191,7 +186,7 @@ def _expand(op: Op) -> OpInfo:
     all_ins = [ins]
     fixed: set[str] = set()
     for v in op.inputs[1:]:  # expand_as: the template, not a local shape, gives the output
-        extra = _plain(v, lm, sizes)
+        extra = fresh_labels(v, lm, sizes)
         fixed |= set(extra) | set(out_labels)
         all_ins.append(_terms(extra))
     if op.name == "expand":
@@ -208,7 +203,7 @@ def _squeeze(op: Op) -> OpInfo:
     x = op.inputs[0]
     lm = LabelMaker()
     sizes: dict[str, int] = {}
-    labels = _plain(x, lm, sizes)
+    labels = fresh_labels(x, lm, sizes)
     args = bind(op)
     if op.name == "unsqueeze":
         d = norm_dim(args["dim"], x.type.rank + 1)
@@ -230,7 +225,7 @@ def _along(op: Op, x: Value, dim: int, out_sizes: list[int | None],
     """Ops that cut `x` along `dim` into outputs of the given sizes (None: dim removed)."""
     lm = LabelMaker()
     sizes: dict[str, int] = {}
-    labels = _plain(x, lm, sizes)
+    labels = fresh_labels(x, lm, sizes)
     fixed = {labels[dim]}
     outs = []
     for s in out_sizes:
@@ -275,7 +270,7 @@ def _slice(op: Op) -> OpInfo:
     if out == x.type.shape[dim] and op.name == "slice":  # x[:, :] is the whole dim
         lm = LabelMaker()
         sizes: dict[str, int] = {}
-        t = _terms(_plain(x, lm, sizes))
+        t = _terms(fresh_labels(x, lm, sizes))
         return OpInfo(Signature.make([t], [t], sizes, linear=_LINEAR0), 0, view=True)
     return _along(op, x, dim, [out], view=True)
 
@@ -314,7 +309,7 @@ def _cat(op: Op) -> OpInfo:
     ins: list[list[Term]] = []
     for v in tensors:
         if v.type.rank == 1 and v.type.shape[0] == 0 and not stack:
-            ins.append([(lb,) for lb in _plain(v, lm, sizes)])  # legacy empty tensor
+            ins.append([(lb,) for lb in fresh_labels(v, lm, sizes)])  # legacy empty tensor
             fixed |= set(ins[-1][0])
             continue
         terms = _terms(out_labels)
@@ -341,7 +336,7 @@ def _positional(op: Op) -> OpInfo:
     y = op.outputs[0]
     lm = LabelMaker()
     sizes: dict[str, int] = {}
-    labels = _plain(x, lm, sizes)
+    labels = fresh_labels(x, lm, sizes)
     touched = set(_positional_dims(op, x.type.rank, len(y.type.shape)))
     lead = len(y.type.shape) - x.type.rank  # repeat may add leading dims
     out: list[Term] = []
@@ -359,7 +354,7 @@ def _positional(op: Op) -> OpInfo:
                 fixed.add(labels[i])
     ins = [_terms(labels)]
     for v in op.inputs[1:]:
-        extra = _plain(v, lm, sizes)
+        extra = fresh_labels(v, lm, sizes)
         fixed |= set(extra)
         ins.append(_terms(extra))
     linear = _LINEAR0 if op.name in ("constant_pad_nd", "roll", "flip", "repeat", "tile") else []
