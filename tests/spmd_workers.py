@@ -72,7 +72,7 @@ def big_mlp_args(batch=16):
     return params, data
 
 
-def shard_value_and_grad(fn, args, axes_sizes, in_specs, out_specs=None):
+def shard_value_and_grad(fn, args, axes_sizes, in_specs, out_specs=None, bucket_mb=25.0):
     """On every rank: pxform.shard + value_and_grad; compare with the single-process
     reference; report errors and the program's collectives."""
     import optree
@@ -80,8 +80,10 @@ def shard_value_and_grad(fn, args, axes_sizes, in_specs, out_specs=None):
     import pxform
 
     mesh = pxform.Mesh(axes_sizes)
-    step = pxform.shard(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
+    step = pxform.shard(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+                        bucket_mb=bucket_mb)
     loss, grads = pxform.value_and_grad(step)(*args)
+    stats = step.bucket_stats
     ref_loss, ref_grads = pxform.value_and_grad(fn)(*args)
     program = step.lower(*args)
     errs = []
@@ -97,7 +99,7 @@ def shard_value_and_grad(fn, args, axes_sizes, in_specs, out_specs=None):
             "fwd": program.collectives(), "bwd": program.backward_collectives(),
             "text": program.as_text(), "cached": len(step._cache),
             "again": float(again.detach()), "dtensor_loss": float(dloss.detach()),
-            "dtensor_grad_err": dist_err,
+            "dtensor_grad_err": dist_err, "buckets": vars(stats),
             "grad_types": sorted({type(g).__name__ for g in optree.tree_leaves(grads)})}
 
 

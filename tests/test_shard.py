@@ -34,6 +34,19 @@ def test_data_parallel_mlp(world2):
     # every parameter's gradient is all-reduced (replicated parameters, split batch)
     assert sorted(r["bwd"]) == ["all_reduce(dp)"] * 3
     assert r["grad_types"] == ["Tensor"]  # replicated gradients come back as full tensors
+    # one 25 MiB bucket holds all three gradients; it is launched inside backward, when the
+    # last gradient the forward pass announced arrives
+    assert r["buckets"] == {"launched": 1, "launched_in_backward": 1, "tensors": 3,
+                            "bytes": 8 * (32 + 8 + 32)}
+
+
+def test_data_parallel_buckets_fill_and_launch_during_backward(world2):
+    params, batch = W.big_mlp_args()
+    # 100-byte buckets: w2's gradient (256 B) fills one alone, then b1+w1 fill the next
+    r = check(world2.run(W.shard_value_and_grad, W.mlp_loss, (params, batch), {"dp": 2},
+                         (None, {"x": P("dp"), "y": P("dp")}), None, 100 / 2**20))
+    assert r["buckets"] == {"launched": 2, "launched_in_backward": 2, "tensors": 3,
+                            "bytes": 8 * (32 + 8 + 32)}
 
 
 def test_zero3_mlp(world2):
@@ -47,6 +60,12 @@ def test_zero3_mlp(world2):
     assert r["fwd"].count("all_gather(dp, dim 0)") == 3
     assert sorted(r["bwd"]) == ["reduce_scatter(dp, dim 0)"] * 3
     assert r["grad_types"] == ["DTensor"]
+    # the three reduce-scatters of different shapes go out as one packed reduce-scatter
+    assert r["buckets"]["launched"] == 1 and r["buckets"]["tensors"] == 3
+    r = check(world2.run(W.shard_value_and_grad, W.mlp_loss, (params, batch), {"dp": 2},
+                         ({"w1": P("dp"), "b1": P("dp"), "w2": P("dp")},
+                          {"x": P("dp"), "y": P("dp")}), None, 1e-9))
+    assert r["buckets"]["launched"] == 3 == r["buckets"]["launched_in_backward"]
 
 
 def test_megatron_tensor_parallel_mlp(world2):

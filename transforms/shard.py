@@ -24,6 +24,7 @@ from pxform.errors import SpecError
 from pxform.layout import Layout
 from pxform.lower.spmd import Program, gradient_layout, lower, propagate
 from pxform.mesh import AbstractMesh, Mesh, check_spec
+from pxform.runtime.buckets import DEFAULT_BUCKET_MB, BucketStats, GradBuckets
 from pxform.spec import P
 from pxform.trace import Traced, arg_names, cache_key, path_text, trace
 
@@ -36,7 +37,9 @@ class Sharded:
     mesh: Mesh | AbstractMesh
     in_specs: Any
     out_specs: Any = None
+    bucket_mb: float = DEFAULT_BUCKET_MB
     _cache: dict = field(default_factory=dict, repr=False)
+    _last: dict = field(default_factory=dict, repr=False)
 
     @property
     def __name__(self) -> str:  # so traces and messages name the user's function
@@ -135,8 +138,10 @@ class Sharded:
             t = t.detach().requires_grad_(want)
             local.append(t)
             wants.append(want)
+        # parameter-gradient collectives go to buckets, launched during backward
+        buckets = GradBuckets(axes, int(self.bucket_mb * 2**20)) if grad_argnums else None
         with torch.set_grad_enabled(bool(grad_argnums) or torch.is_grad_enabled()):
-            outs = execute(program, local, axes)
+            outs = execute(program, local, axes, buckets)
         value = optree.tree_unflatten(traced.out_tree, [
             _wrap_output(o, v, mesh) for o, v in zip(outs, program.outputs)])
         if not grad_argnums:
@@ -147,19 +152,29 @@ class Sharded:
                             f"a scalar tensor (its first output), got {type(loss).__name__}")
         needed = [t for t, w in zip(local, wants) if w]
         grads = torch.autograd.grad(loss, needed, allow_unused=True) if needed else ()
+        assert buckets is not None
+        reduced = buckets.finish()  # every bucketed collective has completed here
+        self._last["bucket_stats"] = buckets.stats
         grad_iter = iter(grads)
         wrapped: list[Any] = []
-        for t, w, layout in zip(local, wants, layouts):
+        for index, (t, w, layout) in enumerate(zip(local, wants, layouts)):
             if not w:
                 wrapped.append(None)
                 continue
             g = next(grad_iter)
+            if index in reduced:
+                g = reduced[index] if g is None else g + reduced[index]
             g = torch.zeros_like(t) if g is None else g
             grad_layout = gradient_layout(layout)
             # like the parameters: replicated ones get full tensors, sharded ones DTensors
             wrapped.append(g if not grad_layout.used_axes() else
                            _to_dtensor(g, grad_layout, mesh))
         return value, _regroup_grads(args, grad_argnums, wrapped)
+
+    @property
+    def bucket_stats(self) -> BucketStats | None:
+        """What the gradient buckets did in this rank's last `value_and_grad` call."""
+        return self._last.get("bucket_stats")
 
     def _bound_mesh(self, what: str) -> Mesh:
         if not isinstance(self.mesh, Mesh):
@@ -170,8 +185,8 @@ class Sharded:
         return self.mesh
 
 
-def shard(fn: Any, *, mesh: Mesh | AbstractMesh, in_specs: Any, out_specs: Any = None
-          ) -> Sharded:
+def shard(fn: Any, *, mesh: Mesh | AbstractMesh, in_specs: Any, out_specs: Any = None,
+          bucket_mb: float = DEFAULT_BUCKET_MB) -> Sharded:
     """Run `fn` SPMD on `mesh` with inputs laid out per `in_specs`.
 
     Args:
@@ -181,6 +196,8 @@ def shard(fn: Any, *, mesh: Mesh | AbstractMesh, in_specs: Any, out_specs: Any =
             (replicated).
         out_specs: a prefix of the outputs; None returns every output replicated (as full
             tensors).
+        bucket_mb: parameter gradients are reduced in buckets of this many MiB, launched
+            during backward as they fill (DDP's default, 25).
 
     Example:
         >>> step = pxform.shard(loss_fn, mesh=pxform.Mesh({"dp": 2}),
@@ -189,7 +206,7 @@ def shard(fn: Any, *, mesh: Mesh | AbstractMesh, in_specs: Any, out_specs: Any =
     """
     if not isinstance(in_specs, tuple):
         in_specs = (in_specs,)
-    return Sharded(fn, mesh, in_specs, out_specs)
+    return Sharded(fn, mesh, in_specs, out_specs, bucket_mb)
 
 
 # ---------------------------------------------------------------- helpers

@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from typing import Any
 
 from pxform.ir import Graph, Op, TensorType, Value, map_values
@@ -76,6 +76,14 @@ class Program:
     instrs: tuple[Instr, ...]
     outputs: tuple[Any, ...]
     constants: tuple[Any, ...] = ()
+
+    @cached_property
+    def graph_module(self) -> Any:
+        """This program as a per-rank `torch.fx.GraphModule` (built on first use); it runs
+        inside `pxform.runtime.graph_module.bind(axes)`."""
+        from pxform.runtime.graph_module import build
+
+        return build(self)
 
     def local_shape(self, v: Value) -> tuple[int, ...]:
         layout = layout_of(v.type)

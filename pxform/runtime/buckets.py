@@ -1,0 +1,186 @@
+"""Gradient buckets: parameter-gradient collectives packed into few large ones, launched
+while backward is still running, completed before gradients are returned (as DDP does).
+
+A parameter's gradient reaches the conversion that read the parameter in the consumer's
+layout C; the conversion's backward steps take it to G(L) (DP: `all_reduce(dp)`; ZeRO-3:
+`reduce_scatter(dp, dim 0)`). For program inputs that need gradients, the conversion hands
+its gradient and steps to `GradBuckets.add` instead of running them. Gradients whose steps
+agree on kinds, axes and dtype share a bucket; when a bucket holds `bucket_bytes`, or when
+the last gradient of its kind that the forward pass announced (`expect`) has arrived, its
+first collective is launched (functional collectives return at once; the wait comes in
+`finish`). So, as in DDP, the last bucket too is launched inside backward.
+
+Packing one step over many tensors of different shapes:
+
+    all_reduce(a)           concatenate flattened gradients; split back.
+    reduce_scatter(a, d)    chunk each gradient into n pieces along its own d; lay the buffer
+                            out rank-major (all tensors' piece 0, then piece 1, ...), so one
+                            reduce-scatter of the buffer hands each rank its pieces.
+    all_gather(a, d)        concatenate; gather rank-major; cut each tensor's segment out of
+                            every rank's part and concatenate along d.
+    others (local steps, all_to_all) run per tensor.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed._functional_collectives as fc
+
+from pxform.layout import Step
+from pxform.runtime.collectives import AxisGroups, run_step
+
+DEFAULT_BUCKET_MB = 25.0
+
+
+@dataclass
+class _Bucket:
+    steps: tuple[tuple[str, str], ...]
+    keys: list[int] = field(default_factory=list)
+    grads: list[torch.Tensor] = field(default_factory=list)
+    step_lists: list[tuple[Step, ...]] = field(default_factory=list)
+    nbytes: int = 0
+
+
+@dataclass
+class _Launched:
+    """A bucket whose first step is in flight: `pending` is the collective's result."""
+
+    bucket: _Bucket
+    pending: torch.Tensor
+    shapes: list[tuple[int, ...]]
+    in_backward: bool
+
+
+@dataclass
+class BucketStats:
+    """What the buckets did in one backward pass (read by tests and benchmarks)."""
+
+    launched: int = 0
+    launched_in_backward: int = 0
+    tensors: int = 0
+    bytes: int = 0
+
+
+class GradBuckets:
+    """Collects parameter gradients during one backward pass.
+
+    Example:
+        >>> buckets = GradBuckets(axes, bucket_bytes=25 * 2**20)
+        >>> # conversions call buckets.add(index, grad, steps) from their backward
+        >>> grads = buckets.finish()          # {input index: reduced gradient}
+    """
+
+    def __init__(self, axes: AxisGroups, bucket_bytes: int) -> None:
+        self.axes = axes
+        self.bucket_bytes = bucket_bytes
+        self.open: dict[tuple, _Bucket] = {}
+        self.launched: list[_Launched] = []
+        self.stats = BucketStats()
+        self.expected: dict[tuple, int] = {}
+        self.arrived: dict[tuple, int] = {}
+        self._finishing = False
+
+    @staticmethod
+    def _signature(steps: tuple[Step, ...], like: torch.Tensor) -> tuple:
+        return (tuple((s.kind, s.axis) for s in steps), like.dtype, like.device)
+
+    def expect(self, steps: tuple[Step, ...], like: torch.Tensor) -> None:
+        """Announce (from forward) a gradient that backward will `add`."""
+        sig = self._signature(steps, like)
+        self.expected[sig] = self.expected.get(sig, 0) + 1
+
+    def add(self, key: int, grad: torch.Tensor, steps: tuple[Step, ...]) -> None:
+        """Queue the gradient of program input `key`, to be taken through `steps`."""
+        sig = self._signature(steps, grad)
+        bucket = self.open.get(sig)
+        if bucket is None:
+            bucket = self.open[sig] = _Bucket(sig[0])
+        bucket.keys.append(key)
+        bucket.grads.append(grad.contiguous())
+        bucket.step_lists.append(steps)
+        bucket.nbytes += grad.numel() * grad.element_size()
+        self.arrived[sig] = self.arrived.get(sig, 0) + 1
+        if bucket.nbytes >= self.bucket_bytes or self.arrived[sig] == self.expected.get(sig):
+            del self.open[sig]
+            self._launch(bucket)
+
+    def _launch(self, bucket: _Bucket) -> None:
+        first = [steps[0] for steps in bucket.step_lists]
+        shapes = [tuple(g.shape) for g in bucket.grads]
+        pending = _start(bucket.grads, first, self.axes)
+        self.launched.append(_Launched(bucket, pending, shapes, not self._finishing))
+        self.stats.launched += 1
+        self.stats.launched_in_backward += not self._finishing
+        self.stats.tensors += len(bucket.grads)
+        self.stats.bytes += bucket.nbytes
+
+    def finish(self) -> dict[int, torch.Tensor]:
+        """Launch what is left, wait for everything and return the gradients, summed per
+        input (an input read in two layouts gets two contributions)."""
+        self._finishing = True
+        for bucket in list(self.open.values()):
+            self._launch(bucket)
+        self.open.clear()
+        out: dict[int, torch.Tensor] = {}
+        for item in self.launched:
+            bucket = item.bucket
+            first = [steps[0] for steps in bucket.step_lists]
+            grads = _end(fc.wait_tensor(item.pending), first, item.shapes, self.axes)
+            for key, g, steps in zip(bucket.keys, grads, bucket.step_lists):
+                for step in steps[1:]:
+                    g = run_step(g, step, self.axes)
+                out[key] = g if key not in out else out[key] + g
+        self.launched.clear()
+        return out
+
+
+# ---------------------------------------------------------------- packing
+
+def _start(grads: Sequence[torch.Tensor], steps: Sequence[Step], axes: AxisGroups
+           ) -> torch.Tensor:
+    """Pack `grads` and launch their (common-kind) first step; returns the pending result."""
+    kind, axis = steps[0].kind, steps[0].axis
+    n = axes.sizes[axis]
+    if n == 1 or kind not in ("all_reduce", "reduce_scatter", "all_gather"):
+        return torch.cat([g.reshape(-1) for g in grads])  # run per tensor in _end
+    group = axes.groups[axis]
+    if kind == "all_reduce":
+        return fc.all_reduce(torch.cat([g.reshape(-1) for g in grads]), "sum", group)
+    if kind == "all_gather":
+        return fc.all_gather_tensor(torch.cat([g.reshape(-1) for g in grads]), 0, group)
+    pieces = [g.chunk(n, dim=s.dim) for g, s in zip(grads, steps)]
+    flat = torch.cat([p[r].reshape(-1) for r in range(n) for p in pieces])
+    return fc.reduce_scatter_tensor(flat, "sum", 0, group)
+
+
+def _end(buffer: torch.Tensor, steps: Sequence[Step], shapes: Sequence[tuple[int, ...]],
+         axes: AxisGroups) -> list[torch.Tensor]:
+    """Unpack the finished first step into one tensor per gradient."""
+    kind, axis = steps[0].kind, steps[0].axis
+    n = axes.sizes[axis]
+    sizes = [math.prod(s) for s in shapes]
+    if n == 1 or kind not in ("all_reduce", "reduce_scatter", "all_gather"):
+        return [run_step(b.view(s), step, axes)
+                for b, s, step in zip(buffer.split(sizes), shapes, steps)]
+    if kind == "all_reduce":
+        return [b.view(s) for b, s in zip(buffer.split(sizes), shapes)]
+    if kind == "reduce_scatter":
+        local = []
+        for shape, step in zip(shapes, steps):
+            assert step.dim is not None
+            piece = list(shape)
+            piece[step.dim] //= n
+            local.append(tuple(piece))
+        return [b.view(s) for b, s in zip(buffer.split([math.prod(p) for p in local]), local)]
+    per_rank = buffer.view(n, -1)
+    out = []
+    offset = 0
+    for size, shape, step in zip(sizes, shapes, steps):
+        parts = [per_rank[r, offset:offset + size].view(shape) for r in range(n)]
+        out.append(torch.cat(parts, dim=step.dim))
+        offset += size
+    return out
