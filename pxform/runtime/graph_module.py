@@ -191,7 +191,7 @@ def build(program: Program) -> torch.fx.GraphModule:
         def arg(a: Any, local: dict[str, str] = local) -> Any:
             if a is DEVICE:
                 return get_device()
-            return map_values(a, lambda v: env[local[v.name]])
+            return map_values(a, lambda value: env[local[value.name]])
 
         call = instr.call
         args = tuple(arg(a) for a in call.args)
