@@ -152,7 +152,7 @@ def _start(grads: Sequence[torch.Tensor], steps: Sequence[Step], axes: AxisGroup
         return fc.all_reduce(torch.cat([g.reshape(-1) for g in grads]), "sum", group)
     if kind == "all_gather":
         return fc.all_gather_tensor(torch.cat([g.reshape(-1) for g in grads]), 0, group)
-    pieces = [g.chunk(n, dim=s.dim) for g, s in zip(grads, steps)]
+    pieces = [g.chunk(n, dim=_dim(s)) for g, s in zip(grads, steps)]
     flat = torch.cat([p[r].reshape(-1) for r in range(n) for p in pieces])
     return fc.reduce_scatter_tensor(flat, "sum", 0, group)
 
@@ -181,6 +181,11 @@ def _end(buffer: torch.Tensor, steps: Sequence[Step], shapes: Sequence[tuple[int
     offset = 0
     for size, shape, step in zip(sizes, shapes, steps):
         parts = [per_rank[r, offset:offset + size].view(shape) for r in range(n)]
-        out.append(torch.cat(parts, dim=step.dim))
+        out.append(torch.cat(parts, dim=_dim(step)))
         offset += size
     return out
+
+
+def _dim(step: Step) -> int:
+    assert step.dim is not None, step
+    return step.dim

@@ -203,8 +203,8 @@ def build(program: Program) -> torch.fx.GraphModule:
         if len(instr.outputs) == 1 and _single_tensor(call.target):
             outs = [node]
         else:
-            results = graph.call_function(tensor_results, (node,))
-            outs = [graph.call_function(operator.getitem, (results, i))
+            tensors = graph.call_function(tensor_results, (node,))
+            outs = [graph.call_function(operator.getitem, (tensors, i))
                     for i in range(len(instr.outputs))]
         if call.scale != 1.0:
             outs = [graph.call_function(operator.mul, (o, call.scale)) for o in outs]
