@@ -11,6 +11,7 @@ from pxform.errors import (
     PxformWarning,
     RuleError,
     SignatureMismatchError,
+    SpecError,
     TraceError,
     UnsupportedOpError,
 )
@@ -20,7 +21,7 @@ from pxform.ops import OpInfo, Signature, register_rule
 from pxform.spec import UNCONSTRAINED, P
 from pxform.trace import Traced, module_fn, trace
 from pxform.transforms.grad import value_and_grad
-from pxform.transforms.shard import Sharded, shard
+from pxform.transforms.shard import Sharded, gather, shard
 
 __version__ = "0.1.0"
 
@@ -28,5 +29,6 @@ __all__ = [
     "AbstractMesh", "Graph", "GraphCheckError", "Mesh", "Op", "OpInfo", "P", "PxformError",
     "PxformWarning", "RuleError", "Sharded", "Signature", "SignatureMismatchError",
     "SpecError", "TensorType", "TraceError", "Traced", "UNCONSTRAINED", "UnsupportedOpError",
-    "Value", "check", "module_fn", "ops", "register_rule", "shard", "trace", "value_and_grad",
+    "Value", "check", "gather", "module_fn", "ops", "register_rule", "shard", "trace",
+    "value_and_grad",
 ]

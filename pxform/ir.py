@@ -282,8 +282,10 @@ class Graph:
         return "\n".join(lines)
 
 
-def check(graph: Graph) -> None:
+def check(graph: Any) -> None:
     """Verify that `graph` is in SSA form and that every op's types agree with its rule.
+    Given a lowered per-rank `Program` (a fully specified graph), verify its layouts and
+    local shapes instead (`pxform.lower.check.check_program`).
 
     Checks: value names are unique; every value an op reads is defined before it; outputs
     are defined; every op has a rule (or is a reported fallback), its inputs have the shapes
@@ -296,6 +298,10 @@ def check(graph: Graph) -> None:
     Example:
         >>> check(pxform.trace(fn, *args).graph)   # silent when the graph is well formed
     """
+    if not isinstance(graph, Graph):
+        from pxform.lower.check import check_program  # lowering imports ir: import late
+
+        return check_program(graph)
     from pxform.ops import infer_types, meta_types, rule_info  # ops import ir: import late
 
     defined: dict[str, Value] = {}

@@ -241,3 +241,16 @@ def _moves(layout: Layout, shape: tuple[int, ...], itemsize: int,
             if fits(dims, d):
                 yield Step("slice", a, d), with_dims(dims, layout.partial), 0.0
         yield Step("zero", a), with_dims(list(layout.dims), layout.partial | {a}), 0.0
+
+
+def apply_step(layout: Layout, step: Step, shape: tuple[int, ...], mesh: AbstractMesh) -> Layout:
+    """The layout after `step` (checks a lowered program's conversions).
+
+    Raises:
+        SpecError: the step cannot act on `layout` (e.g. gathers an axis that is not the
+            innermost of its dim, or reduces an axis the value is not partial over).
+    """
+    for s, nxt, _ in _moves(layout, shape, 1, mesh):
+        if s == step:
+            return nxt
+    raise SpecError(f"{step} cannot act on {layout} (shape {list(shape)}, {mesh})")

@@ -20,12 +20,13 @@ on any rank is re-raised here as `WorkerError` naming the rank, with its traceba
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import multiprocessing as mp
 import os
 import socket
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 _STOP = "__stop__"
@@ -155,3 +156,27 @@ class World:
             if proc.is_alive():
                 proc.kill()
         self._procs, self._inboxes = [], []
+
+
+@contextlib.contextmanager
+def fake_world(num_ranks: int, rank: int = 0) -> Iterator[None]:
+    """Make this process rank `rank` of a `num_ranks` world whose collectives do nothing
+    (torch's fake process group): enough to build a `pxform.Mesh` of any size and lower
+    programs for it on a laptop, never to run them.
+
+    Example:
+        >>> with fake_world(1024):
+        ...     mesh = pxform.Mesh({"dp": 16, "sdp": 8, "tp": 8})
+        ...     pxform.check(pxform.shard(fn, mesh=mesh, in_specs=specs).lower(*args))
+    """
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise RuntimeError("fake_world: a torch.distributed process group is already "
+                           "initialised in this process; use a fresh process")
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=num_ranks)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

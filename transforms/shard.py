@@ -315,3 +315,17 @@ def _broadcast_specs(specs: Any, tree: Any, name: str, what: str = "in_specs") -
             f"per argument (a P, None, or a dict/list/tuple mirroring it), e.g. "
             f"in_specs=(None, {{'x': P('dp')}}).") from None
     return list(per_leaf)
+
+
+def gather(tree: Any) -> Any:
+    """`tree` with every DTensor replaced by the full tensor it stands for (all-gathered
+    and summed as its placements say); other leaves are returned as they are.
+
+    Example:
+        >>> loss, grads = pxform.value_and_grad(step)(params, batch)
+        >>> full = pxform.gather(grads)      # plain tensors, the same on every rank
+    """
+    def full(x: Any) -> Any:
+        return x.full_tensor() if _is_dtensor(x) else x
+
+    return optree.tree_map(full, tree, is_leaf=_is_dtensor, none_is_leaf=True)  # type: ignore[arg-type]

@@ -189,7 +189,10 @@ def lower(graph: Graph, mesh: AbstractMesh, input_layouts: list[Layout],
                      grad_to: Layout) -> str:
         t = types[src]
         fwd = _plan(t.shape, t.dtype.itemsize, src_layout, dst_layout, mesh)
-        bwd = _plan(t.shape, t.dtype.itemsize, grad_from, grad_to, mesh)
+        if t.dtype.is_floating_point or t.dtype.is_complex:
+            bwd = _plan(t.shape, t.dtype.itemsize, grad_from, grad_to, mesh)
+        else:  # integer values (token ids, positions) have no gradient
+            bwd = Relayout(grad_from, grad_to, ())
         dst = Value(new_name(src), typed_layout(t, dst_layout))
         instrs.append(ConvertInstr(src, dst, fwd, bwd))
         return dst.name

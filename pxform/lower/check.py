@@ -1,0 +1,100 @@
+"""Checking a lowered per-rank program (`pxform.check(program)`).
+
+A program is a fully specified graph: every value's type carries its layout (spec and
+partial axes). It is well formed when
+
+- every op's input and output layouts are one of the op's strategies on the mesh (so the
+  local op computes the right piece of the global result);
+- every conversion's forward steps take its source layout to its destination layout;
+- running each op on `meta` tensors of the local input shapes gives the local output shapes
+  and dtypes the program claims.
+
+Nothing runs on devices and no process group is needed, so programs lowered for worlds far
+larger than this machine (a 1,024-rank mesh) are checked here.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from pxform.errors import GraphCheckError
+from pxform.ir import DEVICE, TensorType, map_values
+from pxform.layout import Layout, SpecError, apply_step
+from pxform.lower.spmd import CallInstr, ConvertInstr, Program, layout_of
+from pxform.ops.strategy import strategies
+
+
+def check_program(program: Program) -> None:
+    """Raise `GraphCheckError` naming the first instruction that is not well formed.
+
+    Example:
+        >>> check_program(pxform.shard(fn, mesh=AbstractMesh({"dp": 1024}), ...).lower(*args))
+    """
+    mesh = program.mesh
+    types: dict[str, TensorType] = {v.name: v.type for v in program.inputs}
+    for c in program.constants:
+        types[c.value.name] = c.value.type
+    metas: dict[str, torch.Tensor] = {name: _meta(t, program) for name, t in types.items()}
+
+    def fail(where: str, what: str) -> GraphCheckError:
+        return GraphCheckError(f"pxform.check({program.name}) on {mesh}: {where}: {what}")
+
+    for instr in program.instrs:
+        if isinstance(instr, ConvertInstr):
+            src = types[instr.src]
+            layout = layout_of(src)
+            try:
+                for step in instr.forward.steps:
+                    layout = apply_step(layout, step, src.shape, mesh)
+            except SpecError as exc:
+                raise fail(f"%{instr.dst.name} = convert(%{instr.src})", str(exc)) from None
+            if layout != layout_of(instr.dst.type):
+                raise fail(f"%{instr.dst.name} = convert(%{instr.src})",
+                           f"the steps end at {layout}, not at {layout_of(instr.dst.type)}")
+            types[instr.dst.name] = instr.dst.type
+            metas[instr.dst.name] = _meta(instr.dst.type, program)
+            continue
+        assert isinstance(instr, CallInstr)
+        local = dict(instr.inputs)
+        op = instr.op
+        where = f"{op}"
+        ins = tuple(layout_of(types[local[v.name]]) for v in op.inputs)
+        outs = tuple(layout_of(v.type) for v in instr.outputs)
+        if not any(s.inputs == ins and s.outputs == outs for s in strategies(op, mesh)):
+            raise fail(where, f"inputs laid out as {list(ins)} and outputs as {list(outs)} "
+                              f"are not a strategy of {op.name}")
+        results = _run_meta(instr, local, metas)
+        if len(results) != len(instr.outputs):
+            raise fail(where, f"the local op gives {len(results)} tensors, the program "
+                              f"expects {len(instr.outputs)}")
+        for v, r in zip(instr.outputs, results):
+            want = program.local_shape(v)
+            if tuple(r.shape) != want or r.dtype != v.type.dtype:
+                raise fail(where, f"on local inputs the op gives %{v.name} shape "
+                                  f"{list(r.shape)} {r.dtype}, the program says {list(want)} "
+                                  f"{v.type.dtype} (global {v.type})")
+            types[v.name] = v.type
+            metas[v.name] = r
+
+
+def _meta(t: TensorType, program: Program) -> torch.Tensor:
+    shape = Layout.local_shape(layout_of(t), t.shape, program.mesh)
+    return torch.empty(shape, dtype=t.dtype, device="meta")
+
+
+def _run_meta(instr: CallInstr, local: dict[str, str], metas: dict[str, torch.Tensor]
+              ) -> list[torch.Tensor]:
+    def arg(a: Any) -> Any:
+        if a is DEVICE:
+            return torch.device("meta")
+        return map_values(a, lambda v: metas[local[v.name]])
+
+    call = instr.call
+    with torch.no_grad():
+        result = call.target(*[arg(a) for a in call.args],
+                             **{k: arg(a) for k, a in call.kwargs})
+    items = result if isinstance(result, (list, tuple)) else [result]
+    return [r for r in items if isinstance(r, torch.Tensor)]
+
