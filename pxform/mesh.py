@@ -99,6 +99,14 @@ def check_spec(spec: P, shape: tuple[int, ...], mesh: AbstractMesh, *, fn: str,
                 raise SpecError(
                     f"{where}: mesh axis {axis!r} (dim {d}) is not in the mesh.\n"
                     f"  Fix: use one of {list(mesh.names)}.")
+    for axis, dims in spec.repeated_axes().items():
+        fixed = [None] * len(spec)
+        for d in range(len(spec)):
+            fixed[d] = spec.entries[d] if d == dims[0] or axis not in spec.axes_of(d) else \
+                tuple(a for a in spec.axes_of(d) if a != axis) or None
+        raise SpecError(
+            f"{where}: mesh axis {axis!r} splits dims {dims}; an axis can split at most one "
+            f"dim of a tensor.\n  Fix: use it for one dim only, e.g. {P(*fixed)!r}.")
     for d in range(len(spec)):
         axes = spec.axes_of(d)
         if not axes:

@@ -49,7 +49,6 @@ class P:
     entries: tuple[Entry, ...]
 
     def __init__(self, *entries: Entry) -> None:
-        seen: set[str] = set()
         norm: list[Entry] = []
         for i, entry in enumerate(entries):
             if isinstance(entry, list):
@@ -60,13 +59,6 @@ class P:
                     f"P: entry {i} is {entry!r}; each entry must be None, a mesh axis name "
                     f"or a tuple of axis names, e.g. P('dp', None) or P(('dp', 'tp'),)"
                 )
-            for axis in axes:
-                if axis in seen:
-                    raise ValueError(
-                        f"P{entries!r}: mesh axis {axis!r} is used by more than one dim; "
-                        f"an axis can split at most one dim of a tensor"
-                    )
-                seen.add(axis)
             norm.append(None if not axes else axes[0] if len(axes) == 1 else axes)
         object.__setattr__(self, "entries", tuple(norm))
 
@@ -83,6 +75,15 @@ class P:
         """The mesh axes splitting `dim`, major to minor."""
         entry = self.entries[dim] if dim < len(self.entries) else None
         return () if entry is None else (entry,) if isinstance(entry, str) else entry
+
+    def repeated_axes(self) -> dict[str, list[int]]:
+        """Axes that split more than one dim (an error `check_spec` reports with the
+        argument's path and mesh), with the dims they split."""
+        dims: dict[str, list[int]] = {}
+        for d in range(len(self.entries)):
+            for axis in self.axes_of(d):
+                dims.setdefault(axis, []).append(d)
+        return {a: ds for a, ds in dims.items() if len(ds) > 1}
 
     def __repr__(self) -> str:
         return "P(" + ", ".join(repr(e) for e in self.entries) + ")"

@@ -145,6 +145,7 @@ def spec_errors():
         "unknown_axis": (None, {"x": P("pp"), "y": None}),
         "too_long": (None, {"x": P("dp", None, None), "y": None}),
         "prefix": (None, {"x": P("dp")}),
+        "twice": (None, {"x": P("dp", "dp"), "y": None}),
     }
     batch_odd = dict(batch, y=torch.randn(16, 3, dtype=torch.float64))
     for name, specs in cases.items():

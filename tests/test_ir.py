@@ -27,8 +27,9 @@ def test_tensor_type_prints_shapes_specs_and_partials():
 def test_partition_spec_is_validated():
     assert pxform.P("dp", None).axes_of(0) == ("dp",)
     assert pxform.P(["dp", "tp"]).axes_of(0) == ("dp", "tp")
-    with pytest.raises(ValueError, match="mesh axis 'dp' is used by more than one dim"):
-        pxform.P("dp", "dp")
+    # an axis on two dims is reported where the spec meets a tensor and a mesh (shard's
+    # check_spec), with the argument's path: see test_shard's error tests
+    assert pxform.P("dp", ("tp", "dp")).repeated_axes() == {"dp": [0, 1]}
     with pytest.raises(TypeError, match="entry 1 is 3; each entry must be None, a mesh axis"):
         pxform.P("dp", 3)
 

@@ -95,6 +95,10 @@ def test_spec_errors_name_function_path_shape_mesh_and_fix(world2):
     assert "the spec has 3 entries but the tensor has rank 2" in out["too_long"]
     assert out["prefix"].startswith("pxform.shard(mlp_loss): in_specs is not a pytree prefix "
                                     "of the arguments")
+    assert out["twice"] == (
+        "shard(mlp_loss): batch['x'] (shape [16, 4], spec P('dp', 'dp'), Mesh(dp=2)): mesh "
+        "axis 'dp' splits dims [0, 1]; an axis can split at most one dim of a tensor.\n  "
+        "Fix: use it for one dim only, e.g. P('dp', None).")
     assert out["world"] == (
         "pxform.Mesh(dp=2, tp=2): the mesh has 4 devices but the torch.distributed world has 2 "
         "ranks.\n  Fix: make the axis sizes multiply to 2, or launch 4 processes.")

@@ -90,8 +90,16 @@ class Sharded:
                     for o in outs]
         shaped = optree.tree_unflatten(traced.out_tree, list(outs))
         specs = _broadcast_specs(self.out_specs, shaped, self.__name__, what="out_specs")
-        return [Layout.of(s or P(), o.type.rank) if hasattr(o, "type") else None
-                for s, o in zip(specs, outs)]
+        paths = optree.tree_paths(shaped)  # type: ignore[arg-type]
+        layouts: list[Layout | None] = []
+        for path, s, o in zip(paths, specs, outs):
+            if not hasattr(o, "type"):
+                layouts.append(None)
+                continue
+            check_spec(s or P(), o.type.shape, self.abstract_mesh, fn=self.__name__,
+                       path="output" + "".join(f"[{k!r}]" for k in path))
+            layouts.append(Layout.of(s or P(), o.type.rank))
+        return layouts
 
     def lower(self, *args: Any) -> Program:
         """The lowered per-rank program for these arguments (`.as_text()` prints it)."""
