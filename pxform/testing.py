@@ -127,15 +127,21 @@ class World:
 
         results: dict[int, Any] = {}
         errors: dict[int, str] = {}
+        waited = 0.0
         while len(results) + len(errors) < self.num_ranks:
             try:
-                rank, status, payload = self._outbox.get(timeout=self.timeout)
+                # poll, so a rank that died (not raised) is reported at once, not at timeout
+                rank, status, payload = self._outbox.get(timeout=1.0)
             except queue.Empty:
-                dead = [p.name for p in self._procs if not p.is_alive()]
+                waited += 1.0
+                missing = sorted(set(range(self.num_ranks)) - set(results) - set(errors))
+                dead = [p.name for r, p in enumerate(self._procs)
+                        if r in missing and not p.is_alive()]
+                if waited < self.timeout and not dead:
+                    continue
                 self.close()
-                raise WorkerError(f"World: {what} got no answer from ranks "
-                                  f"{sorted(set(range(self.num_ranks)) - set(results))} within "
-                                  f"{self.timeout:.0f} s (dead processes: {dead or 'none'}); "
+                why = f"ranks died: {dead}" if dead else f"no answer within {self.timeout:.0f} s"
+                raise WorkerError(f"World: {what} got no answer from ranks {missing} ({why}); "
                                   f"the world was shut down") from None
             if status == "error":
                 errors[rank] = payload

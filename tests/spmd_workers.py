@@ -161,3 +161,124 @@ def spec_errors():
     except pxform.PxformError as exc:
         out["world"] = str(exc)
     return out
+
+
+def sp_block_loss(params, batch):
+    """A pre-norm MLP block with a residual, the shape sequence parallelism is made for."""
+    x = batch["x"]
+    h = F.layer_norm(x, x.shape[-1:], params["ln_w"], params["ln_b"])
+    h = F.linear(F.gelu(F.linear(h, params["fc_w"], params["fc_b"])), params["out_w"])
+    return ((x + h - batch["y"]) ** 2).mean()
+
+
+def sp_block_args():
+    g = torch.Generator().manual_seed(2)
+
+    def r(*shape):
+        return torch.randn(*shape, generator=g, dtype=torch.float64)
+
+    params = {"ln_w": 1 + r(8), "ln_b": r(8), "fc_w": r(16, 8), "fc_b": r(16), "out_w": r(8, 16)}
+    batch = {"x": r(2, 4, 8), "y": r(2, 4, 8)}
+    return params, batch
+
+
+SP_PARAMS = {"ln_w": None, "ln_b": None, "fc_w": P("tp"), "fc_b": P("tp"),
+             "out_w": P(None, "tp")}
+
+
+def gpt2_case():
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=64,
+                                  n_positions=16, bos_token_id=0, eos_token_id=0)
+    model = transformers.GPT2LMHeadModel(cfg).double().eval()
+    import pxform
+
+    fn, params = pxform.module_fn(model)
+    ids = torch.randint(0, 64, (4, 8), generator=torch.Generator().manual_seed(3))
+    labels = ids.clone()
+    labels[0, :3] = -100
+
+    def gpt2_loss(params, inputs):
+        return fn(params, **inputs).loss
+
+    return gpt2_loss, params, {"input_ids": ids, "labels": labels}
+
+
+def gpt2_specs(params, kind):
+    """Parameter specs for GPT-2 (HF Conv1D weights are [in, out])."""
+    specs = {}
+    for name, p in params.items():
+        spec = None
+        if "zero3" in kind and p.dim() and p.shape[0] % 2 == 0:
+            spec = P("dp")
+        if "tp" in kind:  # Megatron MLP: c_fc column-parallel, c_proj row-parallel
+            if name.endswith("mlp.c_fc.weight"):
+                spec = P(None, "tp")
+            elif name.endswith("mlp.c_fc.bias"):
+                spec = P("tp")
+            elif name.endswith("mlp.c_proj.weight"):
+                spec = P("tp", None)
+        specs[name] = spec
+    return specs
+
+
+def gpt2_shard(axes_sizes, kind, batch_spec):
+    fn, params, inputs = gpt2_case()
+    return shard_value_and_grad(fn, (params, inputs), axes_sizes,
+                                (gpt2_specs(params, kind), batch_spec))
+
+
+def dropout_error():
+    """Dropout with p > 0 after a row-parallel layer (its output is replicated over tp)."""
+    import pxform
+
+    def dropout_mlp(params, batch):
+        h = F.gelu(F.linear(batch["x"], params["w1"], params["b1"]))
+        return F.dropout(h @ params["w2"], p=0.1).sum()
+
+    params, batch = big_mlp_args(batch=4)
+    step = pxform.shard(dropout_mlp, mesh=pxform.Mesh({"tp": 2}),
+                        in_specs=({"w1": P("tp"), "b1": P("tp"), "w2": P("tp")}, None))
+    try:
+        step(params, batch)
+    except pxform.PxformError as exc:
+        return str(exc)
+    return "no error"
+
+
+def bucket_packing():
+    """GradBuckets packs gradients of different shapes for each collective kind and gives
+    what running each gradient's steps alone gives (on every rank)."""
+    from pxform.layout import Step
+    from pxform.mesh import Mesh
+    from pxform.runtime.buckets import GradBuckets
+    from pxform.runtime.collectives import AxisGroups, run_steps
+
+    mesh = Mesh({"dp": 2})
+    axes = AxisGroups({"dp": mesh.group("dp")}, mesh.coordinate(), {"dp": 2})
+    g = torch.Generator().manual_seed(10 + torch.distributed.get_rank())
+    cases = [
+        ((4, 6), (Step("all_reduce", "dp"),)),
+        ((3,), (Step("all_reduce", "dp"),)),
+        ((4, 6), (Step("reduce_scatter", "dp", 1),)),
+        ((2, 3, 4), (Step("reduce_scatter", "dp", 0),)),
+        ((8,), (Step("reduce_scatter", "dp", 0), Step("all_gather", "dp", 0))),
+        ((3, 2), (Step("all_gather", "dp", 1),)),
+        ((5, 2), (Step("all_gather", "dp", 0),)),
+        ((4, 2), (Step("slice", "dp", 0),)),
+        ((2, 4), (Step("all_to_all", "dp", 1, 0),)),
+    ]
+    errs = {}
+    for bucket_bytes in (1, 10**9):
+        buckets = GradBuckets(axes, bucket_bytes)
+        grads = [torch.randn(*shape, generator=g, dtype=torch.float64) for shape, _ in cases]
+        for i, (grad, (_, steps)) in enumerate(zip(grads, cases)):
+            buckets.add(i, grad, steps)
+        out = buckets.finish()
+        errs[bucket_bytes] = max((out[i] - run_steps(grad, steps, axes)).abs().max().item()
+                                 for i, (grad, (_, steps)) in enumerate(zip(grads, cases)))
+        errs[f"launched {bucket_bytes}"] = buckets.stats.launched
+    return errs

@@ -215,6 +215,7 @@ def lower(graph: Graph, mesh: AbstractMesh, input_layouts: list[Layout],
         return local
 
     for op, strategy in zip(graph.ops, strategies):
+        _check_random(graph, op, strategy, mesh)
         names = []
         for i, v in enumerate(op.inputs):
             local = use(v.name, strategy.inputs[i], consumer_gradient_layout(strategy, i))
@@ -238,6 +239,36 @@ def lower(graph: Graph, mesh: AbstractMesh, input_layouts: list[Layout],
     return Program(graph.name, mesh, inputs, tuple(instrs), tuple(outputs), graph.constants)
 
 
+_RANDOM = {"dropout", "feature_dropout", "alpha_dropout", "native_dropout", "bernoulli",
+           "rand", "randn", "randint", "rand_like", "randn_like", "randint_like", "normal",
+           "uniform", "randperm", "multinomial"}
+
+
+def _check_random(graph: Graph, op: Op, strategy: Strategy, mesh: AbstractMesh) -> None:
+    """Refuse random ops whose result is replicated over a mesh axis: every rank draws
+    from its own generator, so the replicas would silently differ."""
+    if op.name not in _RANDOM:
+        return
+    from pxform.ops import bind
+
+    args = bind(op)
+    if op.name.endswith("dropout") and (args.get("p") == 0 or args.get("train") is False):
+        return  # drops nothing
+    used = strategy.outputs[0].used_axes() if strategy.outputs else frozenset()
+    replicated = [a for a in mesh.names if mesh.axis_size(a) > 1 and a not in used]
+    if replicated:
+        from pxform.errors import UnsupportedOpError
+
+        a = replicated[0]
+        raise UnsupportedOpError(
+            f"pxform.shard({graph.name}): {op} at {op.source or 'an unknown line'} draws "
+            f"random numbers for a value replicated over mesh axis {a!r} (size "
+            f"{mesh.axis_size(a)}) of {mesh}: each rank would draw its own, and the replicas "
+            f"would silently diverge.\n  Fix: make it deterministic under this mesh (dropout "
+            f"p=0 or eval mode), or lay the value out split over {a!r} (e.g. sequence "
+            f"parallel) so each rank draws for its own piece.")
+
+
 # ---------------------------------------------------------------- propagation
 
 def propagate(graph: Graph, mesh: AbstractMesh, input_layouts: list[Layout]) -> list[Strategy]:
@@ -255,6 +286,9 @@ def propagate(graph: Graph, mesh: AbstractMesh, input_layouts: list[Layout]) -> 
     layouts: dict[str, Layout] = {v.name: lay for v, lay in zip(graph.inputs, input_layouts)}
     for c in graph.constants:
         layouts[c.value.name] = Layout.replicated(c.value.type.rank)
+    # layouts a value is already converted to for an earlier consumer: free to reuse
+    # (the lowering converts once per value and layout)
+    made: set[tuple[str, Layout]] = set()
     chosen = []
     for op in graph.ops:
         best: tuple[float, int, float] | None = None
@@ -263,6 +297,8 @@ def propagate(graph: Graph, mesh: AbstractMesh, input_layouts: list[Layout]) -> 
             comm = 0.0
             moves = 0
             for i, v in enumerate(op.inputs):
+                if (v.name, s.inputs[i]) in made:
+                    continue
                 t = v.type
                 fwd = _plan(t.shape, t.dtype.itemsize, layouts[v.name], s.inputs[i], mesh)
                 comm += fwd.cost
@@ -273,6 +309,7 @@ def propagate(graph: Graph, mesh: AbstractMesh, input_layouts: list[Layout]) -> 
                 best, pick = key, s
         assert pick is not None  # "replicate everywhere" is always a strategy
         chosen.append(pick)
+        made.update((v.name, need) for v, need in zip(op.inputs, pick.inputs))
         for v, lay in zip(op.outputs, pick.outputs):
             layouts[v.name] = lay
     return chosen

@@ -34,7 +34,7 @@ _NONLINEAR = [
     "sign", "silu", "sin", "sinh", "softplus", "sqrt", "square", "tan", "tanh", "trunc",
     "eq", "ne", "lt", "le", "gt", "ge", "bitwise_and", "bitwise_or", "bitwise_xor",
     "bitwise_not", "__and__", "__or__", "__xor__", "__lshift__", "__rshift__", "where",
-    "masked_fill", "dropout", "feature_dropout", "alpha_dropout", "bernoulli",
+    "masked_fill", "bernoulli",
     "xlogy", "heaviside", "copysign", "hypot", "logaddexp", "sgn", "signbit",
     "addcmul", "addcdiv", "threshold", "prelu",
 ]
@@ -82,6 +82,17 @@ def _triangular(op: Op) -> OpInfo:
 
 @register_rule(*overloads("native_dropout"))
 def _native_dropout(op: Op) -> OpInfo:
+    return pointwise_info(op)  # (output, mask): the mask never passes a partial sum
+
+
+@register_rule(*overloads("dropout", "feature_dropout", "alpha_dropout"))
+def _dropout(op: Op) -> OpInfo:
+    """Dropout that drops nothing (p = 0, or not training) is the identity, so linear:
+    partial sums pass through it (Megatron's row-parallel output can be reduce-scattered
+    after the dropout). Otherwise its mask makes it nonlinear."""
+    args = bind(op)
+    if args.get("p") == 0 or args.get("train") is False:
+        return pointwise_info(op, [{0}])
     return pointwise_info(op)
 
 

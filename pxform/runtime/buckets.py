@@ -151,10 +151,10 @@ def _start(grads: Sequence[torch.Tensor], steps: Sequence[Step], axes: AxisGroup
     if kind == "all_reduce":
         return fc.all_reduce(torch.cat([g.reshape(-1) for g in grads]), "sum", group)
     if kind == "all_gather":
-        return fc.all_gather_tensor(torch.cat([g.reshape(-1) for g in grads]), 0, group)
+        return fc.all_gather_single(torch.cat([g.reshape(-1) for g in grads]), 0, group)
     pieces = [g.chunk(n, dim=_dim(s)) for g, s in zip(grads, steps)]
     flat = torch.cat([p[r].reshape(-1) for r in range(n) for p in pieces])
-    return fc.reduce_scatter_tensor(flat, "sum", 0, group)
+    return fc.reduce_scatter_single(flat, "sum", 0, group)
 
 
 def _end(buffer: torch.Tensor, steps: Sequence[Step], shapes: Sequence[tuple[int, ...]],

@@ -1,0 +1,184 @@
+"""Shared helpers of the side-by-side benchmarks (`overhead.py`, `dp_vs_ddp.py`,
+`sdp_vs_fsdp2.py`): interleaved timing, summaries, the GPT as an `nn.Module` for DDP and
+FSDP2, and the result file.
+
+Two contenders are timed in alternating blocks (A B, B A, A B, ...) of `steps` calls each;
+each block gives one per-step time. Figures are medians over the blocks, and the ratio is
+computed from times taken side by side in the same run, so slow drift of a shared machine
+hits both contenders alike.
+"""
+
+from __future__ import annotations
+
+import datetime
+import gc
+import json
+import os
+import platform
+import socket
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULTS = os.path.join(ROOT, "benchmarks", "results")
+DATE = datetime.date.today().isoformat()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def add_paths() -> None:
+    """Make `examples/gpt.py` and the benchmark modules importable (also on worker ranks)."""
+    for sub in ("examples", "benchmarks"):
+        path = os.path.join(ROOT, sub)
+        if path not in sys.path:
+            sys.path.insert(0, path)
+
+
+def interleave(contenders: dict[str, Callable[[], Any]], reps: int, steps: int,
+               sync: Callable[[], Any] | None = None) -> dict[str, list[float]]:
+    """Seconds per call of each contender, one figure per block of `steps` calls; the
+    order of the contenders alternates from one repetition to the next. `sync` runs
+    before every block, untimed (a barrier on multi-rank runs)."""
+    names = list(contenders)
+    times: dict[str, list[float]] = {n: [] for n in names}
+    for rep in range(reps):
+        for name in (names if rep % 2 == 0 else names[::-1]):
+            gc.collect()
+            if sync is not None:
+                sync()
+            fn = contenders[name]
+            start = time.perf_counter()
+            for _ in range(steps):
+                fn()
+            times[name].append((time.perf_counter() - start) / steps)
+    return times
+
+
+def slowest_rank(per_rank: list[dict[str, list[float]]]) -> dict[str, list[float]]:
+    """Per block, the slowest rank's time: a step is done when every rank is done."""
+    return {name: [max(r[name][i] for r in per_rank) for i in range(len(per_rank[0][name]))]
+            for name in per_rank[0]}
+
+
+def summarise(times: dict[str, list[float]], num: str, den: str) -> dict[str, Any]:
+    """Medians (and quartiles) per contender, and `num`/`den` as the ratio of the medians
+    and as the median of the per-repetition ratios (the blocks of one repetition ran back
+    to back)."""
+    def quartiles(xs: list[float]) -> list[float]:
+        if len(xs) < 2:
+            return [xs[0]] * 3
+        q = statistics.quantiles(xs, n=4)
+        return [q[0], statistics.median(xs), q[2]]
+
+    out: dict[str, Any] = {"per_step_s": {}, "quartiles_s": {}, "blocks_s": times}
+    for name, xs in times.items():
+        out["per_step_s"][name] = statistics.median(xs)
+        out["quartiles_s"][name] = quartiles(xs)
+    paired = [a / b for a, b in zip(times[num], times[den])]
+    out["ratio"] = {"what": f"{num}/{den}",
+                    "of_medians": out["per_step_s"][num] / out["per_step_s"][den],
+                    "median_paired": statistics.median(paired),
+                    "paired_quartiles": quartiles(paired)}
+    return out
+
+
+def max_abs_diff(a: Any, b: Any) -> float:
+    """The largest absolute difference between two equal-length lists of tensors."""
+    return max(float((x.detach() - y.detach()).abs().max()) for x, y in zip(a, b))
+
+
+def counts(items: list[str]) -> str:
+    """`['a', 'b', 'a']` as `'2 x a, 1 x b'` (collective lists, compactly)."""
+    seen: dict[str, int] = {}
+    for item in items:
+        seen[item] = seen.get(item, 0) + 1
+    return ", ".join(f"{n} x {k}" for k, n in seen.items()) or "none"
+
+
+def machine() -> dict[str, Any]:
+    import torch
+
+    return {"python": platform.python_version(), "cpus": os.cpu_count(),
+            "platform": platform.platform(), "torch": torch.__version__}
+
+
+def write_result(name: str, result: dict[str, Any], out_dir: str = RESULTS,
+                 variant: str = "") -> str:
+    """Write `<name>[-<variant>]-<date>.json` (a variant: a run with non-default options
+    worth keeping beside the default one)."""
+    result = {"benchmark": name, "variant": variant or "default", "date": DATE,
+              "machine": machine(), **result}
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, f"{name}{'-' + variant if variant else ''}-{DATE}.json")
+    with open(path, "w") as f:
+        json.dump(result, f, indent=2)
+    return path
+
+
+def print_table(summary: dict[str, Any], unit: str = "ms") -> None:
+    scale = 1e3 if unit == "ms" else 1.0
+    for name, med in summary["per_step_s"].items():
+        q = summary["quartiles_s"][name]
+        print(f"  {name:>8}: {med * scale:8.2f} {unit}/step  ({1 / med:7.2f} steps/s; "
+              f"quartiles {q[0] * scale:.2f} .. {q[2] * scale:.2f} {unit})")
+    r = summary["ratio"]
+    print(f"  ratio {r['what']}: {r['of_medians']:.3f} (of medians), "
+          f"{r['median_paired']:.3f} (median of paired blocks; quartiles "
+          f"{r['paired_quartiles'][0]:.3f} .. {r['paired_quartiles'][2]:.3f})")
+
+
+# ---------------------------------------------------------------- the GPT as an nn.Module
+
+def gpt_module(cfg: Any, params: dict) -> Any:
+    """`examples/gpt.py`'s model as an `nn.Module` holding copies of `params` (same
+    values), for DDP and FSDP2. Each transformer block is a submodule whose forward calls
+    `gpt.block` with its parameters as a dict, so FSDP2 can shard and gather per block; the
+    root computes the rest exactly as `gpt.gpt` and `gpt.loss_fn` do (the benchmarks check
+    loss and gradients against pxform before timing)."""
+    import gpt
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    class Block(nn.Module):
+        def __init__(self, p: dict) -> None:
+            super().__init__()
+            self.names = list(p)
+            for k, v in p.items():
+                self.register_parameter(k, nn.Parameter(v.detach().clone()))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return gpt.block({k: getattr(self, k) for k in self.names}, x, cfg)
+
+    class GPT(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            for k in ("wte", "wpe", "lnf_w", "lnf_b"):
+                self.register_parameter(k, nn.Parameter(params[k].detach().clone()))
+            self.blocks = nn.ModuleList(Block(p) for p in params["blocks"])
+
+        def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+            pos = torch.arange(idx.shape[1], device=idx.device)
+            x = F.embedding(idx, self.wte) + F.embedding(pos, self.wpe)
+            x = F.dropout(x, cfg.dropout)
+            for blk in self.blocks:
+                x = blk(x)
+            x = F.layer_norm(x, (cfg.d_model,), self.lnf_w, self.lnf_b)
+            logits = F.linear(x, self.wte)
+            return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100)
+
+        def grad_tree(self) -> dict:
+            """The `.grad`s, nested like `gpt.init_params` (compare with `optree`)."""
+            tree = {k: getattr(self, k).grad for k in ("wte", "wpe", "lnf_w", "lnf_b")}
+            tree["blocks"] = [{k: getattr(blk, k).grad for k in blk.names}
+                              for blk in self.blocks]
+            return tree
+
+    return GPT()
