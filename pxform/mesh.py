@@ -15,6 +15,7 @@ import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from pxform.errors import SpecError
 from pxform.spec import P
@@ -100,7 +101,7 @@ def check_spec(spec: P, shape: tuple[int, ...], mesh: AbstractMesh, *, fn: str,
                     f"{where}: mesh axis {axis!r} (dim {d}) is not in the mesh.\n"
                     f"  Fix: use one of {list(mesh.names)}.")
     for axis, dims in spec.repeated_axes().items():
-        fixed = [None] * len(spec)
+        fixed: list[Any] = [None] * len(spec)
         for d in range(len(spec)):
             fixed[d] = spec.entries[d] if d == dims[0] or axis not in spec.axes_of(d) else \
                 tuple(a for a in spec.axes_of(d) if a != axis) or None
