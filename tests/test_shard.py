@@ -174,6 +174,26 @@ def test_spec_errors_name_function_path_shape_mesh_and_fix(world2):
         "ranks.\n  Fix: make the axis sizes multiply to 2, or launch 4 processes.")
 
 
+def test_checkpoint_saved_on_two_ranks_loads_on_four_with_another_layout(world2, tmp_path):
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    path = str(tmp_path / "ckpt")
+    saved = world2.run(W.save_checkpoint, path)[0]
+    assert saved == ["[Shard(dim=0)]"]  # ZeRO-3 on dp=2: every parameter split
+    with World(4) as w4:
+        for r in w4.run(W.load_checkpoint, path):
+            assert r["value_err"] == 0.0 and r["grad_err"] < 1e-12 and r["loss_err"] < 1e-12
+            assert "[Replicate(), Shard(dim=0)]" in r["placements"]  # Megatron on tp
+    # and in one process without torch.distributed, as plain full tensors
+    _, params, _, _ = W._gpt_params_and_specs("tp")
+    state = {"params": W._zeros_like(params)}
+    with pytest.warns(UserWarning, match="assuming the intent is to load in a single process"):
+        dcp.load(state, checkpoint_id=path, no_dist=True)
+    for a, b in zip(W._leaves(state["params"]), W._leaves(params)):
+        assert torch.equal(a, b)
+
+
 def test_dp_by_tp_on_four_ranks():
     with World(4) as w4:
         params, batch = W.big_mlp_args(batch=8)

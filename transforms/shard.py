@@ -150,10 +150,14 @@ class Sharded:
         buckets = GradBuckets(axes, int(self.bucket_mb * 2**20)) if grad_argnums else None
         with torch.set_grad_enabled(bool(grad_argnums) or torch.is_grad_enabled()):
             outs = execute(program, local, axes, buckets)
-        value = optree.tree_unflatten(traced.out_tree, [
-            _wrap_output(o, v, mesh) for o, v in zip(outs, program.outputs)])
         if not grad_argnums:
+            value = optree.tree_unflatten(traced.out_tree, [
+                _wrap_output(o, v, mesh) for o, v in zip(outs, program.outputs)])
             return value, None
+        # value_and_grad returns values, not graphs: detached, as on a plain function
+        value = optree.tree_unflatten(traced.out_tree, [
+            _wrap_output(o.detach() if isinstance(o, torch.Tensor) else o, v, mesh)
+            for o, v in zip(outs, program.outputs)])
         loss = outs[0]
         if not (isinstance(loss, torch.Tensor) and loss.dim() == 0):
             raise SpecError(f"pxform.value_and_grad({self.__name__}): the function must return "
