@@ -288,10 +288,7 @@ def bucket_packing():
 
 def _gpt_params_and_specs(kind):
     fn, (params, batch), tp_spec = gpt_case(tp_mlp=True)
-    if kind == "zero3":
-        specs = optree_map_specs(params)
-    else:
-        specs = tp_spec
+    specs = optree_map_specs(params) if kind == "zero3" else tp_spec
     return fn, params, batch, specs
 
 
