@@ -186,3 +186,59 @@ def fake_world(num_ranks: int, rank: int = 0) -> Iterator[None]:
         yield
     finally:
         dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------- hypothesis strategies
+# Built on first use, so pxform.testing imports without hypothesis installed.
+
+def meshes(num_devices: int, max_axes: int = 3, names: tuple[str, ...] = ("a", "b", "c")
+           ) -> Any:
+    """Hypothesis strategy: `AbstractMesh`es of 1 to `max_axes` axes whose sizes multiply to
+    `num_devices` (size-1 axes included).
+
+    Example:
+        >>> @given(mesh=meshes(4))
+        ... def test_something(mesh): ...
+    """
+    from hypothesis import strategies as st
+
+    from pxform.mesh import AbstractMesh
+
+    def factorings(n: int, k: int) -> list[tuple[int, ...]]:
+        if k == 1:
+            return [(n,)]
+        return [(d, *rest) for d in range(1, n + 1) if n % d == 0
+                for rest in factorings(n // d, k - 1)]
+
+    choices = [AbstractMesh(dict(zip(names, sizes)))
+               for k in range(1, max_axes + 1) for sizes in factorings(num_devices, k)]
+    return st.sampled_from(choices)
+
+
+def divisible_shapes(mesh: Any, rank: int, max_multiple: int = 2) -> Any:
+    """Hypothesis strategy: shapes of `rank` dims, each a multiple of the mesh's size, so
+    that every spec over the mesh divides them."""
+    from hypothesis import strategies as st
+
+    return st.tuples(*[st.integers(1, max_multiple).map(lambda k: k * mesh.size)
+                       for _ in range(rank)])
+
+
+def specs(mesh: Any, rank: int) -> Any:
+    """Hypothesis strategy: `P` specs for a tensor of `rank` dims over `mesh`: each axis
+    splits one dim or none; several axes on one dim appear in mesh order."""
+    from hypothesis import strategies as st
+
+    from pxform.spec import P
+
+    def build(where: tuple[int | None, ...]) -> P:
+        dims: list[list[str]] = [[] for _ in range(rank)]
+        for axis, d in zip(mesh.names, where):
+            if d is not None:
+                dims[d].append(axis)
+        return P(*[None if not a else a[0] if len(a) == 1 else tuple(a) for a in dims])
+
+    if rank == 0:
+        return st.just(P())
+    choice = st.one_of(st.none(), st.integers(0, rank - 1))
+    return st.tuples(*[choice for _ in mesh.names]).map(build)

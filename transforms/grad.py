@@ -72,7 +72,9 @@ def _plain(fn: Callable[..., Any], args: tuple[Any, ...], nums: tuple[int, ...],
                           f"tensor, got {getattr(value, 'shape', type(value).__name__)}")
     wanted = [x for n in nums for x in leaves_per_arg[n]
               if isinstance(x, torch.Tensor) and x.requires_grad]
-    grads = iter(torch.autograd.grad(value, wanted, allow_unused=True))
+    # a value that does not depend on the arguments has zero gradients
+    grads = iter(torch.autograd.grad(value, wanted, allow_unused=True)
+                 if wanted and value.requires_grad else [None] * len(wanted))
     per_arg = []
     for n in nums:
         def pick(x: Any) -> Any:

@@ -163,7 +163,9 @@ class Sharded:
             raise SpecError(f"pxform.value_and_grad({self.__name__}): the function must return "
                             f"a scalar tensor (its first output), got {type(loss).__name__}")
         needed = [t for t, w in zip(local, wants) if w]
-        grads = torch.autograd.grad(loss, needed, allow_unused=True) if needed else ()
+        # a value that does not depend on the arguments has zero gradients
+        grads: Any = (torch.autograd.grad(loss, needed, allow_unused=True)
+                      if needed and loss.requires_grad else [None] * len(needed))
         assert buckets is not None
         reduced = buckets.finish()  # every bucketed collective has completed here
         self._last["bucket_stats"] = buckets.stats

@@ -15,12 +15,10 @@ larger than this machine (a 1,024-rank mesh) are checked here.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from pxform.errors import GraphCheckError
-from pxform.ir import DEVICE, TensorType, map_values
+from pxform.ir import DEVICE, TensorType
 from pxform.layout import Layout, SpecError, apply_step
 from pxform.lower.spmd import CallInstr, ConvertInstr, Program, layout_of
 from pxform.ops.strategy import strategies
@@ -57,15 +55,14 @@ def check_program(program: Program) -> None:
             metas[instr.dst.name] = _meta(instr.dst.type, program)
             continue
         assert isinstance(instr, CallInstr)
-        local = dict(instr.inputs)
         op = instr.op
         where = f"{op}"
-        ins = tuple(layout_of(types[local[v.name]]) for v in op.inputs)
+        ins = tuple(layout_of(types[local]) for _, local in instr.inputs)
         outs = tuple(layout_of(v.type) for v in instr.outputs)
         if not any(s.inputs == ins and s.outputs == outs for s in strategies(op, mesh)):
             raise fail(where, f"inputs laid out as {list(ins)} and outputs as {list(outs)} "
                               f"are not a strategy of {op.name}")
-        results = _run_meta(instr, local, metas)
+        results = _run_meta(instr, metas)
         if len(results) != len(instr.outputs):
             raise fail(where, f"the local op gives {len(results)} tensors, the program "
                               f"expects {len(instr.outputs)}")
@@ -84,17 +81,12 @@ def _meta(t: TensorType, program: Program) -> torch.Tensor:
     return torch.empty(shape, dtype=t.dtype, device="meta")
 
 
-def _run_meta(instr: CallInstr, local: dict[str, str], metas: dict[str, torch.Tensor]
-              ) -> list[torch.Tensor]:
-    def arg(a: Any) -> Any:
-        if a is DEVICE:
-            return torch.device("meta")
-        return map_values(a, lambda v: metas[local[v.name]])
-
-    call = instr.call
+def _run_meta(instr: CallInstr, metas: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+    args, kwargs = instr.local_args(lambda name: metas[name])
+    meta = torch.device("meta")
     with torch.no_grad():
-        result = call.target(*[arg(a) for a in call.args],
-                             **{k: arg(a) for k, a in call.kwargs})
+        result = instr.call.target(*[meta if a is DEVICE else a for a in args],
+                                   **{k: meta if a is DEVICE else a for k, a in kwargs.items()})
     items = result if isinstance(result, (list, tuple)) else [result]
     return [r for r in items if isinstance(r, torch.Tensor)]
 

@@ -54,12 +54,30 @@ class ConvertInstr:
 
 @dataclass(frozen=True, slots=True)
 class CallInstr:
-    """One op on local shards; `inputs` maps the op's input names to local value names."""
+    """One op on local shards. `inputs` pairs each of the op's tensor inputs, in argument
+    order, with the local value it reads: positionally, since one value may be read in two
+    layouts by one op (attention's q and v both `x`, one replicated, one partial)."""
 
     op: Op
     call: LocalCall
     inputs: tuple[tuple[str, str], ...]
     outputs: tuple[Value, ...]
+
+    def local_args(self, resolve: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """The call's args and kwargs with the i-th tensor input replaced by
+        `resolve(local name of input i)` (the walk order of `Op.inputs`)."""
+        names = iter([local for _, local in self.inputs])
+
+        def sub(v: Value) -> Any:
+            return resolve(next(names))
+
+        args = tuple(map_values(a, sub) for a in self.call.args)
+        kwargs = {k: map_values(a, sub) for k, a in self.call.kwargs}
+        return args, kwargs
+
+    def local_input(self, value: Value) -> str:
+        """The local name read for the first occurrence of `value` among the inputs."""
+        return next(local for name, local in self.inputs if name == value.name)
 
 
 Instr = ConvertInstr | CallInstr
@@ -122,10 +140,9 @@ class Program:
                 lines.append(f"  {typed(instr.dst)} = convert(%{instr.src})  "
                              f"# fwd: {fwd} | bwd: {bwd}")
             else:
-                names = dict(instr.inputs)
-                args = [map_values(a, lambda v, n=names: Value(n[v.name], v.type))
-                        for a in instr.call.args]
-                shown = Op(instr.call.target, tuple(args), instr.outputs, instr.call.kwargs)
+                types = iter(v.type for v in instr.op.inputs)
+                args, kwargs = instr.local_args(lambda name, t=types: Value(name, next(t)))
+                shown = Op(instr.call.target, args, instr.outputs, tuple(kwargs.items()))
                 extra = ""
                 if instr.call.scale != 1.0:
                     extra += f" * {instr.call.scale:g}"

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 import torch.fx
 
-from pxform.ir import DEVICE, Value, map_values
+from pxform.ir import DEVICE, Value
 from pxform.layout import Step
 from pxform.lower.local import CountSpec
 from pxform.lower.spmd import CallInstr, ConvertInstr, Program
@@ -186,16 +186,10 @@ def build(program: Program) -> torch.fx.GraphModule:
             env[instr.dst.name] = node
             continue
         assert isinstance(instr, CallInstr)
-        local = dict(instr.inputs)
-
-        def arg(a: Any, local: dict[str, str] = local) -> Any:
-            if a is DEVICE:
-                return get_device()
-            return map_values(a, lambda value: env[local[value.name]])
-
         call = instr.call
-        args = tuple(arg(a) for a in call.args)
-        kwargs = {k: arg(a) for k, a in call.kwargs}
+        args, kwargs = instr.local_args(lambda name: env[name])
+        args = tuple(get_device() if a is DEVICE else a for a in args)
+        kwargs = {k: get_device() if a is DEVICE else a for k, a in kwargs.items()}
         if instr.op.grad:
             node = graph.call_function(call.target, args, kwargs)
         else:
@@ -212,9 +206,9 @@ def build(program: Program) -> torch.fx.GraphModule:
             name = f"count_{num}"
             root.add_module(name, GlobalCount(call.count))
             b = _bound_inputs(instr)
-            count = graph.call_module(name, (env[local[b["target"]]],
-                                             env[local[b["weight"]]] if "weight" in b else None,
-                                             env[local[b["self"]]]))
+            count = graph.call_module(name, (env[b["target"]],
+                                             env[b["weight"]] if "weight" in b else None,
+                                             env[b["self"]]))
             outs = [graph.call_function(operator.truediv, (o, count)) for o in outs]
         for v, o in zip(instr.outputs, outs):
             o.meta["local_shape"] = program.local_shape(v)
@@ -226,14 +220,12 @@ def build(program: Program) -> torch.fx.GraphModule:
 
 
 def _bound_inputs(instr: CallInstr) -> dict[str, str]:
-    """The op's tensor arguments by schema name (`self`, `target`, `weight`) -> value name."""
+    """The op's tensor arguments by schema name (`self`, `target`, `weight`) -> the local
+    value the call reads for them."""
     from pxform.ops import bind as bind_args
 
-    out = {}
-    for k, v in bind_args(instr.op).items():
-        if isinstance(v, Value):
-            out[k] = v.name
-    return out
+    return {k: instr.local_input(v) for k, v in bind_args(instr.op).items()
+            if isinstance(v, Value)}
 
 
 def _ident(name: str) -> str:
