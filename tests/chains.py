@@ -151,7 +151,7 @@ def run_cases(cases):
             params, batch = make_args(len(blocks))
             step = pxform.shard(fn, mesh=_MESHES[key], in_specs=(pspecs, bspecs),
                                 out_specs=(None, out_spec))
-            (value, x), grads = pxform.value_and_grad(step)(params, batch)
+            (value, x), grads = pxform.value_and_grad(step, has_aux=True)(params, batch)
             ref_params = optree.tree_map(lambda t: t.clone().requires_grad_(), params)
             ref_value, ref_x = fn(ref_params, batch)
             ref_grads = (torch.autograd.grad(ref_value, list(ref_params.values()),

@@ -348,3 +348,31 @@ def _zeros_like(tree):
     import optree
 
     return optree.tree_map(torch.zeros_like, tree)
+
+
+def has_aux_case():
+    """value_and_grad(has_aux=True) on a sharded function: aux comes back laid out per the
+    out_specs; without has_aux a tuple output is refused."""
+    import pxform
+
+    def mlp_with_aux(params, batch):
+        h = F.gelu(F.linear(batch["x"], params["w1"], params["b1"]))
+        return ((h @ params["w2"] - batch["y"]) ** 2).mean(), {"h": h}
+
+    params, batch = big_mlp_args()
+    step = pxform.shard(mlp_with_aux, mesh=pxform.Mesh({"dp": 2}),
+                        in_specs=(None, {"x": P("dp"), "y": P("dp")}),
+                        out_specs=(None, {"h": P("dp")}))
+    (loss, aux), grads = pxform.value_and_grad(step, has_aux=True)(params, batch)
+    (ref_loss, ref_aux), ref_grads = pxform.value_and_grad(mlp_with_aux, has_aux=True)(
+        params, batch)
+    try:
+        pxform.value_and_grad(step)(params, batch)
+        error = "no error"
+    except pxform.PxformError as exc:
+        error = str(exc)
+    return {"loss_err": abs(float(loss) - float(ref_loss)),
+            "aux_err": (pxform.gather(aux["h"]) - ref_aux["h"]).abs().max().item(),
+            "aux_type": type(aux["h"]).__name__,
+            "grad_err": max((grads[k] - ref_grads[k]).abs().max().item() for k in grads),
+            "error": error}

@@ -146,6 +146,15 @@ def test_gpt2_sequence_parallel(world2):
     assert r["fwd"][:6] == per_layer * 2
 
 
+def test_value_and_grad_with_aux_on_a_sharded_function(world2):
+    for r in world2.run(W.has_aux_case):
+        assert r["loss_err"] < 1e-12 and r["aux_err"] == 0.0 and r["grad_err"] < 1e-12
+        assert r["aux_type"] == "DTensor"  # laid out per out_specs: split over dp
+        assert r["error"] == ("pxform.value_and_grad(shard(mlp_with_aux)): the function must "
+                              "return a scalar tensor, got tuple; return (value, aux) with "
+                              "has_aux=True")
+
+
 def test_random_ops_on_replicated_values_are_refused(world2):
     msg = world2.run(W.dropout_error)[0]
     assert msg.startswith("pxform.shard(dropout_mlp): %3: f64[4,4] = dropout(%2, 0.1, True) at "

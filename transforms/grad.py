@@ -42,10 +42,15 @@ def value_and_grad(fn: Callable[..., Any], argnums: int | tuple[int, ...] = 0,
                 raise PxformError(f"pxform.value_and_grad({name}): argnums {nums} but the "
                                   f"function was called with {len(args)} arguments")
         if isinstance(fn, Sharded):
-            if has_aux:
-                raise PxformError(f"pxform.value_and_grad({name}): has_aux is not supported "
-                                  f"on sharded functions yet; return the loss only")
-            return fn.run(args, nums)
+            value, grads = fn.run(args, nums)
+            if has_aux and not (isinstance(value, tuple) and len(value) == 2):
+                raise PxformError(f"pxform.value_and_grad({name}, has_aux=True): the function "
+                                  f"must return (value, aux), got {type(value).__name__}")
+            if not has_aux and not isinstance(value, torch.Tensor):
+                raise PxformError(f"pxform.value_and_grad({name}): the function must return "
+                                  f"a scalar tensor, got {type(value).__name__}; return "
+                                  f"(value, aux) with has_aux=True")
+            return value, grads
         return _plain(fn, args, nums, has_aux, name)
 
     wrapped.__name__ = f"value_and_grad({name})"
