@@ -153,6 +153,7 @@ def main() -> None:
           f"({summary['ratio']['of_medians']:.4f})")
     if args.quick:
         return
+    tag = harness.variant(args, parser, {"config": "", "batch": "batch", "ranks": "ranks"})
     path = harness.write_result("dp_vs_ddp", {
         "goal": {"ddp_time_over_pxform_time": 1.0},
         "config": {"model": args.config, "params": cfg.num_params(), "global_batch":
@@ -167,7 +168,7 @@ def main() -> None:
         "pxform_buckets": r0["pxform_buckets"], "ddp_bucket_sizes": r0["ddp_bucket_sizes"],
         "per_rank_blocks_s": [r["times"] for r in per_rank],
         **summary,
-    }, args.out)
+    }, args.out, variant=tag)
     print(f"wrote {path}")
 
 

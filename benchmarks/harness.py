@@ -109,6 +109,17 @@ def machine() -> dict[str, Any]:
             "platform": platform.platform(), "torch": torch.__version__}
 
 
+def variant(args: Any, parser: Any, names: dict[str, str]) -> str:
+    """A result-file suffix naming the options in `names` ({dest: label}) that differ from
+    their defaults, e.g. `threads1-batch64`; empty for a default run."""
+    parts = []
+    for dest, label in names.items():
+        value = getattr(args, dest)
+        if value != parser.get_default(dest):
+            parts.append(f"{label}{value}")
+    return "-".join(parts)
+
+
 def write_result(name: str, result: dict[str, Any], out_dir: str = RESULTS,
                  variant: str = "") -> str:
     """Write `<name>[-<variant>]-<date>.json` (a variant: a run with non-default options

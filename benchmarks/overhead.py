@@ -110,6 +110,7 @@ def main() -> None:
     if args.quick:
         dist.destroy_process_group()
         return
+    tag = harness.variant(args, parser, {"config": "", "batch": "batch", "threads": "threads"})
     path = harness.write_result("overhead", {
         "goal": {"pxform_over_eager_steps_per_s": 0.97},
         "config": {"model": args.config, "params": cfg.num_params(), "batch": args.batch,
@@ -120,7 +121,7 @@ def main() -> None:
         "first_call_s": first_call, "compile_s": compile_s,
         "steps_per_s": {k: 1 / v for k, v in summary["per_step_s"].items()},
         **summary,
-    }, args.out, variant=f"threads{args.threads}" if args.threads else "")
+    }, args.out, variant=tag)
     print(f"wrote {path}")
     dist.destroy_process_group()
 

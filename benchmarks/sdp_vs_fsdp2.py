@@ -173,6 +173,8 @@ def main() -> None:
           f"({summary['ratio']['of_medians']:.4f})")
     if args.quick:
         return
+    tag = harness.variant(args, parser, {"config": "", "wrap": "wrap-", "batch": "batch",
+                                         "ranks": "ranks"})
     path = harness.write_result("sdp_vs_fsdp2", {
         "goal": {"fsdp2_time_over_pxform_time": 1.0},
         "config": {"model": args.config, "params": cfg.num_params(), "global_batch":
@@ -187,7 +189,7 @@ def main() -> None:
         "pxform_buckets": r0["pxform_buckets"],
         "per_rank_blocks_s": [r["times"] for r in per_rank],
         **summary,
-    }, args.out, variant="" if args.wrap == "blocks" else f"wrap-{args.wrap}")
+    }, args.out, variant=tag)
     print(f"wrote {path}")
 
 
