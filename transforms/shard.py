@@ -19,6 +19,7 @@ from typing import Any
 
 import optree
 import torch
+from torch.distributed.tensor import DTensor
 
 from pxform.errors import SpecError
 from pxform.layout import Layout
@@ -133,7 +134,9 @@ class Sharded:
 
         mesh = self._bound_mesh("call")
         traced, program, layouts = self._compile(args)
-        axes = mesh_axes(mesh)
+        if "axes" not in self._last:  # process groups and coordinates: once per function
+            self._last["axes"] = mesh_axes(mesh)
+        axes = self._last["axes"]
         leaves, _ = optree.tree_flatten(args, is_leaf=_is_dtensor)  # type: ignore[arg-type]
         arg_of_leaf = _leaf_arg_index(args)
         local: list[torch.Tensor] = []
@@ -254,8 +257,6 @@ def mesh_axes(mesh: Mesh):  # type: ignore[no-untyped-def]
 
 
 def _is_dtensor(x: Any) -> bool:
-    from torch.distributed.tensor import DTensor
-
     return isinstance(x, DTensor)
 
 
@@ -274,6 +275,8 @@ def _local_input(leaf: Any, layout: Layout, axes: Any, mesh: AbstractMesh) -> to
         if list(leaf.placements) != want:
             leaf = leaf.redistribute(placements=want)
         return leaf.to_local()
+    if not layout.used_axes():
+        return leaf  # replicated: the whole tensor is this rank's piece
     return local_shard(leaf, layout, axes)
 
 
