@@ -27,6 +27,37 @@ RESULTS = os.path.join(ROOT, "benchmarks", "results")
 DATE = datetime.date.today().isoformat()
 
 
+def parser(doc: str, batch: int, reps: int, steps: int, ranks: bool = False) -> Any:
+    """The flags every benchmark takes (`--config --batch --reps --steps --warmup --quick
+    --out`, and `--ranks --bucket-mb` for multi-rank ones); add more, then `parse`."""
+    import argparse
+
+    p = argparse.ArgumentParser(description=doc.splitlines()[0])
+    p.add_argument("--config", default="small", help="a key of gpt.GPT_CONFIGS")
+    p.add_argument("--batch", type=int, default=batch,
+                   help="global sequences per step" if ranks else "sequences per step")
+    if ranks:
+        p.add_argument("--ranks", type=int, default=2)
+        p.add_argument("--bucket-mb", type=float, default=25.0, help="pxform's buckets")
+    p.add_argument("--reps", type=int, default=reps, help="timed blocks per contender")
+    p.add_argument("--steps", type=int, default=steps, help="steps per timed block")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps of each first")
+    p.add_argument("--quick", action="store_true",
+                   help="3 blocks of 2 steps; a smoke run: writes no result")
+    p.add_argument("--out", default=RESULTS)
+    return p
+
+
+def parse(p: Any) -> Any:
+    """Parse the flags; `--quick` shrinks the run; the batch must split over the ranks."""
+    args = p.parse_args()
+    if args.quick:
+        args.reps, args.steps, args.warmup = 3, 2, 1
+    if getattr(args, "ranks", 1) and args.batch % getattr(args, "ranks", 1):
+        p.error(f"--batch {args.batch} must be a multiple of --ranks {args.ranks}")
+    return args
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -19,7 +19,6 @@ Reported: steps/s of each and the ratio pxform/eager in steps/s (goal >= 0.97).
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import sys
@@ -30,20 +29,10 @@ import harness  # noqa: E402
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", default="small", help="a key of gpt.GPT_CONFIGS")
-    parser.add_argument("--batch", type=int, default=8, help="sequences per step")
-    parser.add_argument("--reps", type=int, default=40, help="timed blocks per contender")
-    parser.add_argument("--steps", type=int, default=10, help="steps per timed block")
-    parser.add_argument("--warmup", type=int, default=3, help="untimed steps of each first")
+    parser = harness.parser(__doc__, batch=8, reps=40, steps=10)
     parser.add_argument("--threads", type=int, default=0,
                         help="torch intra-op threads (0: torch's default)")
-    parser.add_argument("--quick", action="store_true",
-                        help="3 blocks of 2 steps; a smoke run: writes no result")
-    parser.add_argument("--out", default=harness.RESULTS)
-    args = parser.parse_args()
-    if args.quick:
-        args.reps, args.steps, args.warmup = 3, 2, 1
+    args = harness.parse(parser)
     harness.add_paths()
     import gpt
     import optree

@@ -26,7 +26,6 @@ time (> 1: pxform faster; goal >= 1.0).
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
@@ -120,24 +119,10 @@ def rank_main(cfg_name: str, batch_size: int, bucket_mb: float, wrap: str, reps:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", default="small", help="a key of gpt.GPT_CONFIGS")
-    parser.add_argument("--batch", type=int, default=16, help="global sequences per step")
-    parser.add_argument("--ranks", type=int, default=2)
-    parser.add_argument("--bucket-mb", type=float, default=25.0, help="pxform's buckets")
+    parser = harness.parser(__doc__, batch=16, reps=30, steps=5, ranks=True)
     parser.add_argument("--wrap", choices=["blocks", "root"], default="blocks",
                         help="fully_shard each block and the root, or the root only")
-    parser.add_argument("--reps", type=int, default=30, help="timed blocks per contender")
-    parser.add_argument("--steps", type=int, default=5, help="steps per timed block")
-    parser.add_argument("--warmup", type=int, default=3, help="untimed steps of each first")
-    parser.add_argument("--quick", action="store_true",
-                        help="3 blocks of 2 steps; a smoke run: writes no result")
-    parser.add_argument("--out", default=harness.RESULTS)
-    args = parser.parse_args()
-    if args.quick:
-        args.reps, args.steps, args.warmup = 3, 2, 1
-    if args.batch % args.ranks:
-        parser.error(f"--batch {args.batch} must be a multiple of --ranks {args.ranks}")
+    args = harness.parse(parser)
     harness.add_paths()
     import gpt
     import sdp_vs_fsdp2  # this module by name, so that ranks can unpickle rank_main
