@@ -36,7 +36,6 @@ def rank_main(cfg_name: str, batch_size: int, bucket_mb: float, reps: int, steps
               warmup: int) -> dict[str, Any]:
     """On every rank: build both contenders, check they agree, time them interleaved."""
     harness.add_paths()
-    import gpt
     import optree
     import torch
     import torch.distributed as dist
@@ -45,14 +44,8 @@ def rank_main(cfg_name: str, batch_size: int, bucket_mb: float, reps: int, steps
     import pxform
     from pxform import P
 
-    rank, world = dist.get_rank(), dist.get_world_size()
-    cfg = gpt.GPT_CONFIGS[cfg_name]
-    params = gpt.init_params(cfg, dtype=torch.float32)  # same seed: the same on every rank
-    batch = gpt.make_batch(cfg, batch_size)
-    local = {k: v.chunk(world)[rank].contiguous() for k, v in batch.items()}
-
-    def loss(p: dict, b: dict) -> torch.Tensor:
-        return gpt.loss_fn(p, b, cfg)
+    world = dist.get_world_size()
+    cfg, params, batch, local, loss = harness.gpt_case(cfg_name, batch_size)
 
     step = pxform.shard(loss, mesh=pxform.Mesh({"dp": world}),
                         in_specs=(None, {"idx": P("dp"), "targets": P("dp")}),

@@ -178,6 +178,26 @@ def print_table(summary: dict[str, Any], unit: str = "ms") -> None:
 
 # ---------------------------------------------------------------- the GPT as an nn.Module
 
+def gpt_case(cfg_name: str, batch_size: int) -> tuple[Any, dict, dict, dict, Any]:
+    """On a rank of the default group: the example GPT's config, parameters (same seed, so
+    the same on every rank), global batch, this rank's half of it and the loss function."""
+    add_paths()
+    import gpt
+    import torch
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cfg = gpt.GPT_CONFIGS[cfg_name]
+    params = gpt.init_params(cfg, dtype=torch.float32)
+    batch = gpt.make_batch(cfg, batch_size)
+    local = {k: v.chunk(world)[rank].contiguous() for k, v in batch.items()}
+
+    def loss(p: dict, b: dict) -> torch.Tensor:
+        return gpt.loss_fn(p, b, cfg)
+
+    return cfg, params, batch, local, loss
+
+
 def gpt_module(cfg: Any, params: dict) -> Any:
     """`examples/gpt.py`'s model as an `nn.Module` holding copies of `params` (same
     values), for DDP and FSDP2. Each transformer block is a submodule whose forward calls

@@ -39,7 +39,6 @@ def rank_main(cfg_name: str, batch_size: int, bucket_mb: float, wrap: str, reps:
               steps: int, warmup: int) -> dict[str, Any]:
     """On every rank: build both contenders, check they agree, time them interleaved."""
     harness.add_paths()
-    import gpt
     import optree
     import torch
     import torch.distributed as dist
@@ -49,18 +48,12 @@ def rank_main(cfg_name: str, batch_size: int, bucket_mb: float, wrap: str, reps:
     import pxform
     from pxform import P
 
-    rank, world = dist.get_rank(), dist.get_world_size()
-    cfg = gpt.GPT_CONFIGS[cfg_name]
-    params = gpt.init_params(cfg, dtype=torch.float32)  # same seed: the same on every rank
-    batch = gpt.make_batch(cfg, batch_size)
-    local = {k: v.chunk(world)[rank].contiguous() for k, v in batch.items()}
+    world = dist.get_world_size()
+    cfg, params, batch, local, loss = harness.gpt_case(cfg_name, batch_size)
     for path, t in zip(*optree.tree_flatten_with_path(params)[:2]):
         if t.shape[0] % world:
             raise ValueError(f"parameter {path} has dim 0 of size {t.shape[0]}, not "
                              f"divisible by {world} ranks")
-
-    def loss(p: dict, b: dict) -> torch.Tensor:
-        return gpt.loss_fn(p, b, cfg)
 
     step = pxform.shard(loss, mesh=pxform.Mesh({"dp": world}),
                         in_specs=(P("dp"), {"idx": P("dp"), "targets": P("dp")}),

@@ -30,8 +30,9 @@ from pxform.ir import DEVICE, Value
 from pxform.layout import Step
 from pxform.lower.local import CountSpec
 from pxform.lower.spmd import CallInstr, ConvertInstr, Program
+from pxform.runtime import collectives
 from pxform.runtime.buckets import GradBuckets
-from pxform.runtime.collectives import AxisGroups, all_reduce_sum, convert, run_steps
+from pxform.runtime.collectives import AxisGroups, all_reduce_sum, convert
 
 _ACTIVE: contextvars.ContextVar[tuple[AxisGroups, GradBuckets | None] | None] = \
     contextvars.ContextVar("pxform_runtime", default=None)
@@ -90,10 +91,9 @@ class _BucketedConvert(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, forward_steps: tuple[Step, ...],  # type: ignore[override]
                 backward_steps: tuple[Step, ...], axes: AxisGroups, buckets: GradBuckets,
                 param: int) -> torch.Tensor:
-        ctx.backward_steps, ctx.buckets, ctx.param = backward_steps, buckets, param
+        ctx.buckets, ctx.param = buckets, param
         buckets.expect(backward_steps, x)
-        y = run_steps(x, forward_steps, axes)
-        return y.view_as(y) if y is x else y
+        return collectives.Convert.forward(ctx, x, forward_steps, backward_steps, axes)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
