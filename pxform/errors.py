@@ -36,5 +36,14 @@ class RuleError(PxformError):
     """An op rule was registered or applied incorrectly."""
 
 
+class ScheduleError(PxformError):
+    """A pipeline schedule is malformed, incomplete or deadlocks (the message has the
+    step-by-rank grid with the failing step marked)."""
+
+
+class PipelineError(PxformError):
+    """A function cannot be pipelined as asked (stage cuts, microbatches, boundaries)."""
+
+
 class PxformWarning(UserWarning):
     """Something pxform did on the user's behalf that the user should know about."""
