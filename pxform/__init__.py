@@ -4,12 +4,16 @@ on many devices.
 The public API is re-exported here and only here.
 """
 
+import pxform.schedules as schedules
 from pxform import ops
+from pxform.boundary import stage_boundary
 from pxform.errors import (
     GraphCheckError,
+    PipelineError,
     PxformError,
     PxformWarning,
     RuleError,
+    ScheduleError,
     SignatureMismatchError,
     SpecError,
     TraceError,
@@ -21,14 +25,16 @@ from pxform.ops import OpInfo, Signature, register_rule
 from pxform.spec import UNCONSTRAINED, P
 from pxform.trace import Traced, module_fn, trace
 from pxform.transforms.grad import value_and_grad
+from pxform.transforms.pipeline import Pipelined, pipeline
 from pxform.transforms.shard import Sharded, gather, shard
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "AbstractMesh", "Graph", "GraphCheckError", "Mesh", "Op", "OpInfo", "P", "PxformError",
-    "PxformWarning", "RuleError", "Sharded", "Signature", "SignatureMismatchError",
-    "SpecError", "TensorType", "TraceError", "Traced", "UNCONSTRAINED", "UnsupportedOpError",
-    "Value", "check", "gather", "module_fn", "ops", "register_rule", "shard", "trace",
+    "AbstractMesh", "Graph", "GraphCheckError", "Mesh", "Op", "OpInfo", "P", "PipelineError",
+    "Pipelined", "PxformError", "PxformWarning", "RuleError", "ScheduleError", "Sharded",
+    "Signature", "SignatureMismatchError", "SpecError", "TensorType", "TraceError", "Traced",
+    "UNCONSTRAINED", "UnsupportedOpError", "Value", "check", "gather", "module_fn", "ops",
+    "pipeline", "register_rule", "schedules", "shard", "stage_boundary", "trace",
     "value_and_grad",
 ]

@@ -102,8 +102,17 @@ class Sharded:
             layouts.append(Layout.of(s or P(), o.type.rank))
         return layouts
 
-    def lower(self, *args: Any) -> Program:
-        """The lowered per-rank program for these arguments (`.as_text()` prints it)."""
+    def lower(self, *args: Any) -> Any:
+        """The lowered per-rank program for these arguments (`.as_text()` prints it); for a
+        pipelined function, its per-stage programs (`PipelineProgram`)."""
+        if _is_pipelined(self.fn):
+            names = [a for a in self.abstract_mesh.names if a != self.fn.axis]
+            sub = AbstractMesh(tuple((a, self.abstract_mesh.axis_size(a)) for a in names)) \
+                if names else None
+            traced = trace(self.fn.fn, *optree.tree_map(_as_global, args, is_leaf=_is_dtensor))  # type: ignore[arg-type]
+            outs = self._output_layouts(traced) if self.out_specs is not None else None
+            return self.fn.lower(*args, mesh=sub, layouts=self._input_layouts(args),
+                                 out_layouts=outs)
         return self._compile(args)[1]
 
     # ---------------------------------------------------------------- running
@@ -132,6 +141,8 @@ class Sharded:
         output with respect to those arguments, laid out like them (as DTensors)."""
         from pxform.runtime.program import execute
 
+        if _is_pipelined(self.fn):
+            return self.fn.run(args, grad_argnums, sharded=self)
         mesh = self._bound_mesh("call")
         traced, program, layouts = self._compile(args)
         if "axes" not in self._last:  # process groups and coordinates: once per function
@@ -254,6 +265,12 @@ def mesh_axes(mesh: Mesh):  # type: ignore[no-untyped-def]
 
     return AxisGroups({a: mesh.group(a) for a in mesh.names}, mesh.coordinate(),
                       dict(mesh.abstract.axes))
+
+
+def _is_pipelined(fn: Any) -> bool:
+    from pxform.transforms.pipeline import Pipelined
+
+    return isinstance(fn, Pipelined)
 
 
 def _is_dtensor(x: Any) -> bool:

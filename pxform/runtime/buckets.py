@@ -26,6 +26,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 import torch.distributed._functional_collectives as fc
@@ -34,6 +35,14 @@ from pxform.layout import Step
 from pxform.runtime.collectives import AxisGroups, run_step
 
 DEFAULT_BUCKET_MB = 25.0
+
+
+class GradSink(Protocol):
+    """Where conversions send parameter gradients: `GradBuckets` or `GradAccumulator`."""
+
+    def expect(self, steps: tuple[Step, ...], like: torch.Tensor) -> None: ...
+
+    def add(self, key: int, grad: torch.Tensor, steps: tuple[Step, ...]) -> None: ...
 
 
 @dataclass
@@ -189,3 +198,48 @@ def _end(buffer: torch.Tensor, steps: Sequence[Step], shapes: Sequence[tuple[int
 def _dim(step: Step) -> int:
     assert step.dim is not None, step
     return step.dim
+
+
+class GradAccumulator:
+    """`GradBuckets` for a pipeline: parameter gradients arrive once per microbatch; they
+    are summed per input and layout (the accumulation over microbatches is the all-reduce
+    over the microbatch axis, so those steps are dropped), and the remaining collectives
+    run once, bucketed, in `finish` after the last microbatch.
+
+    Example:
+        >>> acc = GradAccumulator(axes, 25 * 2**20, microbatch_axis="mb")
+        >>> grads = acc.finish()          # {input index: reduced gradient}
+    """
+
+    def __init__(self, axes: AxisGroups, bucket_bytes: int, microbatch_axis: str) -> None:
+        self.axes = axes
+        self.bucket_bytes = bucket_bytes
+        self.microbatch_axis = microbatch_axis
+        self.sums: dict[tuple[int, tuple[Step, ...]], torch.Tensor] = {}
+        self.stats = BucketStats()
+
+    def expect(self, steps: tuple[Step, ...], like: torch.Tensor) -> None:
+        """Nothing to announce: every collective runs after the last microbatch."""
+
+    def add(self, key: int, grad: torch.Tensor, steps: tuple[Step, ...]) -> None:
+        slot = (key, steps)
+        if slot in self.sums:
+            self.sums[slot] = self.sums[slot] + grad
+        else:
+            self.sums[slot] = grad
+
+    def finish(self) -> dict[int, torch.Tensor]:
+        buckets = GradBuckets(self.axes, self.bucket_bytes)
+        out: dict[int, torch.Tensor] = {}
+        for (key, steps), grad in self.sums.items():
+            rest = tuple(s for s in steps
+                         if not (s.axis == self.microbatch_axis and s.kind == "all_reduce"))
+            if rest:
+                buckets.add(key, grad, rest)
+            else:
+                out[key] = grad if key not in out else out[key] + grad
+        for key, grad in buckets.finish().items():
+            out[key] = grad if key not in out else out[key] + grad
+        self.stats = buckets.stats
+        self.sums.clear()
+        return out

@@ -12,7 +12,7 @@ all-gather / reduce-scatter pair and sequence parallelism are all instances of i
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -30,6 +30,17 @@ class AxisGroups:
     sizes: Mapping[str, int]
 
 
+@dataclass
+class Microbatches:
+    """The "group" of a pipeline's microbatch axis (`pxform.lower.mpmd`): its coordinates
+    run one after another on this rank. A backward all-reduce over it is the accumulation
+    of gradients over microbatches, which autograd does by summing into the same tensors,
+    so it runs as the identity; the lowering refuses forward collectives over it. `counts`
+    holds loss counts summed over all microbatches before the schedule starts."""
+
+    counts: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
 def run_step(x: torch.Tensor, step: Step, axes: AxisGroups) -> torch.Tensor:
     """Execute one step on this rank's local tensor."""
     a = step.axis
@@ -37,6 +48,11 @@ def run_step(x: torch.Tensor, step: Step, axes: AxisGroups) -> torch.Tensor:
     if n == 1:
         return x  # a size-1 axis moves nothing
     group = axes.groups[a]
+    if isinstance(group, Microbatches) and step.kind not in ("slice", "zero"):
+        if step.kind == "all_reduce":
+            return x
+        raise RuntimeError(f"pxform: {step} over the microbatch axis cannot run: "
+                           f"microbatches run one at a time")
     if step.kind == "all_gather":
         assert step.dim is not None
         return fc.wait_tensor(fc.all_gather_single(x.contiguous(), step.dim, group))

@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import operator
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -31,15 +31,15 @@ from pxform.layout import Step
 from pxform.lower.local import CountSpec
 from pxform.lower.spmd import CallInstr, ConvertInstr, Program
 from pxform.runtime import collectives
-from pxform.runtime.buckets import GradBuckets
+from pxform.runtime.buckets import GradSink
 from pxform.runtime.collectives import AxisGroups, all_reduce_sum, convert
 
-_ACTIVE: contextvars.ContextVar[tuple[AxisGroups, GradBuckets | None] | None] = \
+_ACTIVE: contextvars.ContextVar[tuple[AxisGroups, GradSink | None] | None] = \
     contextvars.ContextVar("pxform_runtime", default=None)
 
 
 @contextlib.contextmanager
-def bind(axes: AxisGroups, buckets: GradBuckets | None = None) -> Iterator[None]:
+def bind(axes: AxisGroups, buckets: GradSink | None = None) -> Iterator[None]:
     """Run program modules on this rank's process groups (and gradient buckets)."""
     token = _ACTIVE.set((axes, buckets))
     try:
@@ -48,7 +48,7 @@ def bind(axes: AxisGroups, buckets: GradBuckets | None = None) -> Iterator[None]
         _ACTIVE.reset(token)
 
 
-def _active() -> tuple[AxisGroups, GradBuckets | None]:
+def _active() -> tuple[AxisGroups, GradSink | None]:
     active = _ACTIVE.get()
     if active is None:
         raise RuntimeError("pxform: a program module ran outside pxform.runtime.bind(...); "
@@ -89,7 +89,7 @@ class _BucketedConvert(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, forward_steps: tuple[Step, ...],  # type: ignore[override]
-                backward_steps: tuple[Step, ...], axes: AxisGroups, buckets: GradBuckets,
+                backward_steps: tuple[Step, ...], axes: AxisGroups, buckets: GradSink,
                 param: int) -> torch.Tensor:
         ctx.buckets, ctx.param = buckets, param
         buckets.expect(backward_steps, x)
@@ -106,24 +106,35 @@ class GlobalCount(torch.nn.Module):
     """The number of counted targets of a mean loss, summed over the axes splitting the
     batch (`cross_entropy(ignore_index=...)` divides by it)."""
 
-    def __init__(self, spec: CountSpec) -> None:
+    def __init__(self, spec: CountSpec, key: str = "") -> None:
         super().__init__()
         self.spec = spec
+        self.key = key  # the loss value's name: where a pipeline's precomputed count is
 
     def forward(self, target: torch.Tensor, weight: torch.Tensor | None,
                 like: torch.Tensor) -> torch.Tensor:
         axes, _ = _active()
-        keep = target != self.spec.ignore_index
+        for a in self.spec.axes:
+            group = axes.groups.get(a)
+            if isinstance(group, collectives.Microbatches):
+                return group.counts[self.key].to(like.dtype)  # over all microbatches
         with torch.no_grad():
-            if weight is not None:
-                count = (weight.detach()[target.clamp(min=0)] * keep).sum()
-            else:
-                count = keep.sum().to(torch.float64)
+            count = local_count(target, weight, self.spec)
             count = all_reduce_sum(count.reshape(1), self.spec.axes, axes).reshape(())
         return count.to(like.dtype)
 
     def extra_repr(self) -> str:
         return f"over {', '.join(self.spec.axes)}, ignore_index={self.spec.ignore_index}"
+
+
+def local_count(target: torch.Tensor, weight: torch.Tensor | None, spec: CountSpec
+                ) -> torch.Tensor:
+    """This rank's number of counted targets (weighted by class weight if any)."""
+    with torch.no_grad():
+        keep = target != spec.ignore_index
+        if weight is not None:
+            return (weight.detach()[target.clamp(min=0)] * keep).sum().to(torch.float64)
+        return keep.sum().to(torch.float64)
 
 
 def tensor_results(result: Any) -> tuple[torch.Tensor, ...]:
@@ -148,8 +159,11 @@ def _single_tensor(target: Any) -> bool:
         str(schema.returns[0].type) == "Tensor"
 
 
-def build(program: Program) -> torch.fx.GraphModule:
+def build(program: Program, input_ids: Sequence[int] | None = None) -> torch.fx.GraphModule:
     """The program as an fx GraphModule taking this rank's local inputs, in order.
+    Gradients of input i go to the buckets under key i, or `input_ids[i]` when given (a
+    pipeline stage's program reads some of the function's inputs; later inputs, values
+    received from another stage, are not bucketed).
 
     Example:
         >>> gm = build(sharded.lower(params, batch))
@@ -158,7 +172,8 @@ def build(program: Program) -> torch.fx.GraphModule:
     root = torch.nn.Module()
     graph = torch.fx.Graph()
     env: dict[str, torch.fx.Node] = {}
-    index = {v.name: i for i, v in enumerate(program.inputs)}
+    index = {v.name: i if input_ids is None else input_ids[i]
+             for i, v in enumerate(program.inputs) if input_ids is None or i < len(input_ids)}
     for v in program.inputs:
         env[v.name] = graph.placeholder(_ident(v.name))
         env[v.name].meta["local_shape"] = program.local_shape(v)
@@ -204,7 +219,7 @@ def build(program: Program) -> torch.fx.GraphModule:
             outs = [graph.call_function(operator.mul, (o, call.scale)) for o in outs]
         if call.count is not None:
             name = f"count_{num}"
-            root.add_module(name, GlobalCount(call.count))
+            root.add_module(name, GlobalCount(call.count, instr.outputs[0].name))
             b = _bound_inputs(instr)
             count = graph.call_module(name, (env[b["target"]],
                                              env[b["weight"]] if "weight" in b else None,

@@ -12,13 +12,13 @@ from typing import Any
 import torch
 
 from pxform.lower.spmd import Program
-from pxform.runtime.buckets import GradBuckets
+from pxform.runtime.buckets import GradSink
 from pxform.runtime.collectives import AxisGroups
 from pxform.runtime.graph_module import bind
 
 
 def execute(program: Program, inputs: Sequence[torch.Tensor], axes: AxisGroups,
-            buckets: GradBuckets | None = None) -> list[Any]:
+            buckets: GradSink | None = None) -> list[Any]:
     """Evaluate `program` on local input shards; returns local outputs. With `buckets`,
     gradients of inputs that need a collective are left to `buckets.finish()`."""
     with bind(axes, buckets):

@@ -1,0 +1,327 @@
+"""The pipeline executor: runs any validated action list on this rank (DESIGN.md §7).
+
+Each pipeline rank holds the stage programs `stage % num_ranks == rank` and walks its list
+of actions in order:
+
+    F   run the stage's module on microbatch i (graph inputs cut to the microbatch, values
+        received from the previous stage as leaves that collect their gradients)
+    B   backward from the values sent on (their gradients received from the next stage)
+        and, on the last stage, from the loss; without W actions this also accumulates the
+        weight gradients; with them it computes only the gradients of the received values
+        and of each weight op's outputs (autograd computes only what is asked for)
+    W   for each weight op, its weight gradient from the saved output gradients, then on
+        into the parameters (zero-bubble: B's chain of input gradients is not recomputed)
+    SF/RF/SB/RB  send or receive activations or gradients with `batch_isend_irecv`; sends
+        are not waited for until the end of the step, receives are waited for at once
+
+Parameter gradients accumulate over microbatches (`GradAccumulator`): leaves sum them, and
+parameter collectives (DP's all-reduce, ZeRO-3's reduce-scatter) run once at the end.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from pxform.lower.mpmd import MB, PipelineProgram, StageProgram
+from pxform.runtime.buckets import GradAccumulator
+from pxform.runtime.collectives import AxisGroups, Microbatches, all_reduce_sum
+from pxform.runtime.graph_module import bind, local_count
+from pxform.schedules.actions import Action
+
+
+@dataclass(frozen=True)
+class PipelineGroup:
+    """This rank's place in the pipeline: its index along the pipeline axis, the number of
+    pipeline ranks, and the process group over that axis (None: one rank)."""
+
+    rank: int
+    size: int
+    group: Any = None
+
+    def peer(self, pp_rank: int) -> int:
+        """The global rank of pipeline rank `pp_rank` (same coordinates on other axes)."""
+        return dist.get_global_rank(self.group, pp_rank) if self.group is not None else 0
+
+
+@dataclass
+class _Slot:
+    """One (stage, microbatch) in flight."""
+
+    leaves: list[torch.Tensor] = field(default_factory=list)      # received values
+    outputs: tuple[Any, ...] = ()
+    recv_grads: list[torch.Tensor | None] = field(default_factory=list)
+    input_grads: list[torch.Tensor | None] = field(default_factory=list)
+    weight_grads: list[torch.Tensor | None] = field(default_factory=list)
+
+
+@dataclass
+class PipelineResult:
+    outputs: list[Any]
+    grads: dict[int, torch.Tensor]
+
+
+def run(program: PipelineProgram, actions: Sequence[Action | None], place: PipelineGroup,
+        axes: AxisGroups, inputs: Sequence[torch.Tensor | None], batch_dims: dict[int, int],
+        want_grad: Sequence[bool], bucket_bytes: int, split_weights: set[int]
+        ) -> PipelineResult:
+    """Run this rank's `actions`.
+
+    Args:
+        inputs: this rank's local piece of every graph input (None where no stage of this
+            rank reads it); batch inputs are cut into microbatches along `batch_dims`.
+        want_grad: per graph input, whether to return its gradient.
+        split_weights: stages whose schedule has W actions.
+
+    Returns:
+        The function's outputs (combined over microbatches, the same on every pipeline
+        rank) and the gradients of the inputs this rank's stages read.
+    """
+    m = program.microbatches
+    num_stages = len(program.stages)
+    micro = Microbatches()
+    per_mb = [AxisGroups({**axes.groups, MB: micro}, {**axes.index, MB: i},
+                         {**axes.sizes, MB: m}) for i in range(m)]
+    leaves: dict[int, torch.Tensor] = {}
+    for j, t in enumerate(inputs):
+        if t is not None:
+            want = want_grad[j] and t.dtype.is_floating_point
+            leaves[j] = t.detach().requires_grad_(want)
+    pieces: dict[int, tuple[torch.Tensor, ...]] = {
+        j: leaves[j].chunk(m, dim=d) for j, d in batch_dims.items() if j in leaves}
+
+    def graph_input(j: int, i: int) -> torch.Tensor:
+        return pieces[j][i] if j in pieces else leaves[j]
+
+    mine = [st for st in program.stages if st.stage % place.size == place.rank]
+    trainable = {a.stage for a in actions if a is not None and a.kind == "B"}
+    for st in mine:
+        for pre in st.counts:  # counts over all microbatches, before any backward
+            total = torch.zeros((), dtype=torch.float64)
+            for i in range(m):
+                with bind(per_mb[i]), torch.no_grad():
+                    got = pre.program.graph_module(*[graph_input(j, i)
+                                                     for j in pre.graph_inputs])
+                total = total + local_count(got[0], got[1] if len(got) > 1 else None,
+                                            pre.spec)
+            others = tuple(a for a in pre.spec.axes if a != MB)
+            micro.counts[pre.key] = all_reduce_sum(total.reshape(1), others, axes).reshape(())
+
+    accumulator = GradAccumulator(axes, bucket_bytes, MB)
+    slots: dict[tuple[int, int], _Slot] = {}
+    finals: list[tuple[Any, ...]] = [() for _ in range(m)]
+    pending: list[Any] = []
+
+    def slot(s: int, i: int) -> _Slot:
+        return slots.setdefault((s, i), _Slot())
+
+    def stage(s: int) -> StageProgram:
+        return program.stages[s]
+
+    def tag(a: Action, k: int) -> int:
+        """The same number on both ends of a transfer: keyed by the sending stage."""
+        forward = a.kind in ("SF", "RF")
+        sender = a.stage - 1 if a.kind == "RF" else a.stage + 1 if a.kind == "RB" else a.stage
+        return ((a.microbatch * num_stages + sender) * 2 + (0 if forward else 1)) * 4096 + k
+
+    def forward(s: int, i: int) -> None:
+        st, sl = stage(s), slot(s, i)
+        grad = s in trainable and st.grad and torch.is_grad_enabled()
+        if len(sl.leaves) != len(st.receives):
+            raise RuntimeError(f"pxform pipeline: {s}F{i} ran before its inputs arrived")
+        sl.leaves = [t.requires_grad_(grad and t.dtype.is_floating_point)
+                     for t in sl.leaves]
+        args = [graph_input(j, i) for j in st.graph_inputs] + sl.leaves
+        with bind(per_mb[i], accumulator), torch.set_grad_enabled(grad):
+            sl.outputs = tuple(st.graph_module(*args))
+        num_sends = len(st.sends)
+        if st.num_outputs:
+            finals[i] = tuple(o.detach() if isinstance(o, torch.Tensor) else o
+                              for o in sl.outputs[num_sends:num_sends + st.num_outputs])
+        if s + 1 < num_stages and (s + 1) % place.size == place.rank:  # same rank: hand over
+            slot(s + 1, i).leaves = [o.detach() for o in sl.outputs[:num_sends]]
+        if s not in trainable:
+            sl.outputs = sl.outputs[:num_sends]
+
+    def backward(s: int, i: int) -> None:
+        st, sl = stage(s), slot(s, i)
+        num_sends = len(st.sends)
+        tensors, grads = [], []
+        if num_sends:
+            if len(sl.recv_grads) != num_sends:
+                raise RuntimeError(f"pxform pipeline: {s}B{i} ran before its gradients "
+                                   f"arrived")
+            for t, g in zip(sl.outputs[:num_sends], sl.recv_grads):
+                if g is not None and isinstance(t, torch.Tensor) and t.requires_grad:
+                    tensors.append(t)
+                    grads.append(g)
+        if st.num_outputs:
+            loss = sl.outputs[num_sends]
+            if isinstance(loss, torch.Tensor) and loss.requires_grad:
+                tensors.append(loss)
+                grads.append(torch.ones_like(loss))
+        wanted = [t for t in sl.leaves if t.requires_grad]
+        if s in split_weights:
+            ys = _weight_op_outputs(st, sl.outputs)
+            asked = wanted + ys
+            got = (torch.autograd.grad(tensors, asked, grads, retain_graph=True,
+                                       allow_unused=True) if tensors and asked else
+                   [None] * len(asked))
+            input_grads = list(got[:len(wanted)])
+            sl.weight_grads = list(got[len(wanted):])
+        else:
+            if tensors:
+                torch.autograd.backward(tensors, grads)
+            input_grads = [t.grad for t in wanted]
+        it = iter(input_grads)
+        sl.input_grads = [next(it) if t.requires_grad else None for t in sl.leaves]
+        if s > 0 and (s - 1) % place.size == place.rank and (s - 1) in trainable:
+            slot(s - 1, i).recv_grads = _grads_for(sl)
+        sl.leaves = []  # activations received: no longer needed
+        if s not in split_weights:
+            sl.outputs = ()
+
+    def weights(s: int, i: int) -> None:
+        st, sl = stage(s), slot(s, i)
+        dys = iter(sl.weight_grads)
+        offset = len(st.sends) + st.num_outputs
+        with bind(per_mb[i], accumulator):
+            for num_out, num_w in st.weight_ops:
+                ys = sl.outputs[offset:offset + num_out]
+                ws = sl.outputs[offset + num_out:offset + num_out + num_w]
+                offset += num_out + num_w
+                pairs = [(y, g) for y, g in zip(ys, [next(dys) for _ in ys]) if g is not None]
+                need = [w for w in ws if w.requires_grad]
+                if not pairs or not need:
+                    continue
+                gws = torch.autograd.grad([y for y, _ in pairs], need, [g for _, g in pairs],
+                                          retain_graph=True, allow_unused=True)
+                ready = [(w, g) for w, g in zip(need, gws) if g is not None]
+                if ready:
+                    torch.autograd.backward([w for w, _ in ready], [g for _, g in ready],
+                                            retain_graph=True)
+        sl.outputs = ()
+        sl.weight_grads = []
+
+    for a in actions:
+        if a is None:
+            continue
+        s, i = a.stage, a.microbatch
+        if a.kind == "F":
+            forward(s, i)
+        elif a.kind == "B":
+            backward(s, i)
+        elif a.kind == "W":
+            weights(s, i)
+        elif a.kind == "SF":
+            outs = slot(s, i).outputs[:len(stage(s).sends)]
+            pending += _send([o.detach() for o in outs], place, (s + 1) % place.size, a, tag)
+        elif a.kind == "RF":
+            st = stage(s)
+            slot(s, i).leaves = _recv([(st.local_shape(v), v.type.dtype) for v in st.receives],
+                                      place, (s - 1) % place.size, a, tag)
+        elif a.kind == "SB":
+            sl, st = slot(s, i), stage(s)
+            grads = [g if g is not None else
+                     torch.zeros(st.local_shape(v), dtype=v.type.dtype)
+                     for v, g in zip(st.receives, sl.input_grads)
+                     if v.type.dtype.is_floating_point]
+            pending += _send(grads, place, (s - 1) % place.size, a, tag)
+            slots.pop((s, i), None)
+        elif a.kind == "RB":
+            st = stage(s)
+            floats = [v for v in st.sends if v.type.dtype.is_floating_point]
+            got = iter(_recv([(st.local_shape(v), v.type.dtype) for v in floats], place,
+                             (s + 1) % place.size, a, tag))
+            slot(s, i).recv_grads = [next(got) if v.type.dtype.is_floating_point else None
+                                     for v in st.sends]
+        else:
+            raise RuntimeError(f"pxform pipeline: action {a} needs pxform.recompute, which "
+                               f"this version does not have")
+    for work in pending:
+        work.wait()
+    reduced = accumulator.finish()
+    out_grads: dict[int, torch.Tensor] = {}
+    for j, leaf in leaves.items():
+        g = leaf.grad
+        if j in reduced:
+            g = reduced[j] if g is None else g + reduced[j]
+        if want_grad[j] and leaf.dtype.is_floating_point:
+            out_grads[j] = torch.zeros_like(leaf) if g is None else g
+    outputs = _combine(program, finals, place) if any(finals) or place.size > 1 else []
+    return PipelineResult(outputs, out_grads)
+
+
+def _weight_op_outputs(st: StageProgram, outputs: tuple[Any, ...]) -> list[torch.Tensor]:
+    offset = len(st.sends) + st.num_outputs
+    ys: list[torch.Tensor] = []
+    for num_out, num_w in st.weight_ops:
+        ys += list(outputs[offset:offset + num_out])
+        offset += num_out + num_w
+    return ys
+
+
+def _grads_for(sl: _Slot) -> list[torch.Tensor | None]:
+    """The gradients a stage hands back to the previous one on the same rank."""
+    return [g if g is not None or not t.dtype.is_floating_point else torch.zeros_like(t)
+            for t, g in zip(sl.leaves, sl.input_grads)]
+
+
+def _send(tensors: list[torch.Tensor], place: PipelineGroup, to: int, a: Action,
+          tag: Any) -> list[Any]:
+    if not tensors:
+        return []
+    peer = place.peer(to)
+    ops = [dist.P2POp(dist.isend, t.contiguous(), peer, place.group, tag(a, k))
+           for k, t in enumerate(tensors)]
+    return list(dist.batch_isend_irecv(ops))
+
+
+def _recv(shapes: list[tuple[tuple[int, ...], torch.dtype]], place: PipelineGroup, frm: int,
+          a: Action, tag: Any) -> list[torch.Tensor]:
+    if not shapes:
+        return []
+    peer = place.peer(frm)
+    bufs = [torch.empty(shape, dtype=dtype) for shape, dtype in shapes]
+    ops = [dist.P2POp(dist.irecv, b, peer, place.group, tag(a, k)) for k, b in enumerate(bufs)]
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+    return bufs
+
+
+def _combine(program: PipelineProgram, finals: list[tuple[Any, ...]],
+             place: PipelineGroup) -> list[Any]:
+    """The outputs over all microbatches, broadcast from the last stage's rank."""
+    last = program.stages[-1]
+    owner = last.stage % place.size
+    out: list[Any] = []
+    num_sends = len(last.sends)
+    values = last.program.outputs[num_sends:num_sends + last.num_outputs]
+    for k, (mode, value) in enumerate(zip(program.output_modes, values)):
+        from pxform.ir import Value
+
+        if not isinstance(value, Value):
+            out.append(value)
+            continue
+        if place.rank == owner:
+            parts = [f[k] for f in finals]
+            if mode == "sum":
+                result = torch.stack(parts).sum(0)
+            elif mode == "first":
+                result = parts[0]
+            else:
+                result = torch.cat(parts, dim=mode[1])
+        else:
+            shape = list(last.local_shape(value))
+            if isinstance(mode, tuple):
+                shape[mode[1]] *= program.microbatches
+            result = torch.empty(shape, dtype=value.type.dtype)
+        if place.size > 1:
+            result = result.contiguous()
+            dist.broadcast(result, src=place.peer(owner), group=place.group)
+        out.append(result)
+    return out

@@ -1,0 +1,52 @@
+"""`add_communication`: the pass that turns a compute schedule into one the executor runs.
+
+For every dependency that crosses ranks it inserts a send right after the producing action
+and the matching receive right before the consuming one (rules in `rules.send_after` and
+`rules.receive_before`):
+
+    stage s and s+1 on different ranks:      SF(s,i) after F(s,i), RF(s+1,i) before F(s+1,i)
+    trainable s-1 and s on different ranks:  SB(s,i) after B(s,i), RB(s-1,i) before B(s-1,i)
+
+Receives go right before their consumer and not earlier: anything the rank can do first
+(a recompute, say) runs while the data is in flight. Idle slots are kept.
+"""
+
+from __future__ import annotations
+
+from pxform.errors import ScheduleError
+from pxform.schedules.actions import Action, Schedule
+from pxform.schedules.rules import receive_before, send_after
+from pxform.schedules.validate import check
+
+
+def add_communication(schedule: Schedule) -> Schedule:
+    """The schedule with its sends and receives inserted (see module doc); a new dict.
+
+    Raises:
+        ScheduleError: the schedule already has send/receive actions, or is invalid.
+
+    Example:
+        >>> from pxform.schedules import gpipe, to_text
+        >>> print(to_text(add_communication(gpipe(2, 1))))
+        rank 0: 0F0 0SF0 0RB0 0B0
+        rank 1: 1RF0 1F0 1B0 1SB0
+    """
+    comm = [str(a) for row in schedule.values() for a in row
+            if isinstance(a, Action) and a.is_comm] if isinstance(schedule, dict) else []
+    if comm:
+        raise ScheduleError(f"pxform.schedules.add_communication: the schedule already has "
+                            f"send/receive actions ({', '.join(comm[:4])}"
+                            f"{', ...' if len(comm) > 4 else ''}); pass the compute-only "
+                            f"schedule (rules.compute_only strips them)")
+    shape = check(schedule, "add_communication")
+    out: Schedule = {}
+    for rank in sorted(schedule):
+        row: list[Action | None] = []
+        for a in schedule[rank]:
+            if a is None:
+                row.append(None)
+                continue
+            before, after = receive_before(a, shape), send_after(a, shape)
+            row += [x for x in (before, a, after) if x is not None]
+        out[rank] = row
+    return out
