@@ -245,6 +245,8 @@ class Pipelined:
         actions = self.actions()[place.rank]
         split = {a.stage for acts in self.actions().values() for a in acts
                  if a is not None and a.kind == "W"}
+        if grad_argnums:
+            self._check_trainable(program)
         bucket_mb = sharded.bucket_mb if sharded is not None else DEFAULT_BUCKET_MB
         with torch.set_grad_enabled(bool(grad_argnums) or torch.is_grad_enabled()):
             result = run_actions(program, actions if grad_argnums else
@@ -269,6 +271,21 @@ class Pipelined:
             flat.append(g if mesh is None or not grad_layout.used_axes() else
                         _to_dtensor(g, grad_layout, mesh))
         return value, _regroup_grads(args, grad_argnums, flat)
+
+    def _check_trainable(self, program: PipelineProgram) -> None:
+        """A stage the schedule runs no backward for must not need one (nF1B's sweeps
+        without gradient): otherwise its parameters would silently get no gradient."""
+        trained = {a.stage for acts in self.actions().values() for a in acts
+                   if a is not None and a.kind == "B"}
+        for st in program.stages:
+            if st.stage not in trained and st.grad:
+                op = next(i.op for i in st.program.instrs if hasattr(i, "op") and i.op.grad)
+                raise PipelineError(
+                    f"pxform.{self.__name__}: schedule {self.schedule!r} runs no backward for "
+                    f"stage {st.stage}, but the stage computes with gradients ({op} at "
+                    f"{op.source or 'an unknown line'}).\n  Fix: run the forward-only sweeps "
+                    f"under torch.no_grad() and cut them into the first stages, or use a "
+                    f"schedule that trains every stage.")
 
     def _placement(self, sharded: Any) -> tuple[Any, Any, Any, AbstractMesh | None]:
         """(bound mesh or None, this rank's PipelineGroup, sub-mesh AxisGroups, sub-mesh)."""

@@ -231,7 +231,7 @@ def run(program: PipelineProgram, actions: Sequence[Action | None], place: Pipel
                      for v, g in zip(st.receives, sl.input_grads)
                      if v.type.dtype.is_floating_point]
             pending += _send(grads, place, (s - 1) % place.size, a, tag)
-            slots.pop((s, i), None)
+            sl.input_grads = []  # the slot itself may still wait for its W
         elif a.kind == "RB":
             st = stage(s)
             floats = [v for v in st.sends if v.type.dtype.is_floating_point]

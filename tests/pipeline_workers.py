@@ -1,0 +1,134 @@
+"""Functions run on gloo ranks by the pipeline tests (module level, so workers import them)."""
+
+from __future__ import annotations
+
+import optree
+import torch
+import torch.nn.functional as F
+
+import pxform
+from pxform import P
+
+SMALL = dict(vocab_size=96, seq_len=16, num_heads=2, d_model=32)
+
+
+def gpt_setup(num_layers=4, batch=8, dtype=torch.float64):
+    import gpt
+
+    cfg = gpt.GPTConfig(num_layers=num_layers, **SMALL)
+    params = gpt.init_params(cfg, dtype=dtype)
+    data = gpt.make_batch(cfg, batch)
+    data["targets"][0, :5] = -100  # ignored targets: the mean divides by a data count
+    return cfg, params, data
+
+
+def gpt_loss(params, batch, cfg):
+    import gpt
+
+    return gpt.loss_fn(params, batch, cfg)
+
+
+def marked_gpt_loss(params, batch, cfg):
+    """The example GPT with a stage boundary after every layer but the last."""
+    import gpt
+
+    t = batch["idx"].shape[1]
+    pos = torch.arange(t, device=batch["idx"].device)
+    x = F.embedding(batch["idx"], params["wte"]) + F.embedding(pos, params["wpe"])
+    for k, p in enumerate(params["blocks"]):
+        x = gpt.block(p, x, cfg)
+        if k + 1 < len(params["blocks"]):
+            x = pxform.stage_boundary(x)
+    x = F.layer_norm(x, (cfg.d_model,), params["lnf_w"], params["lnf_b"])
+    logits = F.linear(x, params["wte"])
+    return F.cross_entropy(logits.flatten(0, 1), batch["targets"].flatten(), ignore_index=-100)
+
+
+def recycling_loss(params, batch, cfg, forwards, per_stage):
+    """A recycling model (nnScaler's nF1B use case): the GPT trunk runs `forwards` times on
+    the previous output plus the embeddings, the first sweeps without gradient; a stage
+    boundary after every `per_stage` layers and after each sweep."""
+    import gpt
+
+    def trunk(h):
+        t = batch["idx"].shape[1]
+        pos = torch.arange(t, device=batch["idx"].device)
+        x = F.embedding(batch["idx"], params["wte"]) + F.embedding(pos, params["wpe"])
+        x = x if h is None else x + h
+        for k, p in enumerate(params["blocks"]):
+            x = gpt.block(p, x, cfg)
+            if (k + 1) % per_stage == 0 and k + 1 < len(params["blocks"]):
+                x = pxform.stage_boundary(x)
+        return x
+
+    h = None
+    with torch.no_grad():
+        for _ in range(forwards - 1):
+            h = pxform.stage_boundary(trunk(h))
+    x = trunk(h)
+    x = F.layer_norm(x, (cfg.d_model,), params["lnf_w"], params["lnf_b"])
+    logits = F.linear(x, params["wte"])
+    return F.cross_entropy(logits.flatten(0, 1), batch["targets"].flatten(), ignore_index=-100)
+
+
+def _errors(loss, grads, ref_loss, ref_grads):
+    paths, leaves, _ = optree.tree_flatten_with_path(grads, none_is_leaf=True)
+    ref = dict(zip(*optree.tree_flatten_with_path(ref_grads)[:2]))
+    err = 0.0
+    have = []
+    for path, g in zip(paths, leaves):
+        if g is None:
+            continue
+        g = pxform.gather(g)
+        err = max(err, float((g - ref[path]).abs().max()))
+        have.append(".".join(map(str, path)))
+    return {"loss": float(loss), "ref": float(ref_loss), "grad_err": err, "have": have}
+
+
+def run_gpt(schedule, stages, microbatches, options=None, num_layers=4, fn="auto",
+            forwards=None):
+    """value_and_grad of the pipelined example GPT against the single-process reference."""
+    cfg, params, batch = gpt_setup(num_layers)
+    if fn == "marked":
+        loss_fn = marked_gpt_loss
+    elif fn == "recycling":
+        per = num_layers * forwards // (stages * forwards)
+
+        def loss_fn(p, b, c):
+            return recycling_loss(p, b, c, forwards, per)
+    else:
+        loss_fn = gpt_loss
+
+    def f(p, b):
+        return loss_fn(p, b, cfg)
+
+    step = pxform.pipeline(f, stages=stages, microbatches=microbatches, schedule=schedule,
+                           **(options or {}))
+    loss, grads = pxform.value_and_grad(step)(params, batch)
+    ref_loss, ref_grads = pxform.value_and_grad(f)(params, batch)
+    out = _errors(loss, grads, ref_loss, ref_grads)
+    out["forward_only"] = float(step(params, batch))  # no grad: only F actions run
+    return out
+
+
+def run_pp_dp(schedule="1f1b", zero=False):
+    """2 pipeline stages, each data-parallel (or ZeRO-3) over 2 ranks."""
+    cfg, params, batch = gpt_setup(4)
+
+    def f(p, b):
+        return gpt_loss(p, b, cfg)
+
+    mesh = pxform.Mesh({"pp": 2, "dp": 2})
+    specs = (None, {"idx": P("dp"), "targets": P("dp")})
+    if zero:
+        specs = (optree.tree_map(lambda t: P("dp") if t.dim() == 2 else None, params),
+                 specs[1])
+    step = pxform.shard(pxform.pipeline(f, stages=2, microbatches=2, schedule=schedule),
+                        mesh=mesh, in_specs=specs)
+    loss, grads = pxform.value_and_grad(step)(params, batch)
+    ref_loss, ref_grads = pxform.value_and_grad(f)(params, batch)
+    out = _errors(loss, grads, ref_loss, ref_grads)
+    text = step.lower(params, batch).as_text()
+    out["text"] = text
+    out["dtensor"] = sorted({type(g).__name__ for g in optree.tree_leaves(grads)})
+    return out
