@@ -20,7 +20,10 @@ parameter collectives (DP's all-reduce, ZeRO-3's reduce-scatter) run once at the
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+import contextvars
+import time
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,6 +35,27 @@ from pxform.runtime.buckets import GradAccumulator
 from pxform.runtime.collectives import AxisGroups, Microbatches, all_reduce_sum
 from pxform.runtime.graph_module import bind, local_count
 from pxform.schedules.actions import Action
+
+
+_RECORD: contextvars.ContextVar[list[tuple[Action, float, float]] | None] = \
+    contextvars.ContextVar("pxform_pipeline_record", default=None)
+
+
+@contextlib.contextmanager
+def recording() -> Iterator[list[tuple[Action, float, float]]]:
+    """Record `(action, start, end)` wall-clock times of every action this rank runs
+    (benchmarks compare them with `pxform.schedules.simulate`).
+
+    Example:
+        >>> with recording() as events:
+        ...     loss, grads = pxform.value_and_grad(step)(params, batch)
+    """
+    events: list[tuple[Action, float, float]] = []
+    token = _RECORD.set(events)
+    try:
+        yield events
+    finally:
+        _RECORD.reset(token)
 
 
 @dataclass(frozen=True)
@@ -207,9 +231,11 @@ def run(program: PipelineProgram, actions: Sequence[Action | None], place: Pipel
         sl.outputs = ()
         sl.weight_grads = []
 
+    record = _RECORD.get()
     for a in actions:
         if a is None:
             continue
+        started = time.time() if record is not None else 0.0
         s, i = a.stage, a.microbatch
         if a.kind == "F":
             forward(s, i)
@@ -242,6 +268,8 @@ def run(program: PipelineProgram, actions: Sequence[Action | None], place: Pipel
         else:
             raise RuntimeError(f"pxform pipeline: action {a} needs pxform.recompute, which "
                                f"this version does not have")
+        if record is not None:
+            record.append((a, started, time.time()))
     for work in pending:
         work.wait()
     reduced = accumulator.finish()

@@ -1,0 +1,162 @@
+"""Pipeline schedules on gloo: measured step time and bubble against the simulator.
+
+`--ranks` processes (one torch thread each) train the example GPT as
+`pxform.pipeline(loss, stages=ranks, microbatches=M, schedule=S)` for each schedule (GPipe,
+1F1B, interleaved with 2 virtual stages per rank, ZB-H1). Every action's wall-clock start
+and end is recorded on every rank (`pxform.runtime.pipeline.recording`). From those:
+
+    costs      per stage, the median time of its F, B and W actions over the timed steps
+    predicted  `pxform.schedules.simulate(schedule, costs)`, a transfer costing the lower
+               quartile of the measured receive times
+    measured   the span of the actions of one step (first start to last end, all ranks),
+               and the whole step as the caller sees it (slicing the batch, counting
+               targets, the final gradient reduction and output broadcast included)
+    bubble     1 - busy compute time / (ranks x span), measured and simulated
+
+Reported per schedule: the ratios measured span / predicted step time (goal: within 10%)
+and measured / simulated bubble, plus a timeline picture of the measured run
+(`benchmarks/results/pipeline-<schedule>.png`) beside the simulated one.
+
+    python benchmarks/pipeline.py                 # GPT "small", 2 ranks, batch 16, 8 microbatches
+    python benchmarks/pipeline.py --quick         # a few seconds, smoke run
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import time
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import harness  # noqa: E402
+
+SCHEDULES = [("gpipe", {}), ("1f1b", {}), ("interleaved", {"virtual_stages": 2}), ("zb", {})]
+
+
+def rank_main(cfg_name: str, batch_size: int, microbatches: int, reps: int,
+              warmup: int) -> dict[str, Any]:
+    harness.add_paths()
+    import torch.distributed as dist
+
+    import pxform
+    from pxform.runtime.pipeline import recording
+
+    ranks = dist.get_world_size()
+    cfg, params, batch, _, loss = harness.gpt_case(cfg_name, batch_size)
+    ref_loss, _ = pxform.value_and_grad(loss)(params, batch)
+    out: dict[str, Any] = {}
+    for name, options in SCHEDULES:
+        step = pxform.value_and_grad(pxform.pipeline(
+            loss, stages=ranks, microbatches=microbatches, schedule=name, **options))
+        for _ in range(warmup):
+            value, _ = step(params, batch)
+        assert abs(float(value) - float(ref_loss)) < 1e-4, (name, float(value), float(ref_loss))
+        steps = []
+        events: list[Any] = []
+        for _ in range(reps):
+            dist.barrier()
+            start = time.time()
+            with recording() as rec:
+                step(params, batch)
+            steps.append(time.time() - start)
+            events.append(rec)
+        gathered: list[Any] = [None] * ranks
+        dist.all_gather_object(gathered, {"steps": steps, "events": [
+            [(str(a), s, e) for a, s, e in rec] for rec in events]})
+        out[name] = gathered
+    return out
+
+
+def analyse(name: str, options: dict[str, Any], per_rank: list[dict[str, Any]], ranks: int,
+            microbatches: int, picture: str | None) -> dict[str, Any]:
+    from pxform import schedules
+    from pxform.schedules import Action, Costs, Event, Timeline
+
+    reps = len(per_rank[0]["steps"])
+    compute = schedules.resolve(name, ranks, microbatches, **options)
+    num_stages = 1 + max(a.stage for acts in compute.values() for a in acts if a is not None)
+    durations: dict[tuple[int, str], list[float]] = {}
+    spans, bubbles, whole = [], [], []
+    for rep in range(reps):
+        events = []
+        for rank, data in enumerate(per_rank):
+            for text, s, e in data["events"][rep]:
+                a = Action.parse(text)
+                events.append(Event(rank, a, s, e))
+                if a.is_compute:
+                    durations.setdefault((a.stage, a.kind), []).append(e - s)
+        t0 = min(ev.start for ev in events)
+        span = max(ev.end for ev in events) - t0
+        busy = sum(ev.end - ev.start for ev in events if ev.action.is_compute)
+        spans.append(span)
+        bubbles.append(1 - busy / (ranks * span))
+        whole.append(max(data["steps"][rep] for data in per_rank))
+        if rep == reps - 1 and picture:
+            shifted = tuple(Event(ev.rank, ev.action, ev.start - t0, ev.end - t0)
+                            for ev in events if ev.action.is_compute)
+            per = [sum(ev.end - ev.start for ev in shifted if ev.rank == r)
+                   for r in range(ranks)]
+            measured = Timeline(shifted, span, 1 - busy / (ranks * span), {}, tuple(per), ranks)
+            schedules.plot(measured, picture, title=f"{name}: measured on gloo")
+
+    def med(stage: int, kind: str) -> float:
+        got = durations.get((stage, kind))
+        return statistics.median(got) if got else 0.0
+
+    # a transfer's time: the lower quartile of receive times (a receive whose data was
+    # already there costs the transfer's local part; slower ones also waited for the sender)
+    recv = sorted(e - s for data in per_rank for rec in data["events"] for text, s, e in rec
+                  if "RF" in text or "RB" in text)
+    p2p = recv[len(recv) // 4] if recv else 0.0
+    costs = Costs(forward=[med(s, "F") for s in range(num_stages)],
+                  backward=[med(s, "B") for s in range(num_stages)],
+                  weight=[med(s, "W") for s in range(num_stages)], p2p=p2p)
+    predicted = schedules.simulate(compute, costs)
+    if picture:
+        schedules.plot(predicted, picture.replace(".png", "-simulated.png"),
+                       title=f"{name}: simulated from measured action times")
+    span = statistics.median(spans)
+    bubble = statistics.median(bubbles)
+    return {"span_s": span, "step_s": statistics.median(whole),
+            "predicted_s": predicted.step_time, "span_over_predicted": span / predicted.step_time,
+            "step_over_predicted": statistics.median(whole) / predicted.step_time,
+            "bubble": bubble, "predicted_bubble": predicted.bubble_fraction,
+            "p2p_ms": 1e3 * p2p, "costs_ms": {k: [round(1e3 * x, 3) for x in v] if isinstance(v, list) else v
+                         for k, v in (("F", costs.forward), ("B", costs.backward),
+                                      ("W", costs.weight))}}
+
+
+def main() -> None:
+    p = harness.parser(__doc__, batch=16, reps=7, steps=1, ranks=True)
+    p.add_argument("--microbatches", type=int, default=8)
+    args = harness.parse(p)
+    from pxform.testing import World
+
+    reps = 2 if args.quick else args.reps
+    with World(args.ranks) as world:
+        results = world.run(rank_main, args.config, args.batch, args.microbatches, reps,
+                            1 if args.quick else args.warmup)[0]
+    rows = {}
+    for name, options in SCHEDULES:
+        picture = None if args.quick else os.path.join(harness.RESULTS, f"pipeline-{name}.png")
+        rows[name] = analyse(name, options, results[name], args.ranks, args.microbatches,
+                             picture)
+    print(f"GPT {args.config}, {args.ranks} gloo ranks, batch {args.batch}, "
+          f"{args.microbatches} microbatches, {reps} timed steps per schedule")
+    print(f"{'schedule':12} {'span ms':>8} {'sim ms':>8} {'span/sim':>9} {'step/sim':>9} "
+          f"{'bubble':>7} {'sim bubble':>10}")
+    for name, r in rows.items():
+        print(f"{name:12} {1e3 * r['span_s']:8.1f} {1e3 * r['predicted_s']:8.1f} "
+              f"{r['span_over_predicted']:9.3f} {r['step_over_predicted']:9.3f} "
+              f"{r['bubble']:7.3f} {r['predicted_bubble']:10.3f}")
+    if not args.quick:
+        harness.write_result("pipeline", {"config": args.config, "ranks": args.ranks,
+                                          "batch": args.batch,
+                                          "microbatches": args.microbatches,
+                                          "schedules": rows}, args.out)
+
+
+if __name__ == "__main__":
+    main()
