@@ -123,7 +123,8 @@ def analyse(name: str, options: dict[str, Any], per_rank: list[dict[str, Any]], 
             "predicted_s": predicted.step_time, "span_over_predicted": span / predicted.step_time,
             "step_over_predicted": statistics.median(whole) / predicted.step_time,
             "bubble": bubble, "predicted_bubble": predicted.bubble_fraction,
-            "p2p_ms": 1e3 * p2p, "costs_ms": {k: [round(1e3 * x, 3) for x in v] if isinstance(v, list) else v
+            "p2p_ms": 1e3 * p2p,
+            "costs_ms": {k: [round(1e3 * x, 3) for x in v] if isinstance(v, list) else v
                          for k, v in (("F", costs.forward), ("B", costs.backward),
                                       ("W", costs.weight))}}
 

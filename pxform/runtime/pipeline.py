@@ -36,7 +36,6 @@ from pxform.runtime.collectives import AxisGroups, Microbatches, all_reduce_sum
 from pxform.runtime.graph_module import bind, local_count
 from pxform.schedules.actions import Action
 
-
 _RECORD: contextvars.ContextVar[list[tuple[Action, float, float]] | None] = \
     contextvars.ContextVar("pxform_pipeline_record", default=None)
 
