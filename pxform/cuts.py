@@ -34,6 +34,7 @@ from pxform.boundary import is_boundary
 from pxform.errors import PipelineError
 from pxform.ir import Graph, Op, Value
 from pxform.ops import rule_info
+from pxform.trace import last_uses, si
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,7 +83,7 @@ class StageCuts:
             flops = self.stage_flops(s)
             names = [b.label for b in self.blocks if b.start in ops]
             lines.append(f"  stage {s}: ops {ops.start}-{ops.stop - 1} ({len(ops)} ops), "
-                         f"{_si(flops)}FLOP ({100 * flops / total:.0f}%): " + _span(names))
+                         f"{si(flops)}FLOP ({100 * flops / total:.0f}%): " + _span(names))
         return "\n".join(lines)
 
 
@@ -255,13 +256,7 @@ def _activations(graph: Graph, batch_inputs: set[str]) -> set[str]:
 def _crossing_counts(graph: Graph, activation: set[str]) -> list[int]:
     """crossing[k]: activations defined before op k and read at or after it."""
     n = len(graph.ops)
-    last: dict[str, int] = {}
-    for k, op in enumerate(graph.ops):
-        for v in op.inputs:
-            last[v.name] = k
-    for o in graph.outputs:
-        if isinstance(o, Value):
-            last[o.name] = n
+    last = last_uses(graph)
     delta = [0] * (n + 2)
     for k, op in enumerate(graph.ops):
         for v in op.outputs:
@@ -335,10 +330,3 @@ def _span(labels: list[str]) -> str:
     if len(labels) <= 4:
         return ", ".join(labels)
     return f"{labels[0]}, {labels[1]}, ..., {labels[-1]} ({len(labels)} blocks)"
-
-
-def _si(n: float) -> str:
-    for unit, scale in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
-        if n >= scale:
-            return f"{n / scale:.1f} {unit}"
-    return f"{n:.0f} "

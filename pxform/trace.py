@@ -154,7 +154,7 @@ class Traced:
         rows: list[tuple[str, ...]]
         if by == "op":
             header = ("#", "op", "signature", "FLOPs", "out bytes", "module / source")
-            rows = [(str(k), op.name, str(info.signature), _si(info.flops),
+            rows = [(str(k), op.name, str(info.signature), si(info.flops),
                      _bytes(_op_bytes(op, info.view)), op.module or _short_source(op.source))
                     for k, (op, info) in enumerate(infos)]
         elif by == "target":
@@ -165,7 +165,7 @@ class Traced:
                 row[0] += 1
                 row[1] += info.flops
                 row[2] += _op_bytes(op, info.view)
-            rows = [(t, str(c), _si(f), f"{100 * f / max(total_flops, 1):.1f}", _bytes(b))
+            rows = [(t, str(c), si(f), f"{100 * f / max(total_flops, 1):.1f}", _bytes(b))
                     for t, (c, f, b) in sorted(agg.items(), key=lambda kv: -kv[1][1])]
         else:
             raise ValueError(f"op_table: by must be 'op' or 'target', got {by!r}")
@@ -173,7 +173,7 @@ class Traced:
         lines = _table(header, shown)
         if len(shown) < len(rows):
             lines.append(f"... {len(rows) - len(shown)} more rows")
-        lines.append(f"total: {len(self.graph.ops)} ops, {_si(total_flops)}FLOPs forward, "
+        lines.append(f"total: {len(self.graph.ops)} ops, {si(total_flops)}FLOPs forward, "
                      f"{_bytes(total_bytes)} written by non-view ops")
         return "\n".join(lines)
 
@@ -188,11 +188,11 @@ class Traced:
         top = ", ".join(f"{n} x{c}" for n, c in counts.most_common(8))
         modules = {op.module.split(".")[0] for op in g.ops if op.module}
         lines = [
-            f"{self.fn_name}: {len(tensor_leaves)} tensor inputs ({_si(in_numel)} elements, "
+            f"{self.fn_name}: {len(tensor_leaves)} tensor inputs ({si(in_numel)} elements, "
             f"{_bytes(in_bytes)}), {len(self.leaves) - len(tensor_leaves)} static, "
             f"{len(g.constants)} constants",
             f"  {len(g.ops)} ops ({len(counts)} kinds): {top}",
-            f"  forward: {_si(flops)}FLOPs; outputs: "
+            f"  forward: {si(flops)}FLOPs; outputs: "
             + ", ".join(str(o.type) if isinstance(o, Value) else repr(o) for o in g.outputs),
         ]
         if modules:
@@ -279,7 +279,7 @@ def trace(fn: Callable[..., Any], *args: Any, allow_fallback: bool = False,
             f"run replicated: " + "; ".join(f"{op.name}{' at ' + op.source if op.source else ''}"
                                           for op in fallbacks), PxformWarning, stacklevel=2)
     return Traced(graph, in_tree, out_tree_box[-1], tuple(leaf_infos), fn_name,
-                  tuple(fallbacks), _last_uses(graph))
+                  tuple(fallbacks), last_uses(graph))
 
 
 def cache_key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
@@ -318,7 +318,7 @@ def run_graph(graph: Graph, inputs: Sequence[torch.Tensor],
                 f"{c.value.type}, on {c.data.device}) and cannot run.\n  Fix: pass it as an "
                 f"argument (e.g. keep buffers in the params dict that module_fn returns).")
         env[c.value.name] = c.data.to(device)
-    last_use = last_use if last_use is not None else _last_uses(graph)
+    last_use = last_use if last_use is not None else last_uses(graph)
 
     def resolve(a: Any) -> Any:
         a = map_values(a, lambda v: env[v.name])
@@ -341,7 +341,8 @@ def run_graph(graph: Graph, inputs: Sequence[torch.Tensor],
     return [env[o.name] if isinstance(o, Value) else o for o in graph.outputs]
 
 
-def _last_uses(graph: Graph) -> dict[str, int]:
+def last_uses(graph: Graph) -> dict[str, int]:
+    """The index of the last op reading each value (outputs: `len(graph.ops)`)."""
     out: dict[str, int] = {}
     for k, op in enumerate(graph.ops):
         for v in op.inputs:
@@ -675,7 +676,8 @@ def _trace_failure(fn_name: str, exc: Exception) -> TraceError:
     return TraceError(f"pxform.trace({fn_name}): tracing failed: {first}{hint}")
 
 
-def _si(n: float) -> str:
+def si(n: float) -> str:
+    """`n` with an SI prefix, e.g. `3.56 M`."""
     for unit, scale in (("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
         if abs(n) >= scale:
             return f"{n / scale:.3g} {unit}"

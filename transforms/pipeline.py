@@ -142,20 +142,21 @@ class Pipelined:
         return stage_cuts(traced.graph, self.num_stages, names, fn=self.__name__)
 
     def lower(self, *args: Any, mesh: AbstractMesh | None = None,
-              layouts: list[Layout] | None = None,
-              out_layouts: list[Layout | None] | None = None) -> PipelineProgram:
+              layouts: list[Layout] | None = None, sharded: Any = None) -> PipelineProgram:
         """The per-stage programs for these arguments (`.as_text()` prints them). `mesh` is
         the sub-mesh each stage runs on (None: one device per stage); `layouts` lay out
-        every tensor leaf on it (default replicated)."""
-        return self._compile(args, mesh, layouts, out_layouts)[0]
+        every tensor leaf on it (default replicated); `sharded` is an enclosing
+        `pxform.shard`, whose out_specs lay the outputs out."""
+        return self._compile(args, mesh, layouts, sharded)[0]
 
     def _compile(self, args: tuple[Any, ...], mesh: AbstractMesh | None,
-                 layouts: list[Layout] | None, out_layouts: list[Layout | None] | None
+                 layouts: list[Layout] | None, sharded: Any = None
                  ) -> tuple[PipelineProgram, Traced]:
         from pxform.transforms.shard import _as_global, _is_dtensor
 
         full: Any = optree.tree_map(_as_global, args, is_leaf=_is_dtensor)  # type: ignore[arg-type]
-        key = (cache_key(full, {}), mesh, tuple(layouts or ()), tuple(out_layouts or ()))
+        out_specs = repr(sharded.out_specs) if sharded is not None else None
+        key = (cache_key(full, {}), mesh, tuple(layouts or ()), out_specs)
         if key in self._cache:
             return self._cache[key]
         traced = trace(self.fn, *full)
@@ -176,7 +177,9 @@ class Pipelined:
                 in_layouts.append(layout)
         graph = cuts.graph
         strategies = propagate(graph, lowering_mesh, in_layouts)
-        wanted = out_layouts or [None] * len(graph.outputs)
+        # an enclosing shard's out_specs lay the outputs out on the sub-mesh
+        wanted = (sharded._output_layouts(traced) if sharded is not None and
+                  sharded.out_specs is not None else [None] * len(graph.outputs))
         outs = output_layouts(graph, lowering_mesh, in_layouts, strategies, wanted)
         program = lower_pipeline(graph, cuts.op_stage, cuts.num_stages, lowering_mesh,
                                  in_layouts, strategies, outs, batch_inputs, fn=self.__name__)
@@ -225,12 +228,8 @@ class Pipelined:
         )
 
         mesh, place, axes, sub = self._placement(sharded)
-        layouts: list[Layout] | None = None
-        out_layouts = None
-        if sharded is not None:
-            layouts = sharded._input_layouts(args)
-            out_layouts = self._wanted_outputs(sharded, args)
-        program, traced = self._compile(args, sub, layouts, out_layouts)
+        layouts = sharded._input_layouts(args) if sharded is not None else None
+        program, traced = self._compile(args, sub, layouts, sharded)
         arg_of, leaves = self._inputs(args)
         reads = {j for st in program.stages if st.stage % place.size == place.rank
                  for j in st.graph_inputs}
@@ -330,15 +329,6 @@ class Pipelined:
         sub = AbstractMesh(tuple((a, mesh.axis_size(a)) for a in names)) if names else None
         place = PipelineGroup(full.index[self.axis], self.stages, full.groups[self.axis])
         return mesh, place, axes, sub
-
-    def _wanted_outputs(self, sharded: Any, args: tuple[Any, ...]) -> list[Layout | None] | None:
-        if sharded.out_specs is None:
-            return None
-        from pxform.transforms.shard import _as_global, _is_dtensor
-
-        full: Any = optree.tree_map(_as_global, args, is_leaf=_is_dtensor)  # type: ignore[arg-type]
-        traced = trace(self.fn, *full)
-        return sharded._output_layouts(traced)
 
     def _share_grads(self, program: PipelineProgram, place: Any, grads: dict[int, Any],
                      want: list[bool], layouts: list[Layout], sub: AbstractMesh | None,

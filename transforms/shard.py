@@ -109,10 +109,8 @@ class Sharded:
             names = [a for a in self.abstract_mesh.names if a != self.fn.axis]
             sub = AbstractMesh(tuple((a, self.abstract_mesh.axis_size(a)) for a in names)) \
                 if names else None
-            traced = trace(self.fn.fn, *optree.tree_map(_as_global, args, is_leaf=_is_dtensor))  # type: ignore[arg-type]
-            outs = self._output_layouts(traced) if self.out_specs is not None else None
             return self.fn.lower(*args, mesh=sub, layouts=self._input_layouts(args),
-                                 out_layouts=outs)
+                                 sharded=self)
         return self._compile(args)[1]
 
     # ---------------------------------------------------------------- running
