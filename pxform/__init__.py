@@ -22,19 +22,23 @@ from pxform.errors import (
 from pxform.ir import Graph, Op, TensorType, Value, check
 from pxform.mesh import AbstractMesh, Mesh
 from pxform.ops import OpInfo, Signature, register_rule
+from pxform.regions import Policy, RegionError
 from pxform.spec import UNCONSTRAINED, P
 from pxform.trace import Traced, module_fn, trace
+from pxform.transforms.coshard import Cosharded, coshard
 from pxform.transforms.grad import value_and_grad
 from pxform.transforms.pipeline import Pipelined, pipeline
+from pxform.transforms.recompute import Recomputed, checkpoint_name, recompute
 from pxform.transforms.shard import Sharded, gather, shard
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "AbstractMesh", "Graph", "GraphCheckError", "Mesh", "Op", "OpInfo", "P", "PipelineError",
-    "Pipelined", "PxformError", "PxformWarning", "RuleError", "ScheduleError", "Sharded",
-    "Signature", "SignatureMismatchError", "SpecError", "TensorType", "TraceError", "Traced",
-    "UNCONSTRAINED", "UnsupportedOpError", "Value", "check", "gather", "module_fn", "ops",
-    "pipeline", "register_rule", "schedules", "shard", "stage_boundary", "trace",
-    "value_and_grad",
+    "AbstractMesh", "check", "checkpoint_name", "coshard", "Cosharded", "gather", "Graph",
+    "GraphCheckError", "Mesh", "module_fn", "Op", "OpInfo", "ops", "P", "pipeline", "Pipelined",
+    "PipelineError", "Policy", "PxformError", "PxformWarning", "recompute", "Recomputed",
+    "RegionError", "register_rule", "RuleError", "ScheduleError", "schedules", "shard",
+    "Sharded", "Signature", "SignatureMismatchError", "SpecError", "stage_boundary",
+    "TensorType", "trace", "Traced", "TraceError", "UNCONSTRAINED", "UnsupportedOpError",
+    "Value", "value_and_grad",
 ]

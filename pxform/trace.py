@@ -21,6 +21,7 @@ and the line that called it.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import inspect
 import operator
 import os
@@ -40,12 +41,22 @@ import torch.fx.traceback as fx_traceback
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from pxform.errors import PxformWarning, SignatureMismatchError, TraceError
+from pxform.errors import PxformError, PxformWarning, SignatureMismatchError, TraceError
 from pxform.ir import DEVICE, Constant, Graph, Op, TensorType, Value, map_values
 from pxform.ops import FALLBACK_TAG, has_rule, rule_info, unsupported_error
 
 MODULE_KEY = "pxform.module"
 """Key under `node.meta["custom"]` that carries the issuing module's dotted path."""
+
+# True while `trace` runs the user's function: transforms then annotate instead of running.
+_TRACING: contextvars.ContextVar[bool] = contextvars.ContextVar("pxform_tracing", default=False)
+
+
+def is_tracing() -> bool:
+    """Is `pxform.trace` running the caller right now (on fake tensors)? Region transforms
+    (`recompute`, `coshard`) annotate the trace then; called eagerly, they run."""
+    return _TRACING.get()
+
 
 # Modules named by `module_fn` (weakly held, so models are freed normally).
 _MODULE_NAMES: weakref.WeakKeyDictionary[torch.nn.Module, str] = weakref.WeakKeyDictionary()
@@ -263,13 +274,16 @@ def trace(fn: Callable[..., Any], *args: Any, allow_fallback: bool = False,
                     f"namedtuples (for an HF ModelOutput, return e.g. `out.loss`).")
         return out_leaves
 
+    token = _TRACING.set(True)
     try:
         with mode, _record_modules(), _record_user_frames(), fx_traceback.preserve_node_meta():
             gm = make_fx(flat_fn, pre_dispatch=True, record_stack_traces=True)(*fakes)
-    except (TraceError, SignatureMismatchError):
+    except (TraceError, SignatureMismatchError, PxformError):
         raise
     except Exception as exc:
         raise _trace_failure(fn_name, exc) from exc
+    finally:
+        _TRACING.reset(token)
 
     input_names = _input_names([leaf_infos[i].path for i in tensor_pos])
     graph, fallbacks = _to_ir(gm, fn_name, input_names, allow_fallback)

@@ -37,12 +37,11 @@ from pxform.lower.mpmd import (
     split_batch,
     with_microbatches,
 )
+from pxform.lower.regions import prepare
 from pxform.lower.spmd import gradient_layout, propagate
 from pxform.mesh import AbstractMesh, Mesh
 from pxform.runtime.buckets import DEFAULT_BUCKET_MB
 from pxform.trace import Traced, cache_key, trace
-
-_NEEDS_RECOMPUTE = {"shifted"}
 
 
 @dataclass(frozen=True, eq=False)
@@ -74,13 +73,6 @@ class Pipelined:
         if "actions" not in self._cache:
             from pxform import schedules
 
-            if isinstance(self.schedule, str) and self.schedule in _NEEDS_RECOMPUTE:
-                raise PipelineError(
-                    f"pxform.{self.__name__}: schedule {self.schedule!r} (Merak's shifted "
-                    f"critical path) recomputes activations early, which needs "
-                    f"pxform.recompute; this version does not have it.\n  Fix: use "
-                    f"'1f1b', 'zb' or 'interleaved' for now; the schedule itself can be "
-                    f"validated and simulated with pxform.schedules.")
             try:
                 compute = schedules.resolve(self.schedule, self.stages, self.microbatches,
                                             **dict(self.options))
@@ -93,10 +85,6 @@ class Pipelined:
                     f"pxform.{self.__name__}: the schedule has {len(compute)} ranks but the "
                     f"pipeline has stages={self.stages}.\n  Fix: give one action list per "
                     f"pipeline rank.")
-            if any(a is not None and a.kind == "R" for acts in compute.values() for a in acts):
-                raise PipelineError(
-                    f"pxform.{self.__name__}: the schedule has recompute (R) actions, which "
-                    f"need pxform.recompute; this version does not have it.")
             self._cache["actions"] = schedules.add_communication(compute)
         return self._cache["actions"]
 
@@ -139,7 +127,7 @@ class Pipelined:
         arg_of, _ = self._inputs(args)
         batch = set(self._batch_argnums(len(args)))
         names = {v.name for v, n in zip(traced.graph.inputs, arg_of) if n in batch}
-        return stage_cuts(traced.graph, self.num_stages, names, fn=self.__name__)
+        return stage_cuts(prepare(traced.graph), self.num_stages, names, fn=self.__name__)
 
     def lower(self, *args: Any, mesh: AbstractMesh | None = None,
               layouts: list[Layout] | None = None, sharded: Any = None) -> PipelineProgram:

@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor
 
 from pxform.errors import SpecError
 from pxform.layout import Layout
+from pxform.lower.regions import prepare
 from pxform.lower.spmd import Program, gradient_layout, lower, propagate
 from pxform.mesh import AbstractMesh, Mesh, check_spec
 from pxform.runtime.buckets import DEFAULT_BUCKET_MB, BucketStats, GradBuckets
@@ -61,10 +62,11 @@ class Sharded:
         if key not in self._cache:
             layouts = self._input_layouts(full_args)
             traced = trace(self.fn, *full_args)
+            graph = prepare(traced.graph)  # recompute and coshard regions
             mesh = self.abstract_mesh
-            strategies = propagate(traced.graph, mesh, layouts)
+            strategies = propagate(graph, mesh, layouts)
             out_layouts = self._output_layouts(traced)
-            program = lower(traced.graph, mesh, layouts, strategies, out_layouts)
+            program = lower(graph, mesh, layouts, strategies, out_layouts)
             self._cache[key] = (traced, program, layouts)
         return self._cache[key]
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import operator
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -29,7 +30,8 @@ import torch.fx
 from pxform.ir import DEVICE, Value
 from pxform.layout import Step
 from pxform.lower.local import CountSpec
-from pxform.lower.spmd import CallInstr, ConvertInstr, Program
+from pxform.lower.spmd import CallInstr, ConvertInstr, Instr, Program
+from pxform.regions import RECOMPUTE, SAVE, RecomputeTag
 from pxform.runtime import collectives
 from pxform.runtime.buckets import GradSink
 from pxform.runtime.collectives import AxisGroups, all_reduce_sum, convert
@@ -46,6 +48,29 @@ def bind(axes: AxisGroups, buckets: GradSink | None = None) -> Iterator[None]:
         yield
     finally:
         _ACTIVE.reset(token)
+
+
+# True while a recompute region re-runs its forward inside backward: conversions must not
+# announce their parameter gradients to the buckets a second time.
+_RECOMPUTING: contextvars.ContextVar[bool] = contextvars.ContextVar("pxform_recomputing",
+                                                                   default=False)
+# True while a pipeline stage's early recompute (the schedule's R action) re-runs the stage:
+# it keeps every activation for the backward that follows, so regions run plainly.
+_REGIONS_OFF: contextvars.ContextVar[bool] = contextvars.ContextVar("pxform_regions_off",
+                                                                   default=False)
+# True while an op whose outputs a recompute policy saves is running (read by the
+# selective-checkpoint policy, below autograd, for every aten op the op dispatches).
+_SAVING: contextvars.ContextVar[bool] = contextvars.ContextVar("pxform_saving", default=False)
+
+
+@contextlib.contextmanager
+def regions_off() -> Iterator[None]:
+    """Run recompute regions without checkpointing (an early recompute keeps everything)."""
+    token = _REGIONS_OFF.set(True)
+    try:
+        yield
+    finally:
+        _REGIONS_OFF.reset(token)
 
 
 def _active() -> tuple[AxisGroups, GradSink | None]:
@@ -71,6 +96,7 @@ class Convert(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         axes, buckets = _active()
         if (buckets is not None and self.param is not None and x.requires_grad
+                and torch.is_grad_enabled()
                 and any(s.kind not in ("slice", "zero") for s in self.backward_steps)):
             return _BucketedConvert.apply(x, self.forward_steps, self.backward_steps, axes,
                                           buckets, self.param)
@@ -92,7 +118,8 @@ class _BucketedConvert(torch.autograd.Function):
                 backward_steps: tuple[Step, ...], axes: AxisGroups, buckets: GradSink,
                 param: int) -> torch.Tensor:
         ctx.buckets, ctx.param = buckets, param
-        buckets.expect(backward_steps, x)
+        if not _RECOMPUTING.get():  # announced once, by the first forward
+            buckets.expect(backward_steps, x)
         return collectives.Convert.forward(ctx, x, forward_steps, backward_steps, axes)
 
     @staticmethod
@@ -100,6 +127,68 @@ class _BucketedConvert(torch.autograd.Function):
         if grad is not None:
             ctx.buckets.add(ctx.param, grad, ctx.backward_steps)
         return (None,) * 6
+
+
+class Recompute(torch.nn.Module):
+    """A recompute region: `body` runs under activation checkpointing (torch's
+    non-reentrant checkpoint), so its activations are dropped after forward and recomputed
+    when backward needs them. Ops the policy saves run inside `saved_call`, and a selective
+    checkpoint policy keeps every tensor they produce. The recompute re-enters the
+    process groups and buckets the forward ran with (backward runs outside `bind`), and
+    collectives inside the region run again."""
+
+    def __init__(self, body: torch.fx.GraphModule, saves: bool, label: str) -> None:
+        super().__init__()
+        self.body = body
+        self.saves = saves
+        self.label = label
+
+    def forward(self, *inputs: Any) -> Any:
+        if not torch.is_grad_enabled() or _REGIONS_OFF.get():
+            return self.body(*inputs)  # nothing is saved without grad: run it plainly
+        active = _ACTIVE.get()
+        calls = 0
+
+        def run(*xs: Any) -> Any:
+            nonlocal calls
+            calls += 1
+            if calls == 1:
+                return self.body(*xs)
+            t1, t2 = _ACTIVE.set(active), _RECOMPUTING.set(True)
+            try:
+                return self.body(*xs)
+            finally:
+                _RECOMPUTING.reset(t2)
+                _ACTIVE.reset(t1)
+
+        from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+
+        context = (functools.partial(create_selective_checkpoint_contexts, _save_policy)
+                   if self.saves else _no_context)
+        return checkpoint(run, *inputs, use_reentrant=False, context_fn=context,
+                          preserve_rng_state=True)
+
+    def extra_repr(self) -> str:
+        return self.label
+
+
+def _save_policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> Any:
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    return CheckpointPolicy.MUST_SAVE if _SAVING.get() else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _no_context() -> tuple[Any, Any]:
+    return contextlib.nullcontext(), contextlib.nullcontext()
+
+
+def saved_call(target: Any, *args: Any, **kwargs: Any) -> Any:
+    """Run an op whose outputs the region's recompute policy keeps."""
+    token = _SAVING.set(True)
+    try:
+        return target(*args, **kwargs)
+    finally:
+        _SAVING.reset(token)
 
 
 class GlobalCount(torch.nn.Module):
@@ -163,7 +252,8 @@ def build(program: Program, input_ids: Sequence[int] | None = None) -> torch.fx.
     """The program as an fx GraphModule taking this rank's local inputs, in order.
     Gradients of input i go to the buckets under key i, or `input_ids[i]` when given (a
     pipeline stage's program reads some of the function's inputs; later inputs, values
-    received from another stage, are not bucketed).
+    received from another stage, are not bucketed). The instructions of each recompute
+    region become one `Recompute` submodule (activation checkpointing).
 
     Example:
         >>> gm = build(sharded.lower(params, batch))
@@ -180,58 +270,147 @@ def build(program: Program, input_ids: Sequence[int] | None = None) -> torch.fx.
     for j, c in enumerate(program.constants):
         root.register_buffer(f"constant_{j}", c.data)
         env[c.value.name] = graph.get_attr(f"constant_{j}")
-    device: Any = None
-
-    def get_device() -> Any:
-        nonlocal device
-        if device is None:
-            device = (graph.call_function(device_of, (env[program.inputs[0].name],))
-                      if program.inputs else torch.device("cpu"))
-        return device
-
-    num = 0
-    for instr in program.instrs:
-        num += 1
-        if isinstance(instr, ConvertInstr):
-            name = f"convert_{num}"
-            root.add_module(name, Convert(instr.forward.steps, instr.backward.steps,
-                                          index.get(instr.src)))
-            node = graph.call_module(name, (env[instr.src],))
-            node.meta["local_shape"] = program.local_shape(instr.dst)
-            env[instr.dst.name] = node
+    main = _Emitter(program, graph, root, env, index)
+    runs = _region_runs(program.instrs)
+    last_run: dict[str, int] = {}
+    for r, (_, instrs) in enumerate(runs):
+        for name in _reads(instrs):
+            last_run[name] = r
+    for o in program.outputs:
+        if isinstance(o, Value):
+            last_run[o.name] = len(runs)
+    for r, (region, instrs) in enumerate(runs):
+        if region is None:
+            main.emit(instrs)
             continue
-        assert isinstance(instr, CallInstr)
-        call = instr.call
-        args, kwargs = instr.local_args(lambda name: env[name])
-        args = tuple(get_device() if a is DEVICE else a for a in args)
-        kwargs = {k: get_device() if a is DEVICE else a for k, a in kwargs.items()}
-        if instr.op.grad:
-            node = graph.call_function(call.target, args, kwargs)
-        else:
-            node = graph.call_function(call_no_grad, (call.target, *args), kwargs)
-        if len(instr.outputs) == 1 and _single_tensor(call.target):
-            outs = [node]
-        else:
-            tensors = graph.call_function(tensor_results, (node,))
-            outs = [graph.call_function(operator.getitem, (tensors, i))
-                    for i in range(len(instr.outputs))]
-        if call.scale != 1.0:
-            outs = [graph.call_function(operator.mul, (o, call.scale)) for o in outs]
-        if call.count is not None:
-            name = f"count_{num}"
-            root.add_module(name, GlobalCount(call.count, instr.outputs[0].name))
-            b = _bound_inputs(instr)
-            count = graph.call_module(name, (env[b["target"]],
-                                             env[b["weight"]] if "weight" in b else None,
-                                             env[b["self"]]))
-            outs = [graph.call_function(operator.truediv, (o, count)) for o in outs]
-        for v, o in zip(instr.outputs, outs):
-            o.meta["local_shape"] = program.local_shape(v)
-            env[v.name] = o
+        defined = [n for i in instrs for n in _defines(i)]
+        inner = set(defined)
+        ins = [n for n in dict.fromkeys(_reads(instrs)) if n not in inner]
+        outs = [n for n in defined if last_run.get(n, -1) > r]
+        body = _body(program, instrs, ins, outs, index)
+        name = f"recompute_{region.region}"
+        while hasattr(root, name):
+            name += "_"
+        saves = any(isinstance(i, CallInstr) and i.op.tag(SAVE) for i in instrs)
+        root.add_module(name, Recompute(body, saves, str(region)))
+        node = graph.call_module(name, tuple(env[n] for n in ins))
+        for j, n in enumerate(outs):
+            env[n] = graph.call_function(operator.getitem, (node, j))
     results = [env[o.name] if isinstance(o, Value) else o for o in program.outputs]
     graph.output(tuple(results))
     gm = torch.fx.GraphModule(root, graph, class_name=f"Rank_{_ident(program.name)}")
     return gm
+
+
+def _body(program: Program, instrs: list[Instr], ins: list[str], outs: list[str],
+          index: dict[str, int]) -> torch.fx.GraphModule:
+    """One recompute region's instructions as a module of its inputs, returning its
+    outputs (the values read after it)."""
+    root = torch.nn.Module()
+    graph = torch.fx.Graph()
+    env = {n: graph.placeholder(_ident(n)) for n in ins}
+    _Emitter(program, graph, root, env, index).emit(instrs)
+    graph.output(tuple(env[n] for n in outs))
+    return torch.fx.GraphModule(root, graph, class_name="Region")
+
+
+class _Emitter:
+    """Appends instructions to an fx graph as nodes (ops) and submodules (conversions,
+    counts), reading and defining values in `env`."""
+
+    def __init__(self, program: Program, graph: torch.fx.Graph, root: torch.nn.Module,
+                 env: dict[str, torch.fx.Node], index: dict[str, int]) -> None:
+        self.program, self.graph, self.root, self.env, self.index = \
+            program, graph, root, env, index
+        self.device: Any = None
+        self.num = 0
+
+    def get_device(self) -> Any:
+        if self.device is None:
+            first = next((n for n in self.graph.nodes if n.op == "placeholder"), None)
+            self.device = (self.graph.call_function(device_of, (first,)) if first is not None
+                           else torch.device("cpu"))
+        return self.device
+
+    def emit(self, instrs: Sequence[Instr]) -> None:
+        program, graph, root, env = self.program, self.graph, self.root, self.env
+        for instr in instrs:
+            self.num += 1
+            num = self.num
+            if isinstance(instr, ConvertInstr):
+                name = f"convert_{num}"
+                root.add_module(name, Convert(instr.forward.steps, instr.backward.steps,
+                                              self.index.get(instr.src)))
+                node = graph.call_module(name, (env[instr.src],))
+                node.meta["local_shape"] = program.local_shape(instr.dst)
+                env[instr.dst.name] = node
+                continue
+            call = instr.call
+            args, kwargs = instr.local_args(lambda name: env[name])
+            args = tuple(self.get_device() if a is DEVICE else a for a in args)
+            kwargs = {k: self.get_device() if a is DEVICE else a for k, a in kwargs.items()}
+            target: Any = call.target
+            if not instr.op.grad:
+                args, target = (target, *args), call_no_grad
+            if instr.op.tag(SAVE):
+                args, target = (target, *args), saved_call
+            node = graph.call_function(target, args, kwargs)
+            if len(instr.outputs) == 1 and _single_tensor(call.target):
+                outs = [node]
+            else:
+                tensors = graph.call_function(tensor_results, (node,))
+                outs = [graph.call_function(operator.getitem, (tensors, i))
+                        for i in range(len(instr.outputs))]
+            if call.scale != 1.0:
+                outs = [graph.call_function(operator.mul, (o, call.scale)) for o in outs]
+            if call.count is not None:
+                name = f"count_{num}"
+                root.add_module(name, GlobalCount(call.count, instr.outputs[0].name))
+                b = _bound_inputs(instr)
+                count = graph.call_module(name, (env[b["target"]],
+                                                 env[b["weight"]] if "weight" in b else None,
+                                                 env[b["self"]]))
+                outs = [graph.call_function(operator.truediv, (o, count)) for o in outs]
+            for v, o in zip(instr.outputs, outs):
+                o.meta["local_shape"] = program.local_shape(v)
+                env[v.name] = o
+
+
+def _region_runs(instrs: Sequence[Instr]) -> list[tuple[RecomputeTag | None, list[Instr]]]:
+    """Maximal runs of instructions in the same recompute region (None: outside any). A
+    conversion belongs to the region of the op after it (the lowering emits conversions
+    right before the op that reads them)."""
+    regions: list[RecomputeTag | None] = [None] * len(instrs)
+    following: RecomputeTag | None = None
+    for k in range(len(instrs) - 1, -1, -1):
+        instr = instrs[k]
+        if isinstance(instr, CallInstr):
+            following = instr.op.tag(RECOMPUTE)
+        regions[k] = following
+    runs: list[tuple[RecomputeTag | None, list[Instr]]] = []
+    for instr, region in zip(instrs, regions):
+        key = region.region if region is not None else None
+        if runs and (runs[-1][0].region if runs[-1][0] is not None else None) == key:
+            runs[-1][1].append(instr)
+        else:
+            runs.append((region, [instr]))
+    return runs
+
+
+def _reads(instrs: Sequence[Instr]) -> list[str]:
+    out: list[str] = []
+    for i in instrs:
+        if isinstance(i, ConvertInstr):
+            out.append(i.src)
+        else:
+            out += [local for _, local in i.inputs]
+    return out
+
+
+def _defines(instr: Instr) -> list[str]:
+    if isinstance(instr, ConvertInstr):
+        return [instr.dst.name]
+    return [v.name for v in instr.outputs]
 
 
 def _bound_inputs(instr: CallInstr) -> dict[str, str]:

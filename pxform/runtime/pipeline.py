@@ -33,7 +33,7 @@ import torch.distributed as dist
 from pxform.lower.mpmd import MB, PipelineProgram, StageProgram
 from pxform.runtime.buckets import GradAccumulator
 from pxform.runtime.collectives import AxisGroups, Microbatches, all_reduce_sum
-from pxform.runtime.graph_module import bind, local_count
+from pxform.runtime.graph_module import bind, local_count, regions_off
 from pxform.schedules.actions import Action
 
 _RECORD: contextvars.ContextVar[list[tuple[Action, float, float]] | None] = \
@@ -80,6 +80,7 @@ class _Slot:
     recv_grads: list[torch.Tensor | None] = field(default_factory=list)
     input_grads: list[torch.Tensor | None] = field(default_factory=list)
     weight_grads: list[torch.Tensor | None] = field(default_factory=list)
+    rng: Any = None  # generator states at F, while an early recompute (R) is to come
 
 
 @dataclass
@@ -135,6 +136,7 @@ def run(program: PipelineProgram, actions: Sequence[Action | None], place: Pipel
             micro.counts[pre.key] = all_reduce_sum(total.reshape(1), others, axes).reshape(())
 
     accumulator = GradAccumulator(axes, bucket_bytes, MB)
+    early = {(a.stage, a.microbatch) for a in actions if a is not None and a.kind == "R"}
     slots: dict[tuple[int, int], _Slot] = {}
     finals: list[tuple[Any, ...]] = [() for _ in range(m)]
     pending: list[Any] = []
@@ -159,7 +161,11 @@ def run(program: PipelineProgram, actions: Sequence[Action | None], place: Pipel
         sl.leaves = [t.requires_grad_(grad and t.dtype.is_floating_point)
                      for t in sl.leaves]
         args = [graph_input(j, i) for j in st.graph_inputs] + sl.leaves
-        with bind(per_mb[i], accumulator), torch.set_grad_enabled(grad):
+        # with an early recompute (R) to come, forward keeps nothing but its inputs
+        later = grad and (s, i) in early
+        if later:
+            sl.rng = _rng_state(args)
+        with bind(per_mb[i], accumulator), torch.set_grad_enabled(grad and not later):
             sl.outputs = tuple(st.graph_module(*args))
         num_sends = len(st.sends)
         if st.num_outputs:
@@ -208,6 +214,19 @@ def run(program: PipelineProgram, actions: Sequence[Action | None], place: Pipel
         if s not in split_weights:
             sl.outputs = ()
 
+    def recompute(s: int, i: int) -> None:
+        """Merak's early recompute: run the stage's forward again, with gradients and every
+        activation kept, before its backward (in the time the rank would wait for the
+        gradient); regions inside it run plainly, so B recomputes nothing."""
+        st, sl = stage(s), slot(s, i)
+        if sl.rng is None:
+            raise RuntimeError(f"pxform pipeline: {s}R{i} ran before {s}F{i}")
+        args = [graph_input(j, i) for j in st.graph_inputs] + sl.leaves
+        with bind(per_mb[i], accumulator), torch.enable_grad(), regions_off(), \
+                _restored_rng(sl.rng):
+            sl.outputs = tuple(st.graph_module(*args))
+        sl.rng = None
+
     def weights(s: int, i: int) -> None:
         st, sl = stage(s), slot(s, i)
         dys = iter(sl.weight_grads)
@@ -242,6 +261,8 @@ def run(program: PipelineProgram, actions: Sequence[Action | None], place: Pipel
             backward(s, i)
         elif a.kind == "W":
             weights(s, i)
+        elif a.kind == "R":
+            recompute(s, i)
         elif a.kind == "SF":
             outs = slot(s, i).outputs[:len(stage(s).sends)]
             pending += _send([o.detach() for o in outs], place, (s + 1) % place.size, a, tag)
@@ -265,8 +286,7 @@ def run(program: PipelineProgram, actions: Sequence[Action | None], place: Pipel
             slot(s, i).recv_grads = [next(got) if v.type.dtype.is_floating_point else None
                                      for v in st.sends]
         else:
-            raise RuntimeError(f"pxform pipeline: action {a} needs pxform.recompute, which "
-                               f"this version does not have")
+            raise RuntimeError(f"pxform pipeline: unknown action {a}")
         if record is not None:
             record.append((a, started, time.time()))
     for work in pending:
@@ -281,6 +301,25 @@ def run(program: PipelineProgram, actions: Sequence[Action | None], place: Pipel
             out_grads[j] = torch.zeros_like(leaf) if g is None else g
     outputs = _combine(program, finals, place) if any(finals) or place.size > 1 else []
     return PipelineResult(outputs, out_grads)
+
+
+def _rng_state(tensors: Sequence[Any]) -> tuple[torch.Tensor, list[tuple[int, torch.Tensor]]]:
+    """The CPU generator's state, and each CUDA device's the tensors live on: what the
+    early recompute restores so that dropout draws the same numbers again."""
+    devices = sorted({t.device.index or 0 for t in tensors
+                      if isinstance(t, torch.Tensor) and t.device.type == "cuda"})
+    return torch.get_rng_state(), [(d, torch.cuda.get_rng_state(d)) for d in devices]
+
+
+@contextlib.contextmanager
+def _restored_rng(state: tuple[torch.Tensor, list[tuple[int, torch.Tensor]]]
+                  ) -> Iterator[None]:
+    cpu, cuda = state
+    with torch.random.fork_rng(devices=[d for d, _ in cuda]):
+        torch.set_rng_state(cpu)
+        for d, st in cuda:
+            torch.cuda.set_rng_state(st, d)
+        yield
 
 
 def _weight_op_outputs(st: StageProgram, outputs: tuple[Any, ...]) -> list[torch.Tensor]:

@@ -1,0 +1,137 @@
+"""From region tags to what the runtime runs (the first lowering pass, before SPMD).
+
+`prepare(graph)`:
+
+1. strips `pxform::mark` ops (their outputs renamed to their inputs): a `checkpoint_name`
+   tags the op that produced the value with its name (`NAME`); a coshard region's argument
+   markers say which value is which argument;
+2. expands every coshard region into one recomputed copy per piece (`pxform.lower.coshard`);
+3. numbers the recompute regions in order of appearance (so printed programs do not depend
+   on how many regions were traced before), tags the ops whose outputs the region's policy
+   saves (`SAVE`), and refuses a policy naming a value that no op of its region is named.
+
+The result is an ordinary graph: SPMD lowering and pipeline cuts treat it like any other;
+the runtime groups each recompute region's instructions into one checkpointed module.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+from pxform.ir import Graph, Op, Value, map_values
+from pxform.lower.coshard import expand
+from pxform.regions import (
+    COSHARD,
+    NAME,
+    RECOMPUTE,
+    SAVE,
+    RecomputeTag,
+    RegionError,
+    is_mark,
+    mark_text,
+)
+
+
+def prepare(graph: Graph) -> Graph:
+    """The graph with markers stripped, coshard regions expanded and recompute regions
+    numbered and tagged with what they save (see module doc).
+
+    Example:
+        >>> g = prepare(pxform.trace(loss_fn, params, x).graph)
+        >>> [op.tag("pxform.recompute") for op in g.ops][:2]
+        [recompute#0(save nothing), recompute#0(save nothing)]
+    """
+    if not any(is_mark(op) or op.tag(COSHARD) is not None or op.tag(RECOMPUTE) is not None
+               for op in graph.ops):
+        return graph
+    graph, inputs, names = _strip_marks(graph)
+    graph = expand(graph, inputs)
+    return _settle(graph, names)
+
+
+def _strip_marks(graph: Graph) -> tuple[Graph, dict[int, dict[int, Value]],
+                                         dict[int, set[str]]]:
+    """Remove markers. Returns the graph, per coshard region its argument values by leaf
+    index, and per recompute region the names given inside it."""
+    rename: dict[str, Value] = {}
+    producer: dict[str, int] = {}
+    ops: list[Op] = []
+    inputs: dict[int, dict[int, Value]] = {}
+    names: dict[int, set[str]] = {}
+
+    def renamed(v: Value) -> Value:
+        while v.name in rename:
+            v = rename[v.name]
+        return v
+
+    for op in graph.ops:
+        if any(v.name in rename for v in op.inputs):
+            op = op.replace(args=tuple(map_values(a, renamed) for a in op.args),
+                            kwargs=tuple((k, map_values(a, renamed)) for k, a in op.kwargs))
+        if not is_mark(op):
+            for v in op.outputs:
+                producer[v.name] = len(ops)
+            ops.append(op)
+            continue
+        source = op.inputs[0]
+        rename[op.outputs[0].name] = source
+        kind, _, rest = mark_text(op).partition(":")
+        if kind == "in":
+            tag = op.tag(COSHARD)
+            if tag is not None:
+                inputs.setdefault(tag.region, {}).setdefault(int(rest), source)
+        elif kind == "name":
+            rtag = op.tag(RECOMPUTE)
+            if rtag is not None:
+                names.setdefault(rtag.region, set()).add(rest)
+            k = producer.get(source.name)
+            if k is not None:  # a graph input has no producer: inputs are kept anyway
+                have = ops[k].tag(NAME, ())
+                ops[k] = _with_tag(ops[k], NAME, tuple(sorted({*have, rest})))
+    outputs = tuple(renamed(o) if isinstance(o, Value) else o for o in graph.outputs)
+    return graph.replace(ops=tuple(ops), outputs=outputs), inputs, names
+
+
+def _settle(graph: Graph, names: dict[int, set[str]]) -> Graph:
+    numbers: dict[int, int] = {}
+    regions: dict[int, RecomputeTag] = {}
+    ops = []
+    for op in graph.ops:
+        tag = op.tag(RECOMPUTE)
+        if tag is None:
+            ops.append(op)
+            continue
+        if tag.region not in numbers:
+            numbers[tag.region] = len(numbers)
+            regions[tag.region] = tag
+        new = replace(tag, region=numbers[tag.region])
+        op = _with_tag(op, RECOMPUTE, new)
+        if tag.policy.saves(op):
+            op = _with_tag(op, SAVE, True)
+        ops.append(op)
+    for region, tag in regions.items():
+        if tag.policy.kind != "names":
+            continue
+        given = names.get(region, set())
+        missing = [n for n in tag.policy.names if n not in given]
+        if missing:
+            have = ", ".join(repr(n) for n in sorted(given)) or "none"
+            raise RegionError(
+                f"pxform.recompute({tag.fn}): the policy saves "
+                f"{', '.join(repr(n) for n in missing)}, but no value inside the region has "
+                f"that name (names given in it: {have}).\n  Fix: mark the value inside the "
+                f"function with pxform.checkpoint_name(x, {missing[0]!r}), or correct the "
+                f"name in policy=.")
+    return graph.replace(ops=tuple(ops))
+
+
+def _with_tag(op: Op, key: str, value: Any) -> Op:
+    tags = tuple(sorted(((k, v) for k, v in op.tags if k != key), key=lambda kv: kv[0]))
+    return op.replace(tags=tuple(sorted((*tags, (key, value)), key=lambda kv: kv[0])))
+
+
+def region_of(op: Op) -> RecomputeTag | None:
+    """The recompute region an op of a prepared graph belongs to, or None."""
+    return op.tag(RECOMPUTE)
+
