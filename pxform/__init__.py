@@ -20,6 +20,7 @@ from pxform.errors import (
     UnsupportedOpError,
 )
 from pxform.ir import Graph, Op, TensorType, Value, check
+from pxform.memory import MemoryMeter, MemoryReport, MemoryStats, memory_report
 from pxform.mesh import AbstractMesh, Mesh
 from pxform.ops import OpInfo, Signature, register_rule
 from pxform.regions import Policy, RegionError
@@ -34,6 +35,7 @@ from pxform.transforms.shard import Sharded, gather, shard
 __version__ = "0.1.0"
 
 __all__ = [
+    "MemoryMeter", "MemoryReport", "MemoryStats", "memory_report",
     "AbstractMesh", "check", "checkpoint_name", "coshard", "Cosharded", "gather", "Graph",
     "GraphCheckError", "Mesh", "module_fn", "Op", "OpInfo", "ops", "P", "pipeline", "Pipelined",
     "PipelineError", "Policy", "PxformError", "PxformWarning", "recompute", "Recomputed",

@@ -13,7 +13,7 @@ from pxform import P
 
 SMALL = dict(vocab_size=96, seq_len=16, num_heads=2, d_model=32)
 
-VARIANTS = ("plain", "nothing", "matmuls", "names", "predicate", "coshard_batch",
+VARIANTS = ("plain", "nothing", "matmuls", "names", "predicate", "trunk", "coshard_batch",
             "coshard_seq", "coshard_heads", "coshard_loss")
 
 
@@ -60,7 +60,7 @@ def make_loss(variant, cfg, chunks=2):
     d, nh, hd = cfg.d_model, cfg.num_heads, cfg.head_dim
 
     def layer(p, x):
-        if variant == "plain" or variant == "coshard_loss":
+        if variant in ("plain", "coshard_loss", "trunk"):
             return gpt.block(p, x, cfg)
         if variant == "nothing":
             return pxform.recompute(lambda p, x: gpt.block(p, x, cfg))(p, x)
@@ -100,8 +100,15 @@ def make_loss(variant, cfg, chunks=2):
         t = batch["idx"].shape[1]
         pos = torch.arange(t, device=batch["idx"].device)
         x = F.embedding(batch["idx"], params["wte"]) + F.embedding(pos, params["wpe"])
-        for p in params["blocks"]:
-            x = layer(p, x)
+        if variant == "trunk":  # every layer in one region
+            def trunk(blocks, x):
+                for p in blocks:
+                    x = layer(p, x)
+                return x
+            x = pxform.recompute(trunk)(params["blocks"], x)
+        else:
+            for p in params["blocks"]:
+                x = layer(p, x)
         if variant == "coshard_loss":  # the vocabulary-sized logits, a batch piece at a time
             head_fn = pxform.coshard(head, chunks=chunks, dim=(None, 0, 0))
             return head_fn(params, x, batch["targets"])
@@ -157,4 +164,59 @@ def run_pipeline(variant, schedule, stages, microbatches, num_layers=4, **option
     loss, grads = pxform.value_and_grad(step)(params, batch)
     out = errors(loss, grads, ref_loss, ref_grads)
     out["forward_only"] = abs(float(step(params, batch)) - float(ref_loss))
+    return out
+
+
+def pipeline_memory(recompute, budget=None, num_layers=8, microbatches=8, batch=16):
+    """Measure each rank's memory in one pipelined step (4 stages) with the meter: the peak
+    of what the step allocates plus this stage's parameters (every rank is handed all the
+    parameters, so the meter's baseline would count the other stages' too)."""
+    import torch.distributed as dist
+
+    cfg, params, data = setup(num_layers, batch)
+    step = pxform.pipeline(make_loss("plain", cfg), stages=4, microbatches=microbatches,
+                           recompute=recompute, memory_budget=budget)
+    ref_loss, ref_grads = pxform.value_and_grad(make_loss("plain", cfg))(params, data)
+    pxform.value_and_grad(step)(params, data)  # compile outside the measurement
+    with pxform.MemoryMeter() as meter:
+        meter.track(params, data)
+        loss, grads = pxform.value_and_grad(step)(params, data)
+    plan = step.recompute_plan(params, data)
+    rank = dist.get_rank()
+    program = step.lower(params, data)
+    stage = program.stages[rank]
+    inputs = [v for v in stage.program.inputs][:len(stage.graph_inputs)]
+    param_bytes = sum(v.type.nbytes for v in inputs if v.type.dtype.is_floating_point)
+    stats = meter.stats
+    out = errors(loss, grads, ref_loss, ref_grads)
+    out.update(measured=stats.peak_bytes - stats.baseline_bytes + param_bytes,
+               estimate=plan.stages[rank].estimate_bytes, counts=plan.counts,
+               saved=stats.saved_bytes, text=str(plan))
+    return out
+
+
+def count_collectives(variants):
+    """How many collectives each variant's step runs under tensor parallelism (tp=2):
+    a recomputed region runs its collectives again in backward."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if any(k in str(func) for k in ("all_reduce", "reduce_scatter", "all_gather")):
+                self.n += 1
+            return func(*args, **(kwargs or {}))
+
+    cfg, params, batch = setup()
+    mesh = pxform.Mesh({"tp": 2})
+    out = {}
+    for v in variants:
+        step = pxform.shard(make_loss(v, cfg), mesh=mesh, in_specs=(tp_specs(params), None))
+        pxform.value_and_grad(step)(params, batch)  # compile first
+        with Count() as c:
+            pxform.value_and_grad(step)(params, batch)
+        out[v] = c.n
     return out

@@ -13,6 +13,7 @@ where the op reduced it (a contraction over a split hidden dim, a mean over a sp
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,6 +33,14 @@ class Cosharded:
     chunks: int
     dim: Any
     _cache: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def __signature__(self) -> inspect.Signature | None:
+        """The wrapped function's, so traces name the arguments as the user did."""
+        try:
+            return inspect.signature(self.fn)
+        except (TypeError, ValueError):
+            return None
 
     @property
     def __name__(self) -> str:

@@ -21,6 +21,7 @@ there), and parameters read on several pipeline ranks (tied embeddings) get the 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,7 +42,10 @@ from pxform.lower.regions import prepare
 from pxform.lower.spmd import gradient_layout, propagate
 from pxform.mesh import AbstractMesh, Mesh
 from pxform.runtime.buckets import DEFAULT_BUCKET_MB
+from pxform.stage_recompute import RecomputePlan, block_memory, in_flight, tag_blocks
+from pxform.stage_recompute import plan as stage_plan
 from pxform.trace import Traced, cache_key, trace
+from pxform.units import parse_bytes
 
 
 @dataclass(frozen=True, eq=False)
@@ -56,6 +60,8 @@ class Pipelined:
     options: tuple[tuple[str, Any], ...] = ()
     batch_argnums: tuple[int, ...] | None = None
     batch_dim: int = 0
+    recompute: Any = None
+    memory_budget: int | None = None
     _cache: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -123,11 +129,13 @@ class Pipelined:
         traced = trace(self.fn, *full)
         return self._cuts(traced, full)
 
-    def _cuts(self, traced: Traced, args: tuple[Any, ...]) -> StageCuts:
+    def _cuts(self, traced: Traced, args: tuple[Any, ...], mesh: AbstractMesh | None = None,
+              layouts: list[Layout] | None = None) -> StageCuts:
         arg_of, _ = self._inputs(args)
         batch = set(self._batch_argnums(len(args)))
         names = {v.name for v, n in zip(traced.graph.inputs, arg_of) if n in batch}
-        return stage_cuts(prepare(traced.graph), self.num_stages, names, fn=self.__name__)
+        graph = prepare(traced.graph, mesh, layouts)
+        return stage_cuts(graph, self.num_stages, names, fn=self.__name__)
 
     def lower(self, *args: Any, mesh: AbstractMesh | None = None,
               layouts: list[Layout] | None = None, sharded: Any = None) -> PipelineProgram:
@@ -148,7 +156,6 @@ class Pipelined:
         if key in self._cache:
             return self._cache[key]
         traced = trace(self.fn, *full)
-        cuts = self._cuts(traced, full)
         arg_of, leaves = self._inputs(full)
         batch_args = set(self._batch_argnums(len(full)))
         lowering_mesh = (with_microbatches(mesh, self.microbatches, self.__name__)
@@ -163,16 +170,82 @@ class Pipelined:
                 batch_inputs.add(j)
             else:
                 in_layouts.append(layout)
+        cuts = self._cuts(traced, full, lowering_mesh, in_layouts)
         graph = cuts.graph
+        if self.recompute is not None:
+            plan = self._plan_recompute(cuts, batch_inputs, in_layouts, lowering_mesh, leaves)
+            graph = tag_blocks(graph, cuts.blocks, [r for s in plan.stages
+                                                    for r in s.recompute], self.__name__)
+            self._cache[("plan", key)] = plan
         strategies = propagate(graph, lowering_mesh, in_layouts)
         # an enclosing shard's out_specs lay the outputs out on the sub-mesh
         wanted = (sharded._output_layouts(traced) if sharded is not None and
                   sharded.out_specs is not None else [None] * len(graph.outputs))
         outs = output_layouts(graph, lowering_mesh, in_layouts, strategies, wanted)
+        split = {a.stage for acts in self.actions().values() for a in acts
+                 if a is not None and a.kind == "W"}
         program = lower_pipeline(graph, cuts.op_stage, cuts.num_stages, lowering_mesh,
-                                 in_layouts, strategies, outs, batch_inputs, fn=self.__name__)
+                                 in_layouts, strategies, outs, batch_inputs, fn=self.__name__,
+                                 weight_stages=split)
         self._cache[key] = (program, traced)
         return program, traced
+
+    def recompute_plan(self, *args: Any, mesh: AbstractMesh | None = None,
+                       layouts: list[Layout] | None = None) -> RecomputePlan:
+        """Which blocks each stage recomputes (`recompute=` given), and the memory per
+        device that leaves, estimated; `print` it."""
+        if self.recompute is None:
+            raise PipelineError(f"pxform.{self.__name__}: no recompute= was given, so no "
+                                f"stage recomputes anything.")
+        from pxform.transforms.shard import _as_global, _is_dtensor
+
+        self._compile(args, mesh, layouts)
+        full: Any = optree.tree_map(_as_global, args, is_leaf=_is_dtensor)  # type: ignore[arg-type]
+        key = (cache_key(full, {}), mesh, tuple(layouts or ()), None)
+        return self._cache[("plan", key)]
+
+    def _plan_recompute(self, cuts: StageCuts, batch_inputs: set[int], layouts: list[Layout],
+                        mesh: AbstractMesh, leaves: list[Any]) -> RecomputePlan:
+        graph = cuts.graph
+        block_stage = [cuts.op_stage[b.start] for b in cuts.blocks]
+        n = cuts.num_stages
+        # per device: the whole batch's bytes over microbatches and batch-splitting axes
+        ways = 1
+        for j in batch_inputs:
+            ways = max(ways, math.prod(mesh.axis_size(a) for a in layouts[j].dims[self.batch_dim]))
+        names = {graph.inputs[j].name for j in batch_inputs}
+        memory = block_memory(graph, cuts.blocks, names, ways)
+        param_bytes = [0] * n
+        for j, v in enumerate(graph.inputs):
+            if j in batch_inputs:
+                continue
+            local = math.prod(layouts[j].local_shape(v.type.shape, mesh)) * v.type.dtype.itemsize
+            for s in sorted({cuts.op_stage[k] for k, op in enumerate(graph.ops)
+                             if any(i.name == v.name for i in op.inputs)}):
+                param_bytes[s] += local
+        flights = in_flight(self.actions(), n)
+        if isinstance(self.recompute, str) and self.recompute == "all":
+            return stage_plan(memory, block_stage, param_bytes, flights, self.memory_budget,
+                              fixed=[len(cuts.blocks)] * n, fn=self.__name__)
+        if isinstance(self.recompute, str):
+            if self.recompute != "stage_aware":
+                raise PipelineError(
+                    f"pxform.{self.__name__}: recompute={self.recompute!r}; use None, 'all', "
+                    f"'stage_aware' (with memory_budget=) or a list of block counts per stage")
+            if self.memory_budget is None:
+                raise PipelineError(
+                    f"pxform.{self.__name__}: recompute='stage_aware' chooses the blocks to "
+                    f"recompute under a memory budget, and none was given.\n  Fix: pass "
+                    f"memory_budget= (bytes, or a string such as '16GiB').")
+            return stage_plan(memory, block_stage, param_bytes, flights, self.memory_budget,
+                              fn=self.__name__)
+        fixed = list(self.recompute)
+        if len(fixed) != n or not all(isinstance(c, int) and c >= 0 for c in fixed):
+            raise PipelineError(
+                f"pxform.{self.__name__}: recompute={self.recompute!r} must give a number of "
+                f"blocks (>= 0) for each of the {n} stages.")
+        return stage_plan(memory, block_stage, param_bytes, flights, self.memory_budget,
+                          fixed=fixed, fn=self.__name__)
 
     def _check_batch(self, traced: Traced, j: int, leaf: torch.Tensor, layout: Layout,
                      mesh: AbstractMesh) -> None:
@@ -361,7 +434,8 @@ def _without_mb(v: Any) -> Any:
 
 def pipeline(fn: Any, *, stages: int, microbatches: int, schedule: Any = "1f1b",
              axis: str = "pp", batch_argnums: int | tuple[int, ...] | None = None,
-             batch_dim: int = 0, **options: Any) -> Pipelined:
+             batch_dim: int = 0, recompute: Any = None, memory_budget: Any = None,
+             **options: Any) -> Pipelined:
     """Run `fn` as a pipeline of `stages` ranks over `microbatches` microbatches.
 
     Args:
@@ -375,6 +449,11 @@ def pipeline(fn: Any, *, stages: int, microbatches: int, schedule: Any = "1f1b",
         axis: the mesh axis of the pipeline (when composed with `pxform.shard`).
         batch_argnums: the positional arguments carrying the batch (default: all but the
             first).
+        recompute: blocks (layers from graph sharding) to recompute: None (only the
+            user's `pxform.recompute` regions), "all", "stage_aware" (Merak: per stage, as
+            few as fit `memory_budget`, see `recompute_plan`), or a list with the number of
+            blocks each stage recomputes (its first ones).
+        memory_budget: bytes per device (or a string such as "16GiB") for "stage_aware".
         **options: passed to the schedule (`virtual_stages=2`, `forwards=3`).
 
     Example:
@@ -390,5 +469,13 @@ def pipeline(fn: Any, *, stages: int, microbatches: int, schedule: Any = "1f1b",
         raise PipelineError(f"pxform.pipeline: microbatches={microbatches!r}; give a positive "
                             f"integer")
     nums = (batch_argnums,) if isinstance(batch_argnums, int) else batch_argnums
+    budget = None
+    if memory_budget is not None:
+        try:
+            budget = parse_bytes(memory_budget, "pxform.pipeline: memory_budget")
+        except ValueError as exc:
+            raise PipelineError(str(exc)) from None
+    if isinstance(recompute, (list, tuple)):
+        recompute = tuple(recompute)
     return Pipelined(fn, stages, microbatches, schedule, axis, tuple(sorted(options.items())),
-                     nums, batch_dim)
+                     nums, batch_dim, recompute, budget)

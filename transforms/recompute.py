@@ -11,6 +11,7 @@ run the same way on this process, so the single-process reference uses the same 
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,6 +29,14 @@ class Recomputed:
     fn: Any
     policy: Policy
     _cache: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def __signature__(self) -> inspect.Signature | None:
+        """The wrapped function's, so traces name the arguments as the user did."""
+        try:
+            return inspect.signature(self.fn)
+        except (TypeError, ValueError):
+            return None
 
     @property
     def __name__(self) -> str:

@@ -62,8 +62,8 @@ class Sharded:
         if key not in self._cache:
             layouts = self._input_layouts(full_args)
             traced = trace(self.fn, *full_args)
-            graph = prepare(traced.graph)  # recompute and coshard regions
             mesh = self.abstract_mesh
+            graph = prepare(traced.graph, mesh, layouts)  # recompute and coshard regions
             strategies = propagate(graph, mesh, layouts)
             out_layouts = self._output_layouts(traced)
             program = lower(graph, mesh, layouts, strategies, out_layouts)

@@ -16,8 +16,12 @@ tensor parallelism inside the pieces, pipelines, the runtime) needs no special c
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
+
 import torch
 
+from pxform.boundary import is_boundary
 from pxform.ir import Graph, Op, TensorType, Value, map_values
 from pxform.layout import Layout
 from pxform.lower.local import local_call
@@ -39,13 +43,19 @@ AXIS = "cs"
 aten = torch.ops.aten
 
 
-def expand(graph: Graph, region_inputs: dict[int, dict[int, Value]]) -> Graph:
+def expand(graph: Graph, region_inputs: dict[int, dict[int, Value]],
+           ways: Callable[[str, int], int] | None = None) -> Graph:
     """`graph` with every coshard region expanded (see module doc).
 
     Args:
         region_inputs: per region number, its argument values by leaf index (from the
             region's markers).
+        ways: `ways(value name, dim)`: into how many shards the mesh splits that dim of the
+            value (the batch over data parallelism and microbatches). A piece then takes
+            its share of every shard, so each rank's pieces are pieces of what it holds and
+            no piece needs another rank's data.
     """
+    ways = ways or (lambda name, dim: 1)
     if not any(op.tag(COSHARD) is not None for op in graph.ops):
         return graph
     last_use = last_uses(graph)
@@ -70,17 +80,26 @@ def expand(graph: Graph, region_inputs: dict[int, dict[int, Value]]) -> Graph:
             stop += 1
         body = [_rewired(o, rename) for o in graph.ops[k:stop]]
         later = {v.name for o in body for v in o.outputs if last_use.get(v.name, -1) >= stop}
-        ops += _expand_region(body, tag, region_inputs.get(tag.region, {}), later, rename)
+        ops += _expand_region(body, tag, region_inputs.get(tag.region, {}), later, rename,
+                              ways)
         k = stop
     outputs = tuple(_renamed(o, rename) if isinstance(o, Value) else o for o in graph.outputs)
     return graph.replace(ops=tuple(ops), outputs=outputs)
 
 
 def _expand_region(body: list[Op], tag: CoshardTag, inputs: dict[int, Value],
-                   later: set[str], rename: dict[str, Value]) -> list[Op]:
+                   later: set[str], rename: dict[str, Value],
+                   ways: Callable[[str, int], int]) -> list[Op]:
     n = tag.chunks
     mesh = AbstractMesh({AXIS: n})
     where = f"pxform.coshard({tag.fn})"
+    for op in body:
+        if is_boundary(op):
+            raise RegionError(
+                f"{where}: pxform.stage_boundary at {op.source or 'an unknown line'} is inside "
+                f"the cosharded function; its pieces run one after another on the same "
+                f"devices, so a pipeline cannot cut between them.\n  Fix: move the "
+                f"stage_boundary out of the cosharded function (before or after the call).")
     layouts: dict[str, Layout] = {}
     split_inputs: dict[str, tuple[Value, int]] = {}
     for index, v in sorted(inputs.items()):
@@ -108,22 +127,28 @@ def _expand_region(body: list[Op], tag: CoshardTag, inputs: dict[int, Value],
             layouts[v.name] = lay
 
     out: list[Op] = []
-    pieces: dict[str, list[Value]] = {}
     first = body[0]
-    for name, (v, d) in split_inputs.items():
-        size = v.type.shape[d] // n
-        shape = tuple(size if i == d else s for i, s in enumerate(v.type.shape))
-        outs = tuple(Value(f"{v.name}.cs{c}", TensorType(shape, v.type.dtype))
-                     for c in range(n))
-        out.append(Op(aten.split.Tensor, (v, size, d), outs, module=first.module,
-                      source=first.source))
-        pieces[name] = list(outs)
-    counts = _counts(body, chosen, mesh, pieces, out, where)
+    # One grouping for every split input (and the outputs), so piece c means the same
+    # examples (or heads) in all of them: the mesh's shards, each cut into n pieces.
+    g = math.lcm(1, *(ways(name, d) for name, (v, d) in split_inputs.items()))
+    for v, d in split_inputs.values():
+        if v.type.shape[d] % (g * n):
+            raise RegionError(
+                f"{where}: {v} ({v.type}) is split {g} ways along dim {d} by the mesh, and "
+                f"{v.type.shape[d] // g} per shard does not divide into {n} pieces.\n  Fix: "
+                f"choose chunks dividing {v.type.shape[d] // g}.")
+
+    def pieces(c: int, suffix: str, region: RecomputeTag | None) -> dict[str, Value]:
+        """Piece c of every split input, made by ops of the piece's own region (so only
+        one piece is materialised at a time)."""
+        return {name: _piece_of(v, d, c, n, g, first, out, suffix, region)
+                for name, (v, d) in split_inputs.items()}
+    counts = _counts(body, chosen, mesh, n, pieces, out, where)
 
     envs: list[dict[str, Value]] = []
     for c in range(n):
         region = RecomputeTag(next_region(), Policy(), f"{tag.fn} piece {c}")
-        env = {name: vals[c] for name, vals in pieces.items()}
+        env = pieces(c, f"cs{c}", region)
         _emit_piece(body, chosen, mesh, env, f"c{c}", region, counts, out)
         envs.append(env)
 
@@ -135,8 +160,7 @@ def _expand_region(body: list[Op], tag: CoshardTag, inputs: dict[int, Value],
             lay = layouts[v.name]
             split = [d for d, axes in enumerate(lay.dims) if AXIS in axes]
             if split:
-                out.append(Op(aten.cat.default, (parts, split[0]), (v,), module=op.module,
-                              source=op.source))
+                _join(parts, v, split[0], g, op, out)
             elif AXIS in lay.partial:
                 acc = parts[0]
                 for c, part in enumerate(parts[1:], start=1):
@@ -182,8 +206,58 @@ def _emit_piece(ops: list[Op], chosen: list[Strategy], mesh: AbstractMesh,
             env[v.name] = r
 
 
-def _counts(body: list[Op], chosen: list[Strategy], mesh: AbstractMesh,
-            pieces: dict[str, list[Value]], out: list[Op], where: str) -> dict[int, Value]:
+def _piece_of(v: Value, d: int, c: int, n: int, g: int, op: Op, out: list[Op], suffix: str,
+              region: RecomputeTag | None) -> Value:
+    """Piece `c` of `n` of `v` along dim `d`, taken from each of the `g` shards the mesh
+    splits that dim into: a slice when `g` is 1; otherwise view the dim as [g, n, rest],
+    take index c of the middle and merge back, so the piece stays laid out like `v`."""
+    shape, size = v.type.shape, v.type.shape[d]
+    piece_shape = shape[:d] + (size // n,) + shape[d + 1:]
+    tags = ((RECOMPUTE, region),) if region is not None else ()
+    grad = region is not None
+    res = Value(f"{v.name}.{suffix}", TensorType(piece_shape, v.type.dtype))
+    if g == 1:
+        out.append(Op(aten.slice.Tensor, (v, d, c * size // n, (c + 1) * size // n), (res,),
+                      tags=tags, module=op.module, source=op.source, grad=grad))
+        return res
+    grouped = shape[:d] + (g, n, size // (g * n)) + shape[d + 1:]
+    a = Value(f"{v.name}.{suffix}g", TensorType(grouped, v.type.dtype))
+    b = Value(f"{v.name}.{suffix}s", TensorType(grouped[:d + 1] + grouped[d + 2:], v.type.dtype))
+    out.append(Op(aten.view.default, (v, list(grouped)), (a,), tags=tags, module=op.module,
+                  source=op.source, grad=grad))
+    out.append(Op(aten.select.int, (a, d + 1, c), (b,), tags=tags, module=op.module,
+                  source=op.source, grad=grad))
+    out.append(Op(aten.reshape.default, (b, list(piece_shape)), (res,), tags=tags,
+                  module=op.module, source=op.source, grad=grad))
+    return res
+
+
+def _join(parts: list[Value], v: Value, d: int, g: int, op: Op, out: list[Op]) -> None:
+    """Define `v` from its pieces along dim `d`: concatenated when the mesh does not split
+    the dim; otherwise each shard's pieces in turn (the inverse of `_piece_of`)."""
+    if g == 1:
+        out.append(Op(aten.cat.default, (parts, d), (v,), module=op.module, source=op.source))
+        return
+    n, shape = len(parts), v.type.shape
+    size = shape[d]
+    grouped = shape[:d] + (g, size // (g * n)) + shape[d + 1:]
+    views = []
+    for p in parts:
+        w = Value(f"{p.name}.g", TensorType(grouped, v.type.dtype))
+        out.append(Op(aten.view.default, (p, list(grouped)), (w,), module=op.module,
+                      source=op.source))
+        views.append(w)
+    stacked_shape = shape[:d] + (g, n, size // (g * n)) + shape[d + 1:]
+    stacked = Value(f"{v.name}.stack", TensorType(stacked_shape, v.type.dtype))
+    out.append(Op(aten.stack.default, (views, d + 1), (stacked,), module=op.module,
+                  source=op.source))
+    out.append(Op(aten.view.default, (stacked, list(shape)), (v,), module=op.module,
+                  source=op.source))
+
+
+def _counts(body: list[Op], chosen: list[Strategy], mesh: AbstractMesh, n: int,
+            pieces: Callable[[int, str, RecomputeTag | None], dict[str, Value]],
+            out: list[Op], where: str) -> dict[int, Value]:
     """For losses averaged over counted targets (`cross_entropy(ignore_index=...)`) split
     into pieces: the whole batch's count, summed over the pieces before any piece runs (each
     piece's targets are recomputed, without gradient, from the ops that make them), so
@@ -211,8 +285,8 @@ def _counts(body: list[Op], chosen: list[Strategy], mesh: AbstractMesh,
         subset = sorted(needed)
         total: Value | None = None
         name = op.outputs[0].name
-        for c in range(len(next(iter(pieces.values())))):
-            env = {key: vals[c] for key, vals in pieces.items()}
+        for c in range(n):
+            env = pieces(c, f"t{c}_{name}", None)
             _emit_piece([body[k] for k in subset], [chosen[k] for k in subset], mesh, env,
                         f"t{c}_{name}", None, counts, out)
             t = env.get(target.name, target)

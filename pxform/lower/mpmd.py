@@ -132,13 +132,17 @@ def split_batch(layout: Layout, dim: int) -> Layout:
 def lower_pipeline(graph: Graph, op_stage: tuple[int, ...], num_stages: int,
                    mesh: AbstractMesh, input_layouts: list[Layout],
                    strategies: list[Strategy], output_layouts: list[Layout | None],
-                   batch_inputs: set[int], fn: str = "pipeline") -> PipelineProgram:
+                   batch_inputs: set[int], fn: str = "pipeline",
+                   weight_stages: set[int] | None = None) -> PipelineProgram:
     """Lower `graph` on `mesh` (which has the `mb` axis) and split it into stages.
 
     Args:
         op_stage: the stage of each op (non-decreasing).
         batch_inputs: indices of the graph inputs that carry the batch (the rest are
             parameters or other per-step constants: their derived values are "weights").
+        weight_stages: the stages whose schedule has zero-bubble `W` actions (None: all);
+            only those return their weight ops' outputs, which keeps them alive until W
+            (elsewhere that would defeat recompute regions, whose outputs stay alive).
     """
     whole = lower(graph, mesh, input_layouts, strategies, output_layouts)
     _refuse_microbatch_collectives(whole, fn)
@@ -198,7 +202,8 @@ def lower_pipeline(graph: Graph, op_stage: tuple[int, ...], num_stages: int,
         receives = tuple(values[n] for n in crossing[k - 1]) if k > 0 else ()
         sends = tuple(values[n] for n in crossing[k]) if k < last else ()
         finals = tuple(whole.outputs) if k == last else ()
-        weight_pairs, extra = _weight_ops(instrs, weights, values)
+        weight_pairs, extra = (_weight_ops(instrs, weights, values)
+                               if weight_stages is None or k in weight_stages else ((), ()))
         used_consts = tuple(constants[n] for n in dict.fromkeys(reads) if n in constants)
         program = Program(f"{whole.name}.stage{k}", mesh,
                           tuple(whole.inputs[i] for i in graph_inputs) + receives, instrs,

@@ -2,9 +2,10 @@
 
 `prepare(graph)`:
 
-1. strips `pxform::mark` ops (their outputs renamed to their inputs): a `checkpoint_name`
-   tags the op that produced the value with its name (`NAME`); a coshard region's argument
-   markers say which value is which argument;
+1. strips `pxform::mark` ops (their outputs renamed to their inputs), except a
+   `checkpoint_name` that its recompute region's policy saves: that one stays as an op (a
+   copy) tagged with its name (`NAME`), and the saved copy is what backward reads; a
+   coshard region's argument markers say which value is which argument;
 2. expands every coshard region into one recomputed copy per piece (`pxform.lower.coshard`);
 3. numbers the recompute regions in order of appearance (so printed programs do not depend
    on how many regions were traced before), tags the ops whose outputs the region's policy
@@ -16,11 +17,15 @@ the runtime groups each recompute region's instructions into one checkpointed mo
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
 from pxform.ir import Graph, Op, Value, map_values
+from pxform.layout import Layout
 from pxform.lower.coshard import expand
+from pxform.mesh import AbstractMesh
 from pxform.regions import (
     COSHARD,
     NAME,
@@ -33,7 +38,8 @@ from pxform.regions import (
 )
 
 
-def prepare(graph: Graph) -> Graph:
+def prepare(graph: Graph, mesh: AbstractMesh | None = None,
+            layouts: list[Layout] | None = None) -> Graph:
     """The graph with markers stripped, coshard regions expanded and recompute regions
     numbered and tagged with what they save (see module doc).
 
@@ -46,8 +52,29 @@ def prepare(graph: Graph) -> Graph:
                for op in graph.ops):
         return graph
     graph, inputs, names = _strip_marks(graph)
-    graph = expand(graph, inputs)
+    ways = None
+    if inputs and mesh is not None and layouts is not None:
+        ways = _mesh_ways(graph, mesh, layouts)
+    graph = expand(graph, inputs, ways)
     return _settle(graph, names)
+
+
+def _mesh_ways(graph: Graph, mesh: AbstractMesh, layouts: list[Layout]
+               ) -> Callable[[str, int], int]:
+    """`ways(value, dim)`: how many shards the mesh splits a dim of a value into, as the
+    propagation lays the graph out (so coshard pieces are pieces of each rank's shard)."""
+    from pxform.lower.spmd import propagate
+
+    have = {v.name: lay for v, lay in zip(graph.inputs, layouts)}
+    for op, s in zip(graph.ops, propagate(graph, mesh, layouts)):
+        for v, lay in zip(op.outputs, s.outputs):
+            have[v.name] = lay
+
+    def ways(name: str, dim: int) -> int:
+        lay = have.get(name)
+        return math.prod(mesh.axis_size(a) for a in lay.dims[dim]) if lay is not None else 1
+
+    return ways
 
 
 def _strip_marks(graph: Graph) -> tuple[Graph, dict[int, dict[int, Value]],
@@ -69,14 +96,19 @@ def _strip_marks(graph: Graph) -> tuple[Graph, dict[int, dict[int, Value]],
         if any(v.name in rename for v in op.inputs):
             op = op.replace(args=tuple(map_values(a, renamed) for a in op.args),
                             kwargs=tuple((k, map_values(a, renamed)) for k, a in op.kwargs))
-        if not is_mark(op):
+        kind, _, rest = mark_text(op).partition(":") if is_mark(op) else ("", "", "")
+        if kind == "name" and _saved_by_name(op, rest):
+            # kept as an op (a copy) that the policy saves: tagging the producer instead
+            # would save nothing when it returns an alias (dropout with p=0 does)
+            names.setdefault(op.tag(RECOMPUTE).region, set()).add(rest)
+            op = _with_tag(op, NAME, (rest,))
+        if not is_mark(op) or kind == "name" and op.tag(NAME):
             for v in op.outputs:
                 producer[v.name] = len(ops)
             ops.append(op)
             continue
         source = op.inputs[0]
         rename[op.outputs[0].name] = source
-        kind, _, rest = mark_text(op).partition(":")
         if kind == "in":
             tag = op.tag(COSHARD)
             if tag is not None:
@@ -85,10 +117,6 @@ def _strip_marks(graph: Graph) -> tuple[Graph, dict[int, dict[int, Value]],
             rtag = op.tag(RECOMPUTE)
             if rtag is not None:
                 names.setdefault(rtag.region, set()).add(rest)
-            k = producer.get(source.name)
-            if k is not None:  # a graph input has no producer: inputs are kept anyway
-                have = ops[k].tag(NAME, ())
-                ops[k] = _with_tag(ops[k], NAME, tuple(sorted({*have, rest})))
     outputs = tuple(renamed(o) if isinstance(o, Value) else o for o in graph.outputs)
     return graph.replace(ops=tuple(ops), outputs=outputs), inputs, names
 
@@ -124,6 +152,11 @@ def _settle(graph: Graph, names: dict[int, set[str]]) -> Graph:
                 f"function with pxform.checkpoint_name(x, {missing[0]!r}), or correct the "
                 f"name in policy=.")
     return graph.replace(ops=tuple(ops))
+
+
+def _saved_by_name(op: Op, name: str) -> bool:
+    tag = op.tag(RECOMPUTE)
+    return tag is not None and tag.policy.kind == "names" and name in tag.policy.names
 
 
 def _with_tag(op: Op, key: str, value: Any) -> Op:

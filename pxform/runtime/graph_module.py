@@ -175,7 +175,11 @@ class Recompute(torch.nn.Module):
 def _save_policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> Any:
     from torch.utils.checkpoint import CheckpointPolicy
 
-    return CheckpointPolicy.MUST_SAVE if _SAVING.get() else CheckpointPolicy.PREFER_RECOMPUTE
+    # ops returning views of their inputs (linear's `t` and `view`) are not kept: a saved
+    # view would keep its base, the input the policy means to recompute
+    if _SAVING.get() and not any(r.alias_info is not None for r in func._schema.returns):
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def _no_context() -> tuple[Any, Any]:
