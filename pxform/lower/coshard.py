@@ -106,7 +106,7 @@ def _expand_region(body: list[Op], tag: CoshardTag, inputs: dict[int, Value],
         d = tag.dims[index]
         if d is None or v.name in split_inputs:
             continue
-        dims = [()] * v.type.rank
+        dims: list[tuple[str, ...]] = [()] * v.type.rank
         dims[d] = (AXIS,)
         layouts[v.name] = Layout(tuple(dims))
         split_inputs[v.name] = (v, d)
