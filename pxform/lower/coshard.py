@@ -22,6 +22,8 @@ from collections.abc import Callable
 import torch
 
 from pxform.boundary import is_boundary
+from pxform.cuts import _renamed
+from pxform.cuts import _rewire as _rewired
 from pxform.ir import Graph, Op, TensorType, Value, map_values
 from pxform.layout import Layout
 from pxform.lower.local import local_call
@@ -358,19 +360,3 @@ def _cannot_split(op: Op, need: tuple[Layout, ...], tag: CoshardTag,
     return (f"{head}: its inputs come as {shown}, which no way of splitting {op.name} "
             f"accepts without communication (an input from outside the region's split "
             f"arguments is whole where the op needs it split like the others).{fix}")
-
-
-def _renamed(v: Value, rename: dict[str, Value]) -> Value:
-    while v.name in rename:
-        v = rename[v.name]
-    return v
-
-
-def _rewired(op: Op, rename: dict[str, Value]) -> Op:
-    if not rename or not any(v.name in rename for v in op.inputs):
-        return op
-    def sub(v: Value) -> Value:
-        return _renamed(v, rename)
-    return op.replace(args=tuple(map_values(a, sub) for a in op.args),
-                      kwargs=tuple((k, map_values(a, sub)) for k, a in op.kwargs))
-
