@@ -1,0 +1,193 @@
+"""What the search needs to know about a traced graph, computed once.
+
+- **blocks** from graph sharding (`pxform.cuts.graph_blocks`, Merak): layers, plus the
+  embedding and head around them; stage boundaries the user marked are block boundaries;
+- **kinds**: blocks with the same ops on the same shapes share a kind and are solved once;
+- per op: FLOPs, whether it depends on the batch (its FLOPs, saved bytes and activation
+  traffic scale with the microbatch), and the bytes it saves for backward, measured on fake
+  tensors for one block of each kind;
+- the **data layout** of every value: the strategy each op takes when the batch inputs are
+  split on their batch dim over a data axis and parameters are replicated (plain data
+  parallelism, chosen by the lowering's own propagation), so a value's batch dim is known;
+- which block first reads each parameter (it owns its memory).
+
+Example:
+    >>> a = analyse(prepared_graph, batch_inputs={"batch.idx", "batch.targets"})
+    >>> [b.label for b in a.blocks][:2], a.num_kinds
+    (['embed', 'layer 0'], 3)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from pxform.cost import saved_bytes_per_op
+from pxform.cuts import _signature, graph_blocks, strip_markers
+from pxform.errors import PxformError
+from pxform.ir import Graph, Value
+from pxform.layout import Layout
+from pxform.lower.spmd import propagate
+from pxform.mesh import AbstractMesh
+from pxform.ops import rule_info
+from pxform.ops.strategy import Strategy
+
+DATA = "data"
+"""The axis of the data-parallel reference propagation."""
+
+
+@dataclass(frozen=True)
+class BlockInfo:
+    """A block: ops `[start, stop)`, its kind, and the values crossing into and out of it."""
+
+    index: int
+    label: str
+    start: int
+    stop: int
+    kind: int
+    flops: int
+    params: tuple[str, ...]      # parameters this block reads first (it holds them)
+    reads: tuple[str, ...]       # activations defined by earlier blocks that it reads
+    crossing: tuple[str, ...]    # values defined up to this block and read after it
+
+
+@dataclass(frozen=True)
+class Analysis:
+    graph: Graph
+    blocks: tuple[BlockInfo, ...]
+    batch_inputs: frozenset[str]
+    params: frozenset[str]
+    op_flops: tuple[int, ...]
+    op_batch: tuple[bool, ...]
+    op_saved: tuple[int, ...]            # bytes saved for backward at the traced batch
+    data_strategies: tuple[Strategy, ...]  # per op, on AbstractMesh({DATA: 2})
+    data_layouts: dict[str, Layout]      # value -> layout under data parallelism
+    traced_batch: int
+    marked: tuple[int, ...]              # block indices starting a user-marked stage
+    kind_of_block: tuple[int, ...]
+    batch_values: frozenset[str]         # values depending on the batch
+    defined_at: dict[str, int]           # value -> index of the op defining it
+
+    @property
+    def num_kinds(self) -> int:
+        return 1 + max(self.kind_of_block, default=-1)
+
+    def values(self) -> dict[str, Value]:
+        """Every value of the graph by name (computed once)."""
+        cached = self.__dict__.get("_values")
+        if cached is None:
+            cached = {v.name: v for v in self.graph.values()}
+            object.__setattr__(self, "_values", cached)
+        return cached
+
+
+def analyse(graph: Graph, batch_inputs: set[str], batch_dim: int = 0,
+            fn: str = "auto") -> Analysis:
+    """Blocks, kinds and per-op numbers of `graph` (module doc). Stage-boundary markers
+    are removed; the blocks they delimit are reported in `marked`."""
+    stripped, marks = strip_markers(graph)
+    graph = stripped
+    batch = frozenset(batch_inputs)
+    sizes = {v.type.shape[batch_dim] for v in graph.inputs if v.name in batch}
+    if not sizes:
+        raise PxformError(f"pxform.{fn}: no batch input: the search splits the batch of the "
+                          f"arguments given by batch_argnums, and none is a tensor.")
+    if len(sizes) > 1:
+        raise PxformError(f"pxform.{fn}: the batch inputs disagree on the batch size (dim "
+                          f"{batch_dim}): {sorted(sizes)}.")
+    blocks = _blocks(graph, batch, marks)
+    params = frozenset(v.name for v in graph.inputs
+                       if v.name not in batch and v.type.dtype.is_floating_point)
+    depends = set(batch)
+    op_batch = []
+    for op in graph.ops:
+        on = any(v.name in depends for v in op.inputs)
+        if on:
+            depends.update(v.name for v in op.outputs)
+        op_batch.append(on)
+    op_flops = tuple(rule_info(op).flops for op in graph.ops)
+    # kinds: same ops on the same shapes
+    ids: dict[tuple, int] = {}
+    kind_of = [ids.setdefault(_signature(graph.ops[a:b]), len(ids)) for a, b, _ in blocks]
+    saved = [0] * len(graph.ops)
+    skip = set(batch) | set(params)
+    done: dict[int, list[int]] = {}
+    for (a, b, _), k in zip(blocks, kind_of):
+        if k not in done:
+            done[k] = saved_bytes_per_op(graph, a, b, skip)
+        saved[a:b] = done[k]
+    data_mesh = AbstractMesh({DATA: 2})
+    in_layouts = [Layout.of(_batch_spec(v, batch_dim), v.type.rank) if v.name in batch
+                  else Layout.replicated(v.type.rank) for v in graph.inputs]
+    strategies = propagate(graph, data_mesh, in_layouts)
+    layouts = {v.name: lay for v, lay in zip(graph.inputs, in_layouts)}
+    for c in graph.constants:
+        layouts[c.value.name] = Layout.replicated(c.value.type.rank)
+    for op, s in zip(graph.ops, strategies):
+        for v, lay in zip(op.outputs, s.outputs):
+            layouts[v.name] = lay
+    infos = _block_infos(graph, blocks, kind_of, params, depends)
+    marked = tuple(i for i, (_, _, m) in enumerate(blocks) if m)
+    defined_at = {v.name: k for k, op in enumerate(graph.ops) for v in op.outputs}
+    return Analysis(graph, infos, batch, params, op_flops, tuple(op_batch), tuple(saved),
+                    tuple(strategies), layouts, sizes.pop(), marked, tuple(kind_of),
+                    frozenset(depends), defined_at)
+
+
+def _batch_spec(v: Value, batch_dim: int):  # type: ignore[no-untyped-def]
+    from pxform.spec import P
+
+    return P(*([None] * batch_dim), DATA)
+
+
+def _blocks(graph: Graph, batch: frozenset[str], marks: Sequence[int]
+            ) -> list[tuple[int, int, bool]]:
+    """(start, stop, starts a marked stage) per block: graph sharding's blocks, split
+    again at the user's stage-boundary markers."""
+    cuts = sorted(set(marks))
+    out: list[tuple[int, int, bool]] = []
+    for blk in graph_blocks(graph, set(batch)):
+        edges = [blk.start, *[m for m in cuts if blk.start < m < blk.stop], blk.stop]
+        for a, b in zip(edges, edges[1:]):
+            out.append((a, b, a in cuts))
+    return out
+
+
+def _block_infos(graph: Graph, blocks: Sequence[tuple[int, int, bool]], kind_of: Sequence[int],
+                 params: frozenset[str], depends: set[str]) -> tuple[BlockInfo, ...]:
+    from pxform.cuts import _module_label
+    from pxform.trace import last_uses
+
+    op_block = [0] * len(graph.ops)
+    for k, (a, b, _) in enumerate(blocks):
+        for i in range(a, b):
+            op_block[i] = k
+    defined_in = {v.name: op_block[i] for i, op in enumerate(graph.ops) for v in op.outputs}
+    last = last_uses(graph)
+    owner: dict[str, int] = {}
+    for i, op in enumerate(graph.ops):
+        for v in op.inputs:
+            if v.name in params:
+                owner.setdefault(v.name, op_block[i])
+    infos = []
+    layer = 0
+    num = len(blocks)
+    for k, (a, b, _) in enumerate(blocks):
+        reads: dict[str, None] = {}
+        for op in graph.ops[a:b]:
+            for v in op.inputs:
+                if defined_in.get(v.name, k) < k and v.name in depends:
+                    reads[v.name] = None
+        crossing = tuple(sorted(name for name, blk in defined_in.items()
+                                if blk <= k and last.get(name, -1) >= b and k < num - 1))
+        label = _module_label(graph.ops[a:b])
+        if not label:
+            same = sum(1 for j in range(num) if kind_of[j] == kind_of[k]) > 1
+            label = f"layer {layer}" if same else ("embed" if k == 0 else
+                                                   "head" if k == num - 1 else f"block {k}")
+            layer += same
+        flops = sum(rule_info(op).flops for op in graph.ops[a:b])
+        infos.append(BlockInfo(k, label, a, b, kind_of[k], flops,
+                               tuple(sorted(p for p, o in owner.items() if o == k)),
+                               tuple(reads), crossing))
+    return tuple(infos)

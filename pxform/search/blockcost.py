@@ -1,0 +1,337 @@
+"""Op-level strategies of a block under given axis roles, and what they cost.
+
+A block's strategy gives each mesh axis of its stage a *role*:
+
+- `dp` (data): the batch is split over the axis, parameters are replicated;
+- `sdp` (sharded data, ZeRO-3): the batch is split, parameters are stored split over the
+  axis and gathered for use (the lowering's conversion rule gives the all-gather and the
+  gradient reduce-scatter);
+- `tp` (tensor): ops are split inside; which dims, per op, is found here.
+
+On a data axis every op takes the strategy the data-parallel reference propagation gave it
+(`Analysis.data_strategies`). On the tensor axis a small beam search over the block's ops,
+in program order, picks per op one of its rule's strategies: inputs from earlier blocks
+arrive whole (replicated over the tensor axis) and the block's outputs leave whole; a
+parameter is stored as its first reader needs it; the cost of a state is its compute time
+(split ops do 1/n of the work) plus the forward and backward re-layout time; states with
+fewer weight matrices left replicated come first (the tensor role is there to split them).
+Megatron's pattern, a column-split linear feeding a row-split one and one all-reduce,
+comes out of this search; it is not written anywhere.
+
+`walk` costs a block under full per-op strategies on the stage mesh: per microbatch
+forward and backward compute, activation re-layouts (on the critical path), parameter-
+gradient re-layouts (overlapped with backward), bytes saved for backward, and parameter
+bytes per device. Conversions are counted once per value and layout, as the lowering
+emits them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from pxform.cost import BACKWARD_RATIO, CostModel, relayout_steps
+from pxform.ir import Value
+from pxform.layout import Layout, Relayout, plan_relayout
+from pxform.lower.spmd import consumer_gradient_layout, gradient_layout
+from pxform.mesh import AbstractMesh
+from pxform.ops.registry import rule_info
+from pxform.ops.strategy import REPLICATE, Strategy, _build, strategies
+from pxform.search.analysis import DATA, Analysis, BlockInfo
+
+BEAM_WIDTH = 8
+"""States kept per op by the tensor-axis beam search (a transformer layer's Megatron
+pattern is found with 4; more costs time for nothing on the models tested)."""
+
+ROLES = ("dp", "sdp", "tp")
+
+
+@dataclass
+class RelayoutCache:
+    """`plan_relayout` results per (shape, itemsize, src, dst, mesh): the same few
+    re-layouts recur in every block."""
+
+    model: CostModel
+    axes: Mapping[str, tuple[int, int]]  # axis -> (size, link level)
+    mesh: AbstractMesh
+    _cache: dict = field(default_factory=dict)
+
+    def plan(self, v: Value, src: Layout, dst: Layout) -> Relayout:
+        key = (v.type.shape, v.type.dtype.itemsize, src, dst)
+        r = self._cache.get(key)
+        if r is None:
+            costs = {a: self.model.hardware.axis_cost(level)
+                     for a, (_, level) in self.axes.items()}
+            r = plan_relayout(v.type.shape, v.type.dtype.itemsize, src, dst, self.mesh, costs)
+            self._cache[key] = r
+        return r
+
+    def time(self, v: Value, src: Layout, dst: Layout, scale: float) -> float:
+        if src == dst:
+            return 0.0
+        return self.model.relayout_time(self.plan(v, src, dst), self.axes, scale)
+
+    def steps(self, v: Value, src: Layout, dst: Layout) -> list[tuple[str, str, float]]:
+        return [] if src == dst else relayout_steps(self.plan(v, src, dst))
+
+
+@dataclass(frozen=True)
+class WalkCost:
+    """One block, one microbatch, per device (times in seconds, bytes)."""
+
+    fwd_compute: float
+    fwd_comm: float
+    bwd_comm: float       # activation gradients: on the critical path
+    grad_comm: float      # parameter gradients: overlapped with backward
+    saved_bytes: float    # saved for backward by the block's ops
+    kept_bytes: float     # what a recomputed block keeps: its inputs from earlier blocks
+    param_bytes: float    # local bytes of the parameters the block holds
+    param_numel: float    # local elements of those parameters
+    ag_comm: float        # of fwd_comm: parameter all-gathers (ZeRO-3), per microbatch
+
+
+def _floating(v: Value) -> bool:
+    return v.type.dtype.is_floating_point or v.type.dtype.is_complex
+
+
+def _ways(strategy: Strategy, axes: Mapping[str, tuple[int, int]]) -> int:
+    return math.prod(axes[a][0] for a, c in strategy.choices if c[0] == "split")
+
+
+def walk(a: Analysis, block: BlockInfo, strats: list[Strategy], outside: Mapping[str, Layout],
+         params: Mapping[str, Layout], cache: RelayoutCache, scale: float,
+         batch_values: frozenset[str], outputs: Mapping[str, Layout]) -> WalkCost:
+    """The cost of `block` with one strategy per op (module doc). `outside` lays out
+    values from earlier blocks and batch inputs, `params` the parameters as stored,
+    `outputs` the layouts crossing values must leave in; `scale` is microbatch size over
+    traced batch."""
+    model = cache.model
+    axes = cache.axes
+    layouts: dict[str, Layout] = {}
+    done: set[tuple[str, Layout]] = set()
+    fwd_compute = fwd_comm = bwd_comm = grad_comm = saved = ag = 0.0
+    graph = a.graph
+    values = {}
+    for k, s in zip(range(block.start, block.stop), strats):
+        op = graph.ops[k]
+        ways = _ways(s, axes)
+        sc = scale if a.op_batch[k] else 1.0
+        dtype = op.outputs[0].type.dtype if op.outputs else op.inputs[0].type.dtype
+        fwd_compute += model.compute_time(a.op_flops[k] * sc / ways, dtype)
+        saved += a.op_saved[k] * sc / ways
+        for i, v in enumerate(op.inputs):
+            values[v.name] = v
+            have = layouts.get(v.name) or params.get(v.name) or outside.get(v.name)
+            if have is None:
+                have = Layout.replicated(v.type.rank)
+            need = s.inputs[i]
+            vs = sc if v.name in batch_values else 1.0
+            if (v.name, need) not in done:
+                done.add((v.name, need))
+                t = cache.time(v, have, need, vs)
+                fwd_comm += t
+                if v.name in params:
+                    ag += t
+            if _floating(v):
+                c = consumer_gradient_layout(s, i)
+                g = gradient_layout(have)
+                if c != g:
+                    t = cache.time(v, c, g, vs)
+                    if v.name in a.params:
+                        grad_comm += t
+                    else:
+                        bwd_comm += t
+        for v, lay in zip(op.outputs, s.outputs):
+            layouts[v.name] = lay
+            values[v.name] = v
+    for name, want in outputs.items():
+        have = layouts.get(name)
+        if have is None or have == want:
+            continue
+        v = values.get(name) or a.values()[name]
+        vs = scale if name in batch_values else 1.0
+        fwd_comm += cache.time(v, have, want, vs)
+        if _floating(v):
+            bwd_comm += cache.time(v, gradient_layout(want), gradient_layout(have), vs)
+    kept = 0.0
+    vals = a.values()
+    for name in block.reads:
+        v = vals[name]
+        lay = outside.get(name, Layout.replicated(v.type.rank))
+        local = math.prod(lay.local_shape(v.type.shape, cache.mesh))
+        kept += local * v.type.dtype.itemsize * (scale if name in batch_values else 1.0)
+    pbytes = pnumel = 0.0
+    for name in block.params:
+        v = vals[name]
+        lay = params.get(name, Layout.replicated(v.type.rank))
+        local = math.prod(lay.local_shape(v.type.shape, cache.mesh))
+        pnumel += local
+        pbytes += local * model.state_bytes_per_param(v.type.dtype)
+    return WalkCost(fwd_compute, fwd_comm, bwd_comm, grad_comm, saved, kept, pbytes, pnumel, ag)
+
+
+# ---------------------------------------------------------------- tensor-axis beam search
+
+@dataclass
+class _State:
+    key: tuple[float, float]  # (replicated weight matrices, seconds)
+    layouts: dict[str, Layout]
+    params: dict[str, Layout]
+    done: frozenset[tuple[str, Layout]]
+    picks: tuple[Strategy, ...]
+
+
+def tensor_strategies(a: Analysis, block: BlockInfo, axis: str, size: int, level: int,
+                      model: CostModel, scale: float) -> tuple[Strategy, ...]:
+    """Per op of `block`, its strategy on the tensor axis `axis` of `size` (module doc)."""
+    mesh = AbstractMesh({axis: size})
+    cache = RelayoutCache(model, {axis: (size, level)}, mesh)
+    graph = a.graph
+    vals = a.values()
+    last: dict[str, int] = {}
+    for k in range(block.start, block.stop):
+        for v in graph.ops[k].inputs:
+            last[v.name] = k
+    crossing = set(block.crossing)
+    beam = [_State((0.0, 0.0), {}, {}, frozenset(), ())]
+    for k in range(block.start, block.stop):
+        op = graph.ops[k]
+        options = strategies(op, mesh)
+        dtype = op.outputs[0].type.dtype if op.outputs else op.inputs[0].type.dtype
+        sc = scale if a.op_batch[k] else 1.0
+        grown: dict[tuple, _State] = {}
+        for st in beam:
+            for s in options:
+                bad, t = _tensor_step(a, k, s, st, cache, sc, dtype, model)
+                if t is None:
+                    continue
+                layouts = dict(st.layouts)
+                for v, lay in zip(op.outputs, s.outputs):
+                    layouts[v.name] = lay
+                params = dict(st.params)
+                for i, v in enumerate(op.inputs):
+                    if v.name in a.params and v.name not in params:
+                        params[v.name] = Layout(s.inputs[i].dims)
+                done = st.done | {(v.name, s.inputs[i]) for i, v in enumerate(op.inputs)}
+                if k == block.stop - 1:  # outputs leave whole
+                    for name in crossing:
+                        have = layouts.get(name)
+                        if have is not None and have.used_axes():
+                            v = vals[name]
+                            t += cache.time(v, have, Layout.replicated(v.type.rank), sc)
+                            t += cache.time(v, Layout.replicated(v.type.rank),
+                                            gradient_layout(have), sc)
+                state = _State((st.key[0] + bad, st.key[1] + t), layouts, params, done,
+                               (*st.picks, s))
+                live = tuple(sorted((n, lay) for n, lay in layouts.items()
+                                    if last.get(n, -1) > k or n in crossing))
+                sig = (live, tuple(sorted(params.items())))
+                old = grown.get(sig)
+                if old is None or state.key < old.key:
+                    grown[sig] = state
+        # order by cost so far plus a lower bound of what live partial sums will cost:
+        # each must be reduced at least once (a reduce-scatter) before anything but a
+        # linear op can read it, so a path that defers its reduction is not favoured
+        def order(x: _State) -> tuple[float, float]:
+            pending = 0.0
+            for name, lay in x.layouts.items():
+                if lay.partial and (last.get(name, -1) > k or name in crossing):
+                    v = vals[name]
+                    pending += cache.time(v, lay, _reduced(lay), sc)
+            return (x.key[0], x.key[1] + pending)
+
+        beam = sorted(grown.values(), key=order)[:BEAM_WIDTH]
+    return beam[0].picks
+
+
+def _reduced(lay: Layout) -> Layout:
+    """`lay` with its partial sums reduced and scattered over the first dim left whole."""
+    dims = list(lay.dims)
+    free = [d for d, axes in enumerate(dims) if not axes]
+    if free:
+        dims[free[0]] = tuple(sorted(lay.partial))
+    return Layout(tuple(dims))
+
+
+def _tensor_step(a: Analysis, k: int, s: Strategy, st: _State, cache: RelayoutCache,
+                 sc: float, dtype: Any, model: CostModel) -> tuple[float, float | None]:
+    """(weight matrices this choice leaves replicated, seconds) for op `k`'s choice."""
+    op = a.graph.ops[k]
+    size = cache.axes[next(iter(cache.axes))][0]
+    split = any(c[0] == "split" for _, c in s.choices)
+    t = model.compute_time(a.op_flops[k] * sc * (1.0 + BACKWARD_RATIO)
+                           / (size if split else 1), dtype)
+    bad = 0.0
+    for i, v in enumerate(op.inputs):
+        need = s.inputs[i]
+        if v.name in a.params and v.name not in st.params:
+            # stored whole or split, never partial: a partial need (a row-split linear's
+            # bias) is met by zeroing all copies but one, which is free
+            if v.type.rank >= 2 and not need.used_axes():
+                bad += 1.0
+            have = Layout(need.dims)
+        else:
+            have = st.layouts.get(v.name) or st.params.get(v.name) or \
+                Layout.replicated(v.type.rank)
+        vs = sc
+        if (v.name, need) not in st.done:
+            t += cache.time(v, have, need, vs)
+        if _floating(v):
+            c = consumer_gradient_layout(s, i)
+            g = gradient_layout(have)
+            if c != g:
+                t += cache.time(v, c, g, vs)
+    return bad, t
+
+
+# ---------------------------------------------------------------- combining roles
+
+def combine(a: Analysis, k: int, mesh: AbstractMesh, roles: Mapping[str, str],
+            tensor: Strategy | None) -> Strategy:
+    """Op `k`'s strategy on `mesh`: each data axis (`dp`, `sdp`, or the pipeline's `mb`)
+    takes the data-parallel choice, the tensor axis the tensor search's; when the two do
+    not fit together (sizes that do not divide), the closest strategy that does."""
+    op = a.graph.ops[k]
+    data_choice = a.data_strategies[k].choices[0][1]
+    tensor_choice = tensor.choices[0][1] if tensor is not None else REPLICATE
+    combo = tuple(tensor_choice if roles.get(ax) == "tp" else data_choice
+                  for ax in mesh.names)
+    sig = rule_info(op).signature
+    s = _build(sig, mesh, combo)
+    if s is not None:
+        return s
+    best = None
+    for cand in strategies(op, mesh):
+        score = sum(1 for (_, c), w in zip(cand.choices, combo) if c == w)
+        if best is None or score > best[0]:
+            best = (score, cand)
+    assert best is not None
+    return best[1]
+
+
+def data_layout(a: Analysis, name: str, rank: int, data_axes: tuple[str, ...]) -> Layout:
+    """The layout of value `name` with the data-parallel reference's `data` axis replaced
+    by `data_axes` (outer to inner)."""
+    ref = a.data_layouts.get(name)
+    if ref is None:
+        return Layout.replicated(rank)
+    dims = tuple(tuple(ax for d in axes for ax in (data_axes if d == DATA else (d,)))
+                 for axes in ref.dims)
+    partial = frozenset(ax for p in ref.partial for ax in (data_axes if p == DATA else (p,)))
+    return Layout(dims, partial)
+
+
+def sdp_layout(v: Value, tensor: Layout, sdp_axes: tuple[str, ...],
+               mesh: AbstractMesh) -> Layout:
+    """Where a ZeRO-3 parameter is stored: split over the sharded-data axes along its
+    first dim the tensor axis leaves alone and that divides; whole if none does."""
+    ways = math.prod(mesh.axis_size(ax) for ax in sdp_axes)
+    for d, size in enumerate(v.type.shape):
+        if tensor.dims[d] or size % ways:
+            continue
+        dims = list(tensor.dims)
+        dims[d] = tuple(sdp_axes)
+        return Layout(tuple(dims))
+    return tensor

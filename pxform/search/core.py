@@ -1,0 +1,591 @@
+"""The search: configurations x per-stage frontier DP x stage partition (DESIGN.md §6).
+
+For each configuration (`space.configs`) the blocks are split into stages balancing their
+fastest time (`pxform.cuts.balance`), then each stage's chain of blocks is solved by the
+frontier DP (`frontier.chain_frontier`) under the memory budget left after its workspace;
+a stage that does not fit gives a block to its neighbour towards the end of the pipeline
+(later stages hold fewer microbatches in flight under 1F1B), up to `2 x stages` moves
+(Galvatron-BMW's bi-objective balance: time first, memory as the constraint that moves the
+cuts). The step time of a pipeline is 1F1B's closed form over the stages' times (see
+`pxform.cost.one_f_one_b_time`); the chosen plan is simulated exactly afterwards.
+
+Per block option, per microbatch (`blockcost.walk`):
+
+    F = forward compute + forward re-layouts
+    B = 2 x forward compute + activation-gradient re-layouts (+ F when recomputed)
+    parameter-gradient reductions overlap B (`CostModel.overlap`): ZeRO-3's reduce-scatter
+    every microbatch, data parallel's all-reduce once per step (gradients accumulate
+    locally, as DDP's no_sync and Megatron do)
+
+and per device memory: parameter + gradient + optimizer bytes, plus the microbatches in
+flight x (bytes saved for backward, or only the block's inputs when recomputed), plus a
+workspace of 2 blocks' saved bytes.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from pxform.cost import (
+    BACKWARD_RATIO,
+    WORKSPACE_BLOCKS,
+    CostModel,
+    one_f_one_b_in_flight,
+    one_f_one_b_time,
+)
+from pxform.layout import Layout
+from pxform.mesh import AbstractMesh
+from pxform.ops.strategy import Strategy
+from pxform.search.analysis import Analysis, BlockInfo
+from pxform.search.blockcost import (
+    RelayoutCache,
+    WalkCost,
+    combine,
+    data_layout,
+    sdp_layout,
+    tensor_strategies,
+    walk,
+)
+from pxform.search.frontier import Point, chain_frontier
+from pxform.search.space import INNER, OUTER, Config, Option, options
+
+FRONTIER_LEVELS = (1.0, 0.8, 0.65, 0.5, 0.4, 0.3, 0.22, 0.15, 0.1)
+"""Memory limits, as fractions of the budget, at which each configuration's fastest plan
+is read off the stage frontiers for `Plan.frontier()`."""
+
+QUANTUM = 1 / 512
+"""Frontier memory rounding, as a fraction of the budget (`frontier` module doc)."""
+
+
+@dataclass(frozen=True)
+class Pin:
+    """Choices fixed before the search: by the user's transforms (stage boundaries,
+    recompute regions) or a plan passed back to `auto` (all of it, or some fields)."""
+
+    stages: int | None = None
+    outer: int | None = None
+    inner: int | None = None
+    microbatches: int | None = None
+    block_options: tuple[Option | None, ...] | None = None  # per block, None: free
+    block_stage: tuple[int, ...] | None = None
+    tensor_choices: Mapping[int, tuple[tuple, ...]] | None = None  # kind -> per op choice
+
+
+@dataclass(frozen=True)
+class StageResult:
+    stage: int
+    blocks: tuple[int, ...]
+    time: float            # per step, this stage alone (all microbatches)
+    forward: float         # per microbatch
+    backward: float        # per microbatch
+    memory: float          # peak bytes per device
+    in_flight: int
+    param_bytes: float
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One complete plan the search found."""
+
+    config: Config
+    options: tuple[Option, ...]     # per block
+    block_stage: tuple[int, ...]
+    stages: tuple[StageResult, ...]
+    step_time: float
+    peak_memory: float
+    block_time: tuple[float, ...]   # per block, per step
+    block_memory: tuple[float, ...]  # per block, per device
+
+
+@dataclass
+class SearchContext:
+    """Inputs and caches of one search."""
+
+    analysis: Analysis
+    model: CostModel
+    budget: float
+    global_batch: int
+    pin: Pin = field(default_factory=Pin)
+    _tensor: dict = field(default_factory=dict)
+    _walk: dict = field(default_factory=dict)
+    _relayout: dict = field(default_factory=dict)
+    _trans: dict = field(default_factory=dict)
+    _stages: dict = field(default_factory=dict)
+
+    @property
+    def hardware(self) -> Any:
+        return self.model.hardware
+
+    def axes(self, config: Config) -> dict[str, tuple[int, int]]:
+        """Mesh axis -> (size, link level) of the stage mesh."""
+        hw = self.hardware
+        return {OUTER: (config.outer, hw.level(config.outer * config.inner)),
+                INNER: (config.inner, hw.level(config.inner))}
+
+    def cache(self, config: Config) -> RelayoutCache:
+        mesh = config.stage_mesh
+        axes = {a: v for a, v in self.axes(config).items() if a in mesh.names}
+        key = mesh, tuple(sorted(axes.items()))
+        if key not in self._relayout:
+            self._relayout[key] = RelayoutCache(self.model, axes, mesh)
+        return self._relayout[key]
+
+    def tensor_picks(self, kind: int, config: Config) -> tuple[Strategy, ...]:
+        """The tensor-axis strategy of each op of blocks of `kind`."""
+        a = self.analysis
+        if self.pin.tensor_choices is not None and kind in self.pin.tensor_choices:
+            return _from_choices(a, _first_block(a, kind), self.pin.tensor_choices[kind],
+                                 config.inner)
+        level = self.hardware.level(config.inner)
+        key = (kind, config.inner, level)
+        if key not in self._tensor:
+            block = _first_block(a, kind)
+            self._tensor[key] = tensor_strategies(a, block, INNER, config.inner, level,
+                                                  self.model, 1.0)
+        return self._tensor[key]
+
+
+def _first_block(a: Analysis, kind: int) -> BlockInfo:
+    return next(b for b in a.blocks if b.kind == kind)
+
+
+def _from_choices(a: Analysis, block: BlockInfo, choices: Sequence[tuple], size: int
+                  ) -> tuple[Strategy, ...]:
+    from pxform.ops.registry import rule_info
+    from pxform.ops.strategy import _build
+
+    mesh = AbstractMesh({INNER: size})
+    out = []
+    for k, choice in zip(range(block.start, block.stop), choices):
+        s = _build(rule_info(a.graph.ops[k]).signature, mesh, (choice,))
+        if s is None:
+            from pxform.errors import PxformError
+
+            raise PxformError(f"pxform.auto: the pinned plan's tensor choice {choice} for op "
+                              f"{a.graph.ops[k]} does not fit an inner axis of size {size}.")
+        out.append(s)
+    return tuple(out)
+
+
+# ---------------------------------------------------------------- per block option
+
+def block_strategies(ctx: SearchContext, block: BlockInfo, config: Config, option: Option,
+                     mesh: AbstractMesh | None = None,
+                     extra: Mapping[str, str] | None = None) -> list[Strategy]:
+    """Per op of `block`, its strategy on `mesh` (default: the stage mesh) under `option`;
+    `extra` gives roles of further axes (the pipeline's microbatch axis is data)."""
+    a = ctx.analysis
+    mesh = mesh or config.stage_mesh
+    roles = dict(option.roles)
+    roles.update(extra or {})
+    picks = ctx.tensor_picks(block.kind, config) if option.tensor_axis else None
+    # the representative block of the kind has the same ops at the same offsets
+    return [combine(a, k, mesh, roles, picks[k - block.start] if picks else None)
+            for k in range(block.start, block.stop)]
+
+
+def param_layouts(ctx: SearchContext, block: BlockInfo, config: Config, option: Option,
+                  strats: Sequence[Strategy], mesh: AbstractMesh) -> dict[str, Layout]:
+    """Where each parameter the block reads is stored: as its first reader needs it on
+    the tensor axis, split over the sharded-data axes under `sdp`."""
+    a = ctx.analysis
+    out: dict[str, Layout] = {}
+    for k, s in zip(range(block.start, block.stop), strats):
+        for i, v in enumerate(a.graph.ops[k].inputs):
+            if v.name in a.params and v.name not in out:
+                tensor_axis = option.tensor_axis
+                dims = tuple(tuple(ax for ax in axes if ax == tensor_axis)
+                             for axes in s.inputs[i].dims)
+                base = Layout(dims)
+                out[v.name] = (sdp_layout(v, base, option.sdp_axes, mesh)
+                               if option.sdp_axes else base)
+    return out
+
+
+def canonical(ctx: SearchContext, name: str, rank: int, option: Option) -> Layout:
+    return data_layout(ctx.analysis, name, rank, option.data_axes)
+
+
+def walk_cost(ctx: SearchContext, block: BlockInfo, config: Config, option: Option
+              ) -> WalkCost:
+    b = ctx.global_batch // config.microbatches
+    scale = b / ctx.analysis.traced_batch
+    key = (block.kind, config.outer, config.inner, option.roles, scale)
+    hit = ctx._walk.get(key)
+    if hit is not None:
+        return hit
+    a = ctx.analysis
+    block = _first_block(a, block.kind)
+    mesh = config.stage_mesh
+    strats = block_strategies(ctx, block, config, option)
+    params = param_layouts(ctx, block, config, option, strats, mesh)
+    vals = a.values()
+    outside: dict[str, Layout] = {}
+    for k in range(block.start, block.stop):
+        for v in a.graph.ops[k].inputs:
+            if v.name not in params and v.name not in outside:
+                outside[v.name] = canonical(ctx, v.name, v.type.rank, option)
+    outputs = {n: canonical(ctx, n, vals[n].type.rank, option) for n in block.crossing
+               if block.start <= a.defined_at.get(n, -1) < block.stop}
+    batch_values = a.batch_values
+    cost = walk(a, block, strats, outside, params, ctx.cache(config), scale, batch_values,
+                outputs)
+    ctx._walk[key] = cost
+    return cost
+
+
+@dataclass(frozen=True)
+class OptionCost:
+    forward: float      # per microbatch
+    backward: float     # per microbatch, with per-microbatch gradient reductions overlapped
+    step_extra: float   # per step: data-parallel gradient all-reduce beyond what overlaps
+    saved: float
+    kept: float
+    params: float
+
+    def step_time(self, m: int) -> float:
+        return m * (self.forward + self.backward) + self.step_extra
+
+    def memory(self, in_flight: int, recompute: bool) -> float:
+        return self.params + in_flight * (self.kept if recompute else self.saved)
+
+
+def option_cost(ctx: SearchContext, block: BlockInfo, config: Config, option: Option
+                ) -> OptionCost:
+    w = walk_cost(ctx, block, config, option)
+    model = ctx.model
+    f = w.fwd_compute + w.fwd_comm
+    bc = BACKWARD_RATIO * w.fwd_compute + w.bwd_comm + (f if option.recompute else 0.0)
+    if option.sdp_axes:
+        b = model.overlap(bc, w.grad_comm)
+        extra = 0.0
+    else:
+        b = bc
+        extra = model.overlap(bc, w.grad_comm) - bc
+    return OptionCost(f, b, extra, w.saved_bytes, w.kept_bytes, w.param_bytes)
+
+
+def transition(ctx: SearchContext, prev: BlockInfo, config: Config, s: Option, s2: Option
+               ) -> float:
+    """Per microbatch: re-layout of the values crossing from `prev` into the next block
+    when `prev` takes `s` and the next `s2` (forward and backward)."""
+    if s.data_axes == s2.data_axes:
+        return 0.0
+    key = (prev.kind, config.outer, config.inner, s.data_axes, s2.data_axes,
+           ctx.global_batch // config.microbatches)
+    hit = ctx._trans.get(key)
+    if hit is not None:
+        return hit
+    a = ctx.analysis
+    vals = a.values()
+    cache = ctx.cache(config)
+    scale = (ctx.global_batch // config.microbatches) / a.traced_batch
+    batch_values = a.batch_values
+    t = 0.0
+    for name in prev.crossing:
+        v = vals[name]
+        src = canonical(ctx, name, v.type.rank, s)
+        dst = canonical(ctx, name, v.type.rank, s2)
+        if src == dst:
+            continue
+        sc = scale if name in batch_values else 1.0
+        t += cache.time(v, src, dst, sc)
+        if v.type.dtype.is_floating_point:
+            t += cache.time(v, Layout(dst.dims), Layout(src.dims), sc)
+    ctx._trans[key] = t
+    return t
+
+
+# ---------------------------------------------------------------- one configuration
+
+def _valid(ctx: SearchContext, config: Config, option: Option) -> bool:
+    b = ctx.global_batch // config.microbatches
+    ways = math.prod(config.outer if ax == OUTER else config.inner for ax in option.data_axes)
+    return b % ways == 0
+
+
+def evaluate(ctx: SearchContext, config: Config, objective: str = "time"
+             ) -> tuple[Candidate | None, list[Candidate]]:
+    """The best plan of `config` under the budget (None if nothing fits), and the fastest
+    plans at lower memory limits (for the frontier)."""
+    a = ctx.analysis
+    blocks = a.blocks
+    opts_all = [o for o in options(config) if _valid(ctx, config, o)]
+    if not opts_all:
+        return None, []
+    per_block: list[list[Option]] = []
+    for k, blk in enumerate(blocks):
+        allowed = opts_all
+        pinned = ctx.pin.block_options[k] if ctx.pin.block_options else None
+        if pinned is not None:
+            allowed = [o for o in opts_all if o == pinned]
+        elif _user_recomputed(a, blk):
+            allowed = [o for o in opts_all if o.recompute]
+        if not allowed:
+            return None, []
+        per_block.append(allowed)
+    costs = [[option_cost(ctx, blk, config, o) for o in opts]
+             for blk, opts in zip(blocks, per_block)]
+    p, m = config.stages, config.microbatches
+    flights = one_f_one_b_in_flight(p, m)
+    fastest = [min(c.step_time(m) for c in cs) for cs in costs]
+    if ctx.pin.block_stage is not None:
+        partitions = [tuple(ctx.pin.block_stage)]
+    elif a.marked:
+        starts = set(a.marked)
+        stage, out = 0, []
+        for k in range(len(blocks)):
+            if k in starts and k > 0:
+                stage += 1
+            out.append(stage)
+        partitions = [tuple(out)]
+    else:
+        partitions = [linear_partition(fastest, p)] if p > 1 else [(0,) * len(blocks)]
+    best: Candidate | None = None
+    extra: list[Candidate] = []
+    tried: set[tuple[int, ...]] = set()
+    moves = 0
+    while partitions:
+        part = partitions.pop(0)
+        if part in tried:
+            continue
+        tried.add(part)
+        stage_points = []
+        failed = None
+        for s in range(p):
+            idx = [k for k in range(len(blocks)) if part[k] == s]
+            key = (config, tuple(idx), flights[s])
+            pts = ctx._stages.get(key)
+            if pts is None:
+                pts = _stage_frontier(ctx, config, idx, per_block, costs, flights[s])
+                ctx._stages[key] = pts
+            if not pts:
+                failed = s
+                break
+            stage_points.append((idx, pts))
+        if failed is not None:
+            if ctx.pin.block_stage is None and not a.marked and moves < 2 * p and p > 1:
+                moved = _shift(part, failed, p)
+                if moved is not None:
+                    partitions.append(moved)
+                    moves += 1
+            continue
+        for level in FRONTIER_LEVELS:
+            cand = _assemble(ctx, config, part, stage_points, per_block, costs, flights,
+                             level * ctx.budget, objective if level == 1.0 else "time")
+            if cand is None:
+                continue
+            if level == 1.0 and (best is None or _key(cand, objective) < _key(best, objective)):
+                best = cand
+            extra.append(cand)
+        # try handing the slowest stage's last block on, once per partition
+        if p > 1 and best is not None and moves < 2 * p and ctx.pin.block_stage is None \
+                and not a.marked:
+            slow = max(range(p), key=lambda s: best.stages[s].time)  # type: ignore[union-attr]
+            moved = _shift(part, slow, p)
+            if moved is not None and moved not in tried:
+                partitions.append(moved)
+                moves += 1
+    return best, extra
+
+
+def linear_partition(costs: Sequence[float], parts: int) -> tuple[int, ...]:
+    """The part of each item: contiguous, non-empty parts minimising the largest part's
+    sum (binary search on that sum with a greedy fill, then the cuts as early as the
+    bound allows). `pxform.cuts.balance` solves the same problem by O(parts x n^2)
+    dynamic programming, too slow for 96 layers x 64 stages inside the search.
+
+    Example:
+        >>> linear_partition([1, 1, 1, 1], 2)
+        (0, 0, 1, 1)
+    """
+    n = len(costs)
+    if parts >= n:
+        return tuple(range(n))
+
+    def fill(bound: float) -> list[int] | None:
+        out, part, acc = [], 0, 0.0
+        for _k, c in enumerate(costs):
+            if acc + c > bound and acc > 0:
+                part += 1
+                acc = 0.0
+            if part >= parts:
+                return None
+            out.append(part)
+            acc += c
+        return out
+
+    lo, hi = max(costs), sum(costs)
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        if fill(mid) is None:
+            lo = mid
+        else:
+            hi = mid
+    best = fill(hi)
+    assert best is not None
+    # a greedy fill may use fewer parts: split the largest parts until there are enough
+    while max(best) + 1 < parts:
+        counts = [best.count(q) for q in range(max(best) + 1)]
+        q = max((q for q in range(len(counts)) if counts[q] > 1),
+                key=lambda q: sum(c for c, b in zip(costs, best) if b == q))
+        first = best.index(q)
+        best = [b + 1 if (b > q or (b == q and k > first)) else b for k, b in enumerate(best)]
+    return tuple(best)
+
+
+def _key(c: Candidate, objective: str) -> tuple[float, float]:
+    if objective == "memory":
+        return (c.peak_memory, c.step_time)
+    return (c.step_time, c.peak_memory)
+
+
+def _user_recomputed(a: Analysis, blk: BlockInfo) -> bool:
+    from pxform.regions import RECOMPUTE
+
+    ops = a.graph.ops[blk.start:blk.stop]
+    return bool(ops) and all(op.tag(RECOMPUTE) is not None for op in ops)
+
+
+def _shift(part: tuple[int, ...], stage: int, p: int) -> tuple[int, ...] | None:
+    """Move one block off `stage`: its last to the next stage, or (last stage) its first
+    to the previous one; None when the stage has a single block."""
+    idx = [k for k, s in enumerate(part) if s == stage]
+    if len(idx) <= 1:
+        return None
+    out = list(part)
+    if stage < p - 1:
+        out[idx[-1]] = stage + 1
+    else:
+        out[idx[0]] = stage - 1
+    return tuple(out)
+
+
+def _stage_frontier(ctx: SearchContext, config: Config, idx: list[int],
+                    per_block: list[list[Option]], costs: list[list[OptionCost]],
+                    flight: int) -> list[tuple[Point, float]]:
+    """The stage's frontier points within the budget, each with its peak memory including
+    the workspace."""
+    a = ctx.analysis
+    m = config.microbatches
+    times = [np.array([c.step_time(m) for c in costs[k]]) for k in idx]
+    mems = [np.array([c.memory(flight, o.recompute) for c, o in zip(costs[k], per_block[k])])
+            for k in idx]
+    trans_time: list[np.ndarray | None] = [None]
+    for j in range(1, len(idx)):
+        prev, cur = idx[j - 1], idx[j]
+        mat = np.zeros((len(per_block[prev]), len(per_block[cur])))
+        for r, s in enumerate(per_block[prev]):
+            for c, s2 in enumerate(per_block[cur]):
+                mat[r, c] = m * transition(ctx, a.blocks[prev], config, s, s2)
+        trans_time.append(mat)
+    budget = ctx.budget
+    workspace = WORKSPACE_BLOCKS * max(min(c.saved for c in costs[k]) for k in idx)
+    for _ in range(3):
+        limit = budget - workspace
+        if limit <= 0:
+            return []
+        pts = chain_frontier(times, mems, trans_time, None, quantum=QUANTUM * budget,
+                             limit=limit)
+        out = []
+        worst = workspace
+        for pt in pts:
+            ws = WORKSPACE_BLOCKS * max(costs[k][c].saved for k, c in zip(idx, pt.choices))
+            worst = max(worst, ws)
+            if pt.memory + ws <= budget:
+                out.append((pt, pt.memory + ws))
+        if out or worst == workspace:
+            return out
+        workspace = worst
+    return []
+
+
+def _assemble(ctx: SearchContext, config: Config, part: tuple[int, ...],
+              stage_points: list[tuple[list[int], list[tuple[Point, float]]]],
+              per_block: list[list[Option]], costs: list[list[OptionCost]],
+              flights: list[int], limit: float, objective: str) -> Candidate | None:
+    """A pipeline plan: per stage the frontier point that is best under `limit`."""
+    m = config.microbatches
+    chosen: list[Option | None] = [None] * len(part)
+    block_time = [0.0] * len(part)
+    block_mem = [0.0] * len(part)
+    stages = []
+    fw, bw = [], []
+    for s, (idx, pts) in enumerate(stage_points):
+        fit = [(pt, mem) for pt, mem in pts if mem <= limit]
+        if not fit:
+            return None
+        if objective == "memory":
+            pt, mem = min(fit, key=lambda x: (x[1], x[0].time))
+        else:
+            pt, mem = min(fit, key=lambda x: (x[0].time, x[1]))
+        f = b = extra = pbytes = 0.0
+        for k, c in zip(idx, pt.choices):
+            o = per_block[k][c]
+            oc = costs[k][c]
+            chosen[k] = o
+            block_time[k] = oc.step_time(m)
+            block_mem[k] = oc.memory(flights[s], o.recompute)
+            f += oc.forward
+            b += oc.backward
+            extra += oc.step_extra
+            pbytes += oc.params
+        # transitions are in the point's time; spread them over forward and backward
+        trans = (pt.time - sum(costs[k][c].step_time(m) for k, c in zip(idx, pt.choices))) / m
+        p2p = _p2p(ctx, config, idx) if config.stages > 1 else 0.0
+        f += trans / 2 + p2p
+        b += trans / 2 + p2p
+        fw.append(f)
+        bw.append(b + extra / m)
+        stages.append(StageResult(s, tuple(idx), pt.time, f, b + extra / m, mem, flights[s],
+                                  pbytes))
+    step = one_f_one_b_time(fw, bw, m) if config.stages > 1 else m * (fw[0] + bw[0])
+    return Candidate(config, tuple(o for o in chosen if o is not None), part, tuple(stages),
+                     step, max(st.memory for st in stages), tuple(block_time),
+                     tuple(block_mem))
+
+
+def _p2p(ctx: SearchContext, config: Config, idx: list[int]) -> float:
+    """Seconds to send one microbatch's boundary activations to the next stage."""
+    a = ctx.analysis
+    last = a.blocks[idx[-1]]
+    vals = a.values()
+    scale = (ctx.global_batch // config.microbatches) / a.traced_batch
+    data = config.outer * config.inner
+    sent = sum(vals[n].type.nbytes * scale / data for n in last.crossing)
+    hw = ctx.hardware
+    level = hw.level(2 * config.outer * config.inner)
+    return hw.comm_time("p2p", sent, 2, level) if sent else 0.0
+
+
+def search_configs(ctx: SearchContext, configs: Sequence[Config], objective: str,
+                   progress: Callable[[int, int], None] | None = None
+                   ) -> tuple[Candidate | None, list[Candidate], float]:
+    """Evaluate every configuration; the best plan, every plan found (for the frontier),
+    and the seconds it took."""
+    start = time.perf_counter()
+    best: Candidate | None = None
+    found: list[Candidate] = []
+    for n, config in enumerate(configs):
+        cand, extra = evaluate(ctx, config, objective)
+        found.extend(extra)
+        if cand is not None and (best is None or _key(cand, objective) < _key(best, objective)):
+            best = cand
+        if progress is not None:
+            progress(n + 1, len(configs))
+    return best, found, time.perf_counter() - start
+
+
+def pareto(cands: Sequence[Candidate]) -> list[Candidate]:
+    """The candidates no other beats in both step time and peak memory, by memory."""
+    out: list[Candidate] = []
+    for c in sorted(cands, key=lambda c: (c.peak_memory, c.step_time)):
+        if not out or c.step_time < out[-1].step_time - 1e-15:
+            out.append(c)
+    return out

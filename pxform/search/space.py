@@ -1,0 +1,127 @@
+"""The search space: device layouts of a stage and per-block options.
+
+A configuration fixes the pipeline degree `p`, the stage mesh and the microbatch count.
+The stage mesh has at most two axes, ordered from the slowest link to the fastest (rank
+layout row-major, as `pxform.Mesh` lays ranks out):
+
+    outer   groups span `outer x inner` consecutive ranks: across nodes when that exceeds
+            a node
+    inner   groups of `inner` consecutive ranks: inside a node (inner <= devices per node)
+
+A block option gives each axis a role (Galvatron's decision tree): the outer axis is data
+(`dp`) or sharded data (`sdp`); the inner axis is tensor (`tp`) or the same data role as
+the outer one (mixing DP and SDP on one block is never better than SDP alone, Galvatron-BMW
+§3.2, so that branch is pruned); tensor parallelism across nodes is not offered (its
+activation all-reduces on the slow link lose to data parallelism there in every published
+configuration). Each option is taken with recompute off and on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from pxform.mesh import AbstractMesh
+
+OUTER = "outer"
+INNER = "inner"
+PP = "pp"
+
+
+@dataclass(frozen=True)
+class Option:
+    """One block's strategy: a role per stage-mesh axis, and recompute."""
+
+    roles: tuple[tuple[str, str], ...]   # (axis, "dp" | "sdp" | "tp")
+    recompute: bool
+
+    def role(self, axis: str) -> str | None:
+        return dict(self.roles).get(axis)
+
+    @property
+    def data_axes(self) -> tuple[str, ...]:
+        return tuple(a for a, r in self.roles if r in ("dp", "sdp"))
+
+    @property
+    def sdp_axes(self) -> tuple[str, ...]:
+        return tuple(a for a, r in self.roles if r == "sdp")
+
+    @property
+    def tensor_axis(self) -> str | None:
+        return next((a for a, r in self.roles if r == "tp"), None)
+
+    def text(self) -> str:
+        roles = " ".join(f"{a}={r}" for a, r in self.roles) or "single device"
+        return roles + (" +recompute" if self.recompute else "")
+
+
+@dataclass(frozen=True)
+class Config:
+    """Pipeline degree, stage mesh and microbatches."""
+
+    stages: int
+    outer: int
+    inner: int
+    microbatches: int
+
+    @property
+    def stage_mesh(self) -> AbstractMesh:
+        axes = [(OUTER, self.outer), (INNER, self.inner)]
+        kept = tuple((n, s) for n, s in axes if s > 1)
+        return AbstractMesh(kept or ((OUTER, 1),))
+
+    @property
+    def devices(self) -> int:
+        return self.stages * self.outer * self.inner
+
+    def text(self) -> str:
+        return (f"pp={self.stages} {OUTER}={self.outer} {INNER}={self.inner} "
+                f"microbatches={self.microbatches}")
+
+
+def options(config: Config) -> list[Option]:
+    """Every block option on `config`'s stage mesh (module doc)."""
+    o, i = config.outer, config.inner
+    combos: list[tuple[tuple[str, str], ...]] = []
+    if o > 1 and i > 1:
+        for kind in ("dp", "sdp"):
+            combos.append(((OUTER, kind), (INNER, kind)))
+            combos.append(((OUTER, kind), (INNER, "tp")))
+    elif o > 1:
+        combos += [((OUTER, "dp"),), ((OUTER, "sdp"),)]
+    elif i > 1:
+        combos += [((INNER, "dp"),), ((INNER, "sdp"),), ((INNER, "tp"),)]
+    else:
+        combos.append(())
+    return [Option(r, rc) for r in combos for rc in (False, True)]
+
+
+def powers_of_two(n: int) -> Iterator[int]:
+    k = 1
+    while k <= n:
+        if n % k == 0:
+            yield k
+        k *= 2
+
+
+def configs(devices: int, devices_per_node: int, num_blocks: int, batch: int,
+            stages: int | None = None, microbatches: int | None = None) -> list[Config]:
+    """The configurations tried: pipeline degrees and inner sizes that are powers of two
+    dividing the device count (inner within a node, at most one stage per block), and a
+    few microbatch counts per pipeline degree: 1 without a pipeline, else p, 2p and 4p
+    (Galvatron-BMW's finding: search time is dominated by the microbatch dimension, and
+    more than 4p microbatches brings the 1F1B bubble under 1/(4p+1) for little gain)."""
+    out = []
+    for p in ([stages] if stages else powers_of_two(devices)):
+        if devices % p or p > num_blocks:
+            continue
+        rest = devices // p
+        for inner in powers_of_two(min(rest, devices_per_node)):
+            if rest % inner:
+                continue
+            outer = rest // inner
+            counts = [microbatches] if microbatches else [1] if p == 1 else [p, 2 * p, 4 * p]
+            for m in counts:
+                if batch % m == 0:
+                    out.append(Config(p, outer, inner, m))
+    return out

@@ -1,0 +1,374 @@
+"""Hardware profiles (presets, alpha-beta and measured comm times, JSON files) and
+calibrate on a real 2-rank gloo world."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from pxform.calibrate import add_arguments, calibrate, main, summary
+from pxform.hardware import PRESETS, CommTable, Hardware, Link, hardware
+from pxform.layout import AxisCost
+from pxform.testing import World
+
+KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")
+STEPS = {"all_reduce": lambda n: 2 * (n - 1), "all_gather": lambda n: n - 1,
+         "reduce_scatter": lambda n: n - 1, "all_to_all": lambda n: n - 1, "p2p": lambda n: 1}
+
+
+@pytest.fixture(scope="module")
+def world():
+    with World(2) as w:
+        yield w
+
+
+def measured(**kw) -> Hardware:
+    """A small hand-made measured profile."""
+    args = dict(name="test", devices_per_node=2, memory_bytes=2**30, peak_flops=(),
+                efficiency=1.0, links=(Link("l0", 1e-5, 1e9), Link("l1", 1e-4, 1e8)),
+                comm_tables=(CommTable("all_reduce", 0, 2, ((1e3, 2e-5), (1e6, 1e-3))),),
+                compute_flops=(("fp32", 1e11), ("bf16", 4e11)), source="hand-made")
+    args.update(kw)
+    return Hardware(**args)  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------------------- presets
+def test_presets_have_the_documented_numbers():
+    assert set(PRESETS) == {"a100-40gb", "a100-80gb", "h100-80gb"}
+    a40, a80, h = PRESETS["a100-40gb"], PRESETS["a100-80gb"], PRESETS["h100-80gb"]
+    assert (a40.memory_bytes, a80.memory_bytes, h.memory_bytes) == (40 * 2**30, 80 * 2**30,
+                                                                     80 * 2**30)
+    for hw in (a40, a80, h):
+        assert hw.devices_per_node == 8 and hw.efficiency == 0.5 and len(hw.links) == 2
+        assert hw.comm_tables == () and hw.compute_flops == ()
+        assert all(link.source for link in hw.links) and hw.source
+    assert dict(a80.peak_flops)["bf16"] == 312e12 and dict(a80.peak_flops)["fp32"] == 19.5e12
+    assert dict(h.peak_flops)["bf16"] == 989e12 and dict(h.peak_flops)["fp32"] == 67e12
+    assert [(x.latency_s, x.bandwidth) for x in a40.links] == [(10e-6, 230e9), (20e-6, 25e9)]
+    assert [(x.latency_s, x.bandwidth) for x in h.links] == [(10e-6, 360e9), (20e-6, 50e9)]
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_compute_time_is_flops_over_peak_times_efficiency(name):
+    hw = PRESETS[name]
+    peak = dict(hw.peak_flops)
+    for dtype, key in [(torch.bfloat16, "bf16"), (torch.float16, "fp16"),
+                       (torch.float32, "fp32"), (torch.float64, "fp64"), ("bf16", "bf16"),
+                       ("float32", "fp32"), ("tf32", "tf32"), ("double", "fp64")]:
+        assert hw.compute_time(3e15, dtype) == 3e15 / (peak[key] * 0.5)
+    # unknown names and integer dtypes use fp32
+    assert hw.flops_per_second(torch.int64) == hw.flops_per_second("int8") == peak["fp32"] * 0.5
+    assert hw.compute_time(0, "fp32") == 0.0
+    with pytest.raises(ValueError, match="flops must be >= 0"):
+        hw.compute_time(-1, "fp32")
+
+
+def test_measured_flops_override_peak_and_fall_back():
+    hw = measured(peak_flops=(("fp32", 1e15),), efficiency=0.5)
+    assert hw.flops_per_second("fp32") == 1e11  # measured wins over peak * efficiency
+    assert hw.flops_per_second(torch.float16) == 4e11  # no fp16: bf16's number
+    assert hw.flops_per_second(torch.float64) == 0.5e11  # no fp64: half of fp32
+    assert hw.flops_per_second("fp8") == 1e11  # unknown: fp32
+    with pytest.raises(ValueError, match="needs an 'fp32' entry"):
+        measured(compute_flops=(("bf16", 1e12),))
+
+
+def test_level_of_a_span():
+    hw = PRESETS["h100-80gb"]
+    assert [hw.level(s) for s in (1, 2, 8, 9, 16, 4096)] == [0, 0, 0, 1, 1, 1]
+    one_level = measured(links=(Link("only", 1e-6, 1e9),), comm_tables=())
+    assert one_level.level(1000) == 0  # clamped to the levels the profile has
+    with pytest.raises(ValueError, match="span must be >= 1"):
+        hw.level(0)
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_comm_time_is_the_alpha_beta_formula(name):
+    hw = PRESETS[name]
+    for level, link in enumerate(hw.links):
+        for kind in KINDS:
+            for n in (2, 8, 64):
+                for sent in (1.0, 12345.0, 3 * 2**30):
+                    expected = STEPS[kind](n) * link.latency_s + sent / link.bandwidth
+                    assert hw.comm_time(kind, sent, n, level) == expected
+            assert hw.comm_time(kind, 2**20, 1, level) == 0.0  # a group of one
+            assert hw.comm_time(kind, 2**20, 0, level) == 0.0
+    for kind in KINDS[:-1]:
+        assert hw.comm_time(kind, 0, 8, 0) == 0.0
+    assert hw.comm_time("p2p", 0, 2, 1) == hw.links[1].latency_s  # empty message: latency
+    with pytest.raises(ValueError, match="unknown collective kind 'broadcast'"):
+        hw.comm_time("broadcast", 1, 2, 0)
+    with pytest.raises(ValueError, match="level 2 is not one of this profile's link levels"):
+        hw.comm_time("all_reduce", 1, 2, 2)
+    with pytest.raises(ValueError, match="sent_bytes must be"):
+        hw.comm_time("all_reduce", -1, 2, 0)
+
+
+def test_axis_cost_feeds_the_relayout_planner():
+    hw = PRESETS["a100-80gb"]
+    assert hw.axis_cost(0) == AxisCost(latency=10e-6, seconds_per_byte=1 / 230e9)
+    assert hw.axis_cost(1) == AxisCost(latency=20e-6, seconds_per_byte=1 / 25e9)
+
+
+# ---------------------------------------------------------------------------- CommTable
+def test_comm_table_interpolates_in_log_log_and_extrapolates_linearly():
+    t = CommTable("all_gather", 0, 4, ((1e5, 1e-3), (1e3, 1e-5), (1e6, 2e-3)))  # sorted
+    assert t.points == ((1e3, 1e-5), (1e5, 1e-3), (1e6, 2e-3))
+    assert [t.time(b) for b, _ in t.points] == [1e-5, 1e-3, 2e-3]  # exact at points
+    assert t.time(1e4) == pytest.approx(1e-4, rel=1e-12)  # power law through (1e3, 1e5)
+    assert t.time(10**5.5) == pytest.approx(math.sqrt(1e-3 * 2e-3), rel=1e-12)
+    slope = (2e-3 - 1e-3) / (1e6 - 1e5)
+    assert t.time(1e9) == pytest.approx(2e-3 + slope * (1e9 - 1e6), rel=1e-12)
+    assert t.time(10.0) == t.time(0.0) == 1e-5  # clamped below
+    single = CommTable("p2p", 1, 2, ((1e3, 1e-4),))
+    assert single.time(4e3) == pytest.approx(4e-4)  # the point's own seconds per byte
+    flat = CommTable("p2p", 1, 2, ((1e3, 1e-4), (1e4, 1e-4)))
+    assert flat.time(2e4) == pytest.approx(2e-4)  # flat end: the last point's rate
+
+
+@pytest.mark.parametrize("points, message", [
+    ((), "non-empty sequence"),
+    (((1e3, 2e-5), (1e4, 1e-5)), "times must not decrease"),
+    (((1e3, 1e-5), (1e3, 2e-5)), "two points for 1000 sent bytes"),
+    (((0.0, 1e-5),), "sent_bytes > 0"),
+    (((1e3, float("nan")),), "sent_bytes > 0 and seconds > 0"),
+])
+def test_comm_table_rejects_bad_points(points, message):
+    with pytest.raises(ValueError, match=message):
+        CommTable("all_reduce", 0, 2, points)
+
+
+def test_comm_table_rejects_bad_kind_level_and_group():
+    with pytest.raises(ValueError, match="unknown collective kind 'gather'"):
+        CommTable("gather", 0, 2, ((1.0, 1.0),))
+    with pytest.raises(ValueError, match="level must be an int >= 0"):
+        CommTable("p2p", -1, 2, ((1.0, 1.0),))
+    with pytest.raises(ValueError, match="group_size must be an int >= 2"):
+        CommTable("p2p", 0, 1, ((1.0, 1.0),))
+
+
+@st.composite
+def tables(draw):
+    n = draw(st.integers(1, 6))
+    sizes = sorted(draw(st.sets(st.floats(1.0, 1e10), min_size=n, max_size=n)))
+    gaps = draw(st.lists(st.floats(0.0, 1.0), min_size=n, max_size=n))
+    first = draw(st.floats(1e-7, 1e-2))
+    times = [first + sum(gaps[:i + 1]) * first * 10 for i in range(n)]
+    return CommTable("all_reduce", 0, 8, tuple(zip(sizes, times)))
+
+
+@given(table=tables(), a=st.floats(0.0, 1e12), b=st.floats(0.0, 1e12))
+def test_comm_table_is_monotone_and_exact_at_points(table, a, b):
+    lo, hi = min(a, b), max(a, b)
+    assert 0 < table.time(lo) <= table.time(hi)
+    for sent, seconds in table.points:
+        assert table.time(sent) == seconds
+
+
+def test_comm_time_uses_measured_tables():
+    hw = measured()
+    table = hw.comm_tables[0]
+    for sent, seconds in table.points:
+        assert hw.comm_time("all_reduce", sent, 2, 0) == seconds
+    assert hw.comm_time("all_reduce", 3e4, 2, 0) == table.time(3e4)
+    # another group size: the nearest table, corrected by the ring steps' latency
+    assert hw.comm_time("all_reduce", 3e4, 4, 0) == table.time(3e4) + (6 - 2) * 1e-5
+    # kinds and levels without a table: alpha-beta on the fitted link
+    assert hw.comm_time("all_gather", 3e4, 2, 0) == 1e-5 + 3e4 / 1e9
+    assert hw.comm_time("all_reduce", 3e4, 2, 1) == 2e-4 + 3e4 / 1e8
+    assert hw.comm_time("all_reduce", 3e4, 1, 0) == 0.0
+
+
+def test_comm_time_picks_the_nearest_group_size_and_never_drops_below_bandwidth():
+    tables = (CommTable("all_to_all", 0, 2, ((1e3, 1e-4), (1e6, 1e-3))),
+              CommTable("all_to_all", 0, 8, ((1e3, 1e-6), (1e6, 2e-6))))
+    hw = measured(comm_tables=tables)
+    assert hw.comm_time("all_to_all", 1e6, 8, 0) == 2e-6
+    assert hw.comm_time("all_to_all", 1e6, 3, 0) == 1e-3 + 1 * 1e-5  # nearest: 2
+    assert hw.comm_time("all_to_all", 1e6, 5, 0) == 1e6 / 1e9  # 8, less 3 steps: floor
+    with pytest.raises(ValueError, match="table is for link level 2 but there are only 2"):
+        measured(comm_tables=(CommTable("p2p", 2, 2, ((1.0, 1.0),)),))
+
+
+# ---------------------------------------------------------------------------- JSON files
+def test_save_load_round_trip(tmp_path):
+    for hw in [*PRESETS.values(), measured()]:
+        path = tmp_path / f"{hw.name}.json"
+        hw.save(path)
+        assert Hardware.load(path) == hw
+        assert Hardware.load(str(path)) == hw
+        assert Hardware.from_json(json.loads(path.read_text())) == hw
+        assert json.loads(path.read_text())["format"] == "pxform-hardware/1"
+    assert not list(tmp_path.glob("*.tmp*"))
+
+
+def write(tmp_path, content) -> str:
+    path = tmp_path / "profile.json"
+    path.write_text(content if isinstance(content, str) else json.dumps(content))
+    return str(path)
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda d: d.pop("format"), r"key 'format' is missing, expected 'pxform-hardware/1'"),
+    (lambda d: d.update(format="pxform-hardware/9"), r"key 'format' is 'pxform-hardware/9'"),
+    (lambda d: d.pop("links"), r"key 'links' is missing \(expected a list\)"),
+    (lambda d: d.update(memory_bytes="80GiB"), r"key 'memory_bytes' must be an integer, got "
+                                              r"'80GiB'"),
+    (lambda d: d.update(efficiency=1.5), r"efficiency must be in \(0, 1\], got 1.5"),
+    (lambda d: d.update(colour="blue"), r"key 'colour' is not a profile key"),
+    (lambda d: d.update(links=[{"name": "x", "latency_s": 1e-6}]),
+     r"key 'links' entry 0 must be an object with name"),
+    (lambda d: d.update(links=[{"name": "x", "latency_s": 1e-6, "bandwidth": -1}]),
+     r"key 'links' entry 0: Link 'x': bandwidth must be a finite number > 0"),
+    (lambda d: d["comm_tables"][0].update(points=[[1000, 2e-5], [2000, 1e-5]]),
+     r"key 'comm_tables' entry 0: .*times must not decrease"),
+    (lambda d: d["comm_tables"][0].update(kind="bcast"),
+     r"key 'comm_tables' entry 0: .*unknown collective kind 'bcast'"),
+])
+def test_load_of_a_bad_profile_names_the_file_the_key_and_the_fix(tmp_path, change, message):
+    d = measured().to_json()
+    change(d)
+    path = write(tmp_path, d)
+    with pytest.raises(ValueError) as err:
+        Hardware.load(path)
+    text = str(err.value)
+    assert text.startswith(f"Hardware.load: {path}: ")
+    assert "pxform calibrate --out PATH" in text  # the fix
+    assert err.match(message)
+
+
+def test_load_of_a_file_that_is_not_json(tmp_path):
+    path = write(tmp_path, '{"format": "pxform-hardware/1",\n  "name": }')
+    with pytest.raises(ValueError, match=rf"Hardware.load: {path} is not valid JSON "
+                                         rf"\(Expecting value at line 2 column 11\); write "
+                                         rf"the profile again with `pxform calibrate"):
+        Hardware.load(path)
+    path = write(tmp_path, "[1, 2]")
+    with pytest.raises(ValueError, match="expected a JSON object with a 'format' key, got list"):
+        Hardware.load(path)
+
+
+def test_hardware_accepts_presets_profiles_and_paths(tmp_path):
+    assert hardware("A100-80GB") is PRESETS["a100-80gb"]
+    hw = measured()
+    assert hardware(hw) is hw
+    path = tmp_path / "mine.json"
+    hw.save(path)
+    assert hardware(path) == hw and hardware(str(path)) == hw
+    with pytest.raises(ValueError, match=r"hardware: 'nope' is neither a preset \(a100-40gb, "
+                                         r"a100-80gb, h100-80gb\) nor an existing file; .*"
+                                         r"a path to a JSON profile"):
+        hardware("nope")
+    with pytest.raises(ValueError, match=r"no hardware given; pass a preset name \(a100-40gb"):
+        hardware(None)
+    with pytest.raises(TypeError, match="got int"):
+        hardware(3)  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------------------- calibrate
+SIZES = (2**10, 2**16)  # 1 KiB, 64 KiB
+
+
+def test_calibrate_on_two_gloo_ranks(world, tmp_path):
+    profiles = world.run(calibrate, sizes=SIZES, repeats=2)
+    hw = profiles[0]
+    assert profiles[1] == hw  # every rank ends with the same profile
+    assert hw.devices_per_node == 2 and len(hw.links) == 1 and hw.links[0].name == "intra-node"
+    assert hw.source.startswith("measured by pxform calibrate on ")
+    assert hw.source.endswith(", 2 ranks, gloo")
+    assert "fp32" in dict(hw.compute_flops) and dict(hw.compute_flops)["fp32"] > 1e6
+    assert hw.links[0].latency_s > 0 and 0 < hw.links[0].bandwidth < math.inf
+    assert sorted(t.kind for t in hw.comm_tables) == sorted(KINDS)
+    for t in hw.comm_tables:
+        assert (t.level, t.group_size, len(t.points)) == (0, 2, 2)
+        (b0, s0), (b1, s1) = t.points
+        assert 0 < s0 <= s1 and b1 == 64 * b0
+    sent = {t.kind: t.points[0][0] for t in hw.comm_tables}
+    assert sent == {"all_reduce": 1024.0, "all_gather": 1024.0, "reduce_scatter": 512.0,
+                    "all_to_all": 512.0, "p2p": 1024.0}  # ring volumes of 1 KiB on 2 ranks
+    path = tmp_path / "measured.json"
+    hw.save(path)
+    loaded = hardware(path)
+    assert loaded == hw
+    for t in loaded.comm_tables:
+        for b, s in t.points:
+            assert loaded.comm_time(t.kind, b, 2, 0) == s
+    assert "all_reduce" in summary(loaded)
+
+
+def test_calibrate_without_a_process_group_measures_compute_only():
+    hw = calibrate(sizes=SIZES, repeats=1)
+    assert hw.comm_tables == ()
+    assert [link.name for link in hw.links] == ["loopback"]
+    assert "compute only (no torch.distributed process group)" in hw.source
+    assert "placeholder" in hw.source
+    rates = dict(hw.compute_flops)
+    assert set(rates) >= {"fp32"} and all(r > 1e6 for r in rates.values())
+    assert hw.flops_per_second(torch.float32) == rates["fp32"]
+    assert hw.memory_bytes > 0
+
+
+def test_links_are_least_squares_fits_of_the_all_reduce_tables():
+    from pxform.calibrate import _fit_links
+
+    alpha, bandwidth = 5e-6, 1e10
+
+    def table(kind, n, level=0):
+        steps = STEPS[kind](n)
+        return CommTable(kind, level, n, tuple((b, steps * alpha + b / bandwidth)
+                                               for b in (1e3, 1e5, 1e7)))
+
+    links, note = _fit_links([table("all_reduce", 4), table("all_reduce", 2),
+                              table("all_gather", 4, level=1)], world=8)
+    assert note == "" and len(links) == 2
+    assert links[0].latency_s == pytest.approx(alpha, rel=1e-6)
+    assert links[0].bandwidth == pytest.approx(bandwidth, rel=1e-6)
+    assert links[1].latency_s == pytest.approx(alpha, rel=1e-6)  # no all_reduce: all_gather
+    assert "all_reduce n=2, all_reduce n=4" in links[0].source
+    # flat all_reduce times pin only the latency: fit every kind of the level instead
+    flat = CommTable("all_reduce", 0, 2, ((1e3, 1e-3), (1e6, 1e-3)))
+    links, _ = _fit_links([flat, table("all_gather", 2)], world=2)
+    assert links[0].bandwidth < 1e12 and "all_gather n=2, all_reduce n=2" in links[0].source
+    # a level with no group measured copies the nearest measured one
+    links, note = _fit_links([table("all_reduce", 2, level=1)], world=2)
+    assert links[0].source == "not measured: copied from level 1" and "copy" in note
+
+
+def test_calibrate_checks_its_arguments():
+    with pytest.raises(ValueError, match="sizes must be a non-empty list"):
+        calibrate(sizes=())
+    with pytest.raises(ValueError, match="repeats must be >= 1"):
+        calibrate(repeats=0)
+    with pytest.raises(ValueError, match="unknown collective kind 'bcast'"):
+        calibrate(kinds=("bcast",))
+
+
+def test_main_writes_a_profile(tmp_path, monkeypatch, capsys):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    parser = argparse.ArgumentParser(prog="pxform calibrate")
+    add_arguments(parser)
+    out = tmp_path / "profile.json"
+    args = parser.parse_args(["--out", str(out), "--sizes", "1KiB", "4KiB", "--repeats", "1",
+                              "--name", "laptop"])
+    assert args.sizes == [1024, 4096]
+    assert main(args) == 0
+    hw = Hardware.load(out)
+    assert hw.name == "laptop" and hw.comm_tables == ()
+    printed = capsys.readouterr().out
+    assert "laptop: 1 devices per node" in printed and f"wrote {out}" in printed
+
+
+def test_arguments_reject_bad_sizes(capsys):
+    parser = argparse.ArgumentParser(prog="pxform calibrate")
+    add_arguments(parser)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--out", "x.json", "--sizes", "12 parsecs"])
+    assert "--sizes: '12 parsecs' is not a size" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--sizes", "1KiB"])  # --out is required
