@@ -4,6 +4,7 @@ on many devices.
 The public API is re-exported here and only here.
 """
 
+import pxform.hardware as hardware
 import pxform.schedules as schedules
 from pxform import ops
 from pxform.boundary import stage_boundary
@@ -23,9 +24,12 @@ from pxform.ir import Graph, Op, TensorType, Value, check
 from pxform.memory import MemoryMeter, MemoryReport, MemoryStats, memory_report
 from pxform.mesh import AbstractMesh, Mesh
 from pxform.ops import OpInfo, Signature, register_rule
+from pxform.plan import FrontierPoint, Plan
 from pxform.regions import Policy, RegionError
+from pxform.search import Pin, SearchError
 from pxform.spec import UNCONSTRAINED, P
 from pxform.trace import Traced, module_fn, trace
+from pxform.transforms.auto import Auto, auto, profile
 from pxform.transforms.coshard import Cosharded, coshard
 from pxform.transforms.grad import value_and_grad
 from pxform.transforms.pipeline import Pipelined, pipeline
@@ -36,7 +40,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "MemoryMeter", "MemoryReport", "MemoryStats", "memory_report",
-    "AbstractMesh", "check", "checkpoint_name", "coshard", "Cosharded", "gather", "Graph",
+    "AbstractMesh", "auto", "Auto", "check", "FrontierPoint", "hardware", "Pin", "Plan",
+    "profile", "SearchError", "checkpoint_name", "coshard", "Cosharded", "gather", "Graph",
     "GraphCheckError", "Mesh", "module_fn", "Op", "OpInfo", "ops", "P", "pipeline", "Pipelined",
     "PipelineError", "Policy", "PxformError", "PxformWarning", "recompute", "Recomputed",
     "RegionError", "register_rule", "RuleError", "ScheduleError", "schedules", "shard",

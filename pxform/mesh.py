@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, overload
 
 from pxform.errors import SpecError
 from pxform.spec import P
@@ -121,6 +121,38 @@ def check_spec(spec: P, shape: tuple[int, ...], mesh: AbstractMesh, *, fn: str,
                 f"fewer or smaller axes.")
 
 
+def abstract_mesh(axes: int | Mapping[str, int]) -> AbstractMesh:
+    """A mesh for planning only, not bound to processes: a device count (one axis
+    `"devices"`) or named axis sizes. Reached as `pxform.Mesh.abstract(...)`.
+
+    Example:
+        >>> pxform.Mesh.abstract(1024).size
+        1024
+    """
+    if isinstance(axes, bool) or not isinstance(axes, (int, Mapping)):
+        raise ValueError(f"Mesh.abstract: {axes!r}; give a device count or axis sizes")
+    if isinstance(axes, int):
+        return AbstractMesh({"devices": axes})
+    return AbstractMesh(axes)
+
+
+class _Abstract:
+    """`Mesh.abstract(n)` on the class builds a planning mesh (`abstract_mesh`);
+    `mesh.abstract` on a bound mesh is its axes as an `AbstractMesh`."""
+
+    @overload
+    def __get__(self, obj: None, owner: type) -> Callable[[int | Mapping[str, int]],
+                                                          AbstractMesh]: ...
+
+    @overload
+    def __get__(self, obj: Mesh, owner: type) -> AbstractMesh: ...
+
+    def __get__(self, obj: Any, owner: type) -> Any:
+        if obj is None:
+            return abstract_mesh
+        return obj._abstract
+
+
 class Mesh:
     """A mesh bound to the `torch.distributed` world: named axes over all ranks, ordered
     outer (slowest link) to inner (fastest), as a `DeviceMesh` with one process group per
@@ -137,7 +169,7 @@ class Mesh:
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
 
-        self.abstract = axes if isinstance(axes, AbstractMesh) else AbstractMesh(axes)
+        self._abstract = axes if isinstance(axes, AbstractMesh) else AbstractMesh(axes)
         if not dist.is_available() or not dist.is_initialized():
             raise SpecError(
                 f"pxform.{self.abstract}: torch.distributed is not initialised.\n  Fix: run "
@@ -152,6 +184,8 @@ class Mesh:
         device = "cuda" if dist.get_backend() == "nccl" else "cpu"
         self.device_mesh = init_device_mesh(device, self.abstract.shape,
                                             mesh_dim_names=self.abstract.names)
+
+    abstract = _Abstract()
 
     @staticmethod
     def from_world(name: str = "dp") -> Mesh:

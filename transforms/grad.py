@@ -31,6 +31,7 @@ def value_and_grad(fn: Callable[..., Any], argnums: int | tuple[int, ...] = 0,
         >>> grads["w1"].shape == params["w1"].shape
         True
     """
+    from pxform.transforms.auto import Auto
     from pxform.transforms.pipeline import Pipelined
     from pxform.transforms.shard import Sharded
 
@@ -42,7 +43,7 @@ def value_and_grad(fn: Callable[..., Any], argnums: int | tuple[int, ...] = 0,
             if not 0 <= n < len(args):
                 raise PxformError(f"pxform.value_and_grad({name}): argnums {nums} but the "
                                   f"function was called with {len(args)} arguments")
-        if isinstance(fn, (Sharded, Pipelined)):
+        if isinstance(fn, (Sharded, Pipelined, Auto)):
             value, grads = fn.run(args, nums)
             if has_aux and not (isinstance(value, tuple) and len(value) == 2):
                 raise PxformError(f"pxform.value_and_grad({name}, has_aux=True): the function "

@@ -62,6 +62,8 @@ class Pipelined:
     batch_dim: int = 0
     recompute: Any = None
     memory_budget: int | None = None
+    # assigns stages and chooses op strategies (`pxform.auto`'s plan)
+    planner: Any = None
     _cache: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -171,13 +173,18 @@ class Pipelined:
             else:
                 in_layouts.append(layout)
         cuts = self._cuts(traced, full, lowering_mesh, in_layouts)
+        if self.planner is not None:
+            cuts = self.planner.cuts(cuts)
         graph = cuts.graph
         if self.recompute is not None:
             plan = self._plan_recompute(cuts, batch_inputs, in_layouts, lowering_mesh, leaves)
             graph = tag_blocks(graph, cuts.blocks, [r for s in plan.stages
                                                     for r in s.recompute], self.__name__)
             self._cache[("plan", key)] = plan
-        strategies = propagate(graph, lowering_mesh, in_layouts)
+        if self.planner is not None:
+            graph, strategies = self.planner.strategies(graph, lowering_mesh, in_layouts)
+        else:
+            strategies = propagate(graph, lowering_mesh, in_layouts)
         # an enclosing shard's out_specs lay the outputs out on the sub-mesh
         wanted = (sharded._output_layouts(traced) if sharded is not None and
                   sharded.out_specs is not None else [None] * len(graph.outputs))

@@ -40,6 +40,8 @@ class Sharded:
     in_specs: Any
     out_specs: Any = None
     bucket_mb: float = DEFAULT_BUCKET_MB
+    # chooses op strategies instead of greedy propagation (`pxform.auto`'s plan)
+    planner: Any = None
     _cache: dict = field(default_factory=dict, repr=False)
     _last: dict = field(default_factory=dict, repr=False)
 
@@ -64,7 +66,10 @@ class Sharded:
             traced = trace(self.fn, *full_args)
             mesh = self.abstract_mesh
             graph = prepare(traced.graph, mesh, layouts)  # recompute and coshard regions
-            strategies = propagate(graph, mesh, layouts)
+            if self.planner is not None:
+                graph, strategies = self.planner.strategies(graph, mesh, layouts)
+            else:
+                strategies = propagate(graph, mesh, layouts)
             out_layouts = self._output_layouts(traced)
             program = lower(graph, mesh, layouts, strategies, out_layouts)
             self._cache[key] = (traced, program, layouts)

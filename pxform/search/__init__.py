@@ -1,0 +1,244 @@
+"""The auto-search (DESIGN.md §6): graph -> `Plan`.
+
+    analysis   blocks from graph sharding, kinds, per-op FLOPs and saved bytes (`analysis`)
+    space      pipeline degree x stage mesh x microbatches; per block, axis roles x recompute
+    blockcost  op-level strategies under a role (tensor axis: beam search), their costs
+    frontier   per stage, DP over the block chain keeping the (time, memory) frontier
+    core       configurations, stage partition, pipeline step time, the best plan
+
+`search` is deterministic: the same graph, hardware and settings give the same plan.
+
+Example:
+    >>> plan = search(graph, {"batch.x"}, devices=8, budget=40 * 2**30,
+    ...               hardware=pxform.hardware.hardware("a100-40gb"))
+    >>> print(plan.explain())
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections import Counter
+from collections.abc import Callable, Sequence
+
+from pxform.cost import CostModel
+from pxform.errors import PxformError
+from pxform.hardware import Hardware
+from pxform.ir import Graph
+from pxform.layout import Layout
+from pxform.plan import BlockPlan, FrontierPoint, Plan, StagePlan
+from pxform.search.analysis import Analysis, analyse
+from pxform.search.core import (
+    Candidate,
+    Pin,
+    SearchContext,
+    block_strategies,
+    param_layouts,
+    pareto,
+    search_configs,
+)
+from pxform.search.space import Config, Option, configs
+from pxform.units import format_bytes
+
+OBJECTIVES = ("time", "memory", "devices")
+
+
+class SearchError(PxformError):
+    """No plan satisfies the budget and constraints."""
+
+
+def search(graph: Graph, batch_inputs: set[str], *, devices: int, budget: int,
+           hardware: Hardware, objective: str = "time", global_batch: int | None = None,
+           batch_range: tuple[int, int] | None = None, pin: Pin | None = None,
+           batch_dim: int = 0, optimizer: str = "adam", fn: str = "auto",
+           progress: Callable[[int, int], None] | None = None) -> Plan:
+    """The best plan for `graph` on `devices` devices of `hardware` within `budget` bytes
+    per device (module doc).
+
+    Args:
+        batch_inputs: names of the graph inputs carrying the batch (dim `batch_dim`).
+        objective: "time" (fastest within the budget), "memory" (least memory),
+            "devices" (fewest devices, powers of two up to `devices`, that fit).
+        global_batch: the batch size to plan for (default: the traced one).
+        batch_range: (low, high): also search the batch size, powers of two times `low`
+            up to `high`, for the most samples per second.
+        pin: choices fixed in advance (a plan passed back, or user constraints).
+
+    Raises:
+        SearchError: nothing fits; the message states the least memory per device any
+            plan needs and a device count that fits the budget.
+    """
+    if objective not in OBJECTIVES:
+        raise SearchError(f"pxform.{fn}: objective={objective!r}; use one of {OBJECTIVES}.")
+    analysis = analyse(graph, batch_inputs, batch_dim, fn)
+    model = CostModel(hardware, optimizer)
+    pin = pin or Pin()
+    traced = analysis.traced_batch
+    batches = [global_batch or traced]
+    if batch_range is not None:
+        lo, hi = batch_range
+        if not (isinstance(lo, int) and isinstance(hi, int) and 1 <= lo <= hi):
+            raise SearchError(f"pxform.{fn}: batch_range={batch_range!r}; give (low, high) "
+                              f"with 1 <= low <= high.")
+        batches = []
+        b = lo
+        while b <= hi:
+            batches.append(b)
+            b *= 2
+    counts = [devices]
+    if objective == "devices":
+        counts = sorted({*powers_of_two_upto(devices), devices})
+    best: tuple[Candidate, SearchContext, list[Candidate], float] | None = None
+    for n in counts:
+        for batch in batches:
+            ctx = SearchContext(analysis, model, float(budget), batch, pin)
+            cands = _configs(analysis, n, hardware, batch, pin, fn)
+            goal = "memory" if objective == "memory" else "time"
+            cand, found, secs = search_configs(ctx, cands, goal, progress)
+            if cand is None:
+                continue
+            if best is None or _better(cand, best[0], objective, batch_range is not None):
+                best = (cand, ctx, found, secs)
+        if best is not None and objective == "devices":
+            break
+    if best is None:
+        raise _infeasible(analysis, model, devices, budget, batches[0], pin, hardware, fn)
+    cand, ctx, found, secs = best
+    return _plan(cand, ctx, found, secs, fn, hardware, budget, objective)
+
+
+def powers_of_two_upto(n: int) -> list[int]:
+    out, k = [], 1
+    while k <= n:
+        out.append(k)
+        k *= 2
+    return out
+
+
+def _better(a: Candidate, b: Candidate, objective: str, per_sample: bool) -> bool:
+    if objective == "memory":
+        return (a.peak_memory, a.step_time) < (b.peak_memory, b.step_time)
+    if objective == "devices" and a.config.devices != b.config.devices:
+        return a.config.devices < b.config.devices
+    if per_sample:
+        ta = a.step_time / a.batch
+        tb = b.step_time / b.batch
+        return ta < tb
+    return a.step_time < b.step_time
+
+
+def _configs(a: Analysis, devices: int, hw: Hardware, batch: int, pin: Pin, fn: str
+             ) -> list[Config]:
+    stages = pin.stages
+    if a.marked:
+        marked = len(a.marked) + 1
+        if stages is not None and stages != marked:
+            raise SearchError(
+                f"pxform.{fn}: the function marks {marked} pipeline stages with "
+                f"pxform.stage_boundary, but the pinned plan has stages={stages}.\n  Fix: "
+                f"remove the markers or pin stages={marked}.")
+        stages = marked
+    if stages is not None and devices % stages:
+        raise SearchError(f"pxform.{fn}: {stages} pipeline stages do not divide {devices} "
+                          f"devices.\n  Fix: use a device count that is a multiple of "
+                          f"{stages}.")
+    out = configs(devices, hw.devices_per_node, len(a.blocks), batch, stages,
+                  pin.microbatches)
+    if pin.outer is not None:
+        out = [c for c in out if c.outer == pin.outer]
+    if pin.inner is not None:
+        out = [c for c in out if c.inner == pin.inner]
+    return out
+
+
+def _infeasible(a: Analysis, model: CostModel, devices: int, budget: int, batch: int,
+                pin: Pin, hw: Hardware, fn: str) -> SearchError:
+    """The error for a budget nothing fits: the least memory any plan needs here, and the
+    smallest device count (doubling, up to 64x) whose best plan fits."""
+    ctx = SearchContext(a, model, math.inf, batch, pin)
+    cands = _configs(a, devices, hw, batch, pin, fn)
+    least, _, _ = search_configs(ctx, cands, "memory")
+    need = f"{format_bytes(int(least.peak_memory))}" if least is not None else "unknown"
+    fits = None
+    n = devices * 2
+    while n <= devices * 64 and least is not None:
+        ctx = SearchContext(a, model, float(budget), batch, pin)
+        cand, _, _ = search_configs(ctx, _configs(a, n, hw, batch, pin, fn), "memory")
+        if cand is not None:
+            fits = n
+            break
+        n *= 2
+    where = (f"{fits} devices fit it" if fits else
+             f"no device count up to {devices * 64} fits it")
+    return SearchError(
+        f"pxform.{fn}: no plan fits {format_bytes(budget)} per device on {devices} devices "
+        f"({hw.name}) for global batch {batch}: the least memory any plan needs there is "
+        f"{need} per device (with ZeRO-3, tensor parallelism and recompute everywhere); "
+        f"{where}.\n  Fix: raise memory_budget to at least {need}, use more devices, or a "
+        f"smaller batch.")
+
+
+def _spec_text(layout: Layout) -> str:
+    return repr(layout.to_spec())
+
+
+def fingerprint(a: Analysis) -> str:
+    """A short hash of what a plan depends on: the blocks, their kinds, input types."""
+    text = repr(([(b.kind, b.stop - b.start) for b in a.blocks],
+                 [(v.name, str(v.type)) for v in a.graph.inputs]))
+    return hashlib.sha1(text.encode()).hexdigest()[:16]
+
+
+def _plan(c: Candidate, ctx: SearchContext, found: Sequence[Candidate], secs: float, fn: str,
+          hw: Hardware, budget: int, objective: str) -> Plan:
+    a = ctx.analysis
+    cfg = c.config
+    blocks = tuple(BlockPlan(b.index, b.label, b.kind, c.block_stage[b.index],
+                             c.options[b.index].roles, c.options[b.index].recompute,
+                             c.block_time[b.index], c.block_memory[b.index])
+                   for b in a.blocks)
+    stages = tuple(StagePlan(s.stage, s.blocks, s.forward, s.backward, s.memory, s.in_flight,
+                             s.param_bytes) for s in c.stages)
+    tensor: dict[int, tuple] = {}
+    specs: dict[str, str] = {}
+    mesh = cfg.stage_mesh
+    for b in a.blocks:
+        o = c.options[b.index]
+        if o.tensor_axis and b.kind not in tensor:
+            picks = ctx.tensor_picks(b.kind, cfg)
+            tensor[b.kind] = tuple(_json_choice(s.choices[0][1]) for s in picks)
+        strats = block_strategies(ctx, b, cfg, o)
+        for name, lay in param_layouts(ctx, b, cfg, o, strats, mesh).items():
+            specs.setdefault(name, _spec_text(lay))
+    for v in a.graph.inputs:
+        if v.name in a.params:
+            specs.setdefault(v.name, "P()")
+    points = tuple(FrontierPoint(p.step_time, p.peak_memory, p.config.text(),
+                                 _summary(p.options)) for p in pareto(found))
+    return Plan(fn, cfg.devices, hw.name, int(budget), objective, ctx.global_batch,
+                cfg.stages, cfg.outer, cfg.inner, cfg.microbatches, "1f1b", blocks, stages,
+                c.step_time, c.peak_memory, tuple(sorted(tensor.items())),
+                tuple((v.name, specs[v.name]) for v in a.graph.inputs if v.name in specs),
+                points, secs, fingerprint(a))
+
+
+def _json_choice(choice: tuple) -> tuple:
+    if choice[0] == "partial":
+        return ("partial", tuple(sorted(choice[1])))
+    return tuple(choice)
+
+
+def _summary(options: Sequence[Option]) -> str:
+    counts = Counter(o.text() for o in options)
+    return ", ".join(f"{n}x {t}" for t, n in counts.most_common())
+
+
+def pin_of(plan: Plan) -> Pin:
+    """Every choice of `plan` as constraints for the search."""
+    return Pin(plan.stages, plan.outer, plan.inner, plan.microbatches,
+               tuple(Option(b.roles, b.recompute) for b in plan.blocks),
+               tuple(b.stage for b in plan.blocks),
+               {k: tuple(cs) for k, cs in plan.tensor_choices})
+
+
+__all__ = ["OBJECTIVES", "Pin", "SearchError", "configs", "fingerprint", "pin_of", "search"]

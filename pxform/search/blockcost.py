@@ -234,7 +234,7 @@ def tensor_strategies(a: Analysis, block: BlockInfo, axis: str, size: int, level
         # order by cost so far plus a lower bound of what live partial sums will cost:
         # each must be reduced at least once (a reduce-scatter) before anything but a
         # linear op can read it, so a path that defers its reduction is not favoured
-        def order(x: _State) -> tuple[float, float]:
+        def order(x: _State, k: int = k, sc: float = sc) -> tuple[float, float]:
             pending = 0.0
             for name, lay in x.layouts.items():
                 if lay.partial and (last.get(name, -1) > k or name in crossing):

@@ -101,6 +101,7 @@ class Candidate:
     peak_memory: float
     block_time: tuple[float, ...]   # per block, per step
     block_memory: tuple[float, ...]  # per block, per device
+    batch: int = 0                   # the global batch planned for
 
 
 @dataclass
@@ -163,6 +164,8 @@ def _from_choices(a: Analysis, block: BlockInfo, choices: Sequence[tuple], size:
     mesh = AbstractMesh({INNER: size})
     out = []
     for k, choice in zip(range(block.start, block.stop), choices):
+        if choice[0] == "partial":
+            choice = ("partial", frozenset(choice[1]))
         s = _build(rule_info(a.graph.ops[k]).signature, mesh, (choice,))
         if s is None:
             from pxform.errors import PxformError
@@ -428,13 +431,16 @@ def linear_partition(costs: Sequence[float], parts: int) -> tuple[int, ...]:
             lo = mid
         else:
             hi = mid
-    best = fill(hi)
-    assert best is not None
-    # a greedy fill may use fewer parts: split the largest parts until there are enough
+    found = fill(hi)
+    assert found is not None
+    best: list[int] = found
+    # a greedy fill may use fewer parts: split the heaviest parts until there are enough
     while max(best) + 1 < parts:
         counts = [best.count(q) for q in range(max(best) + 1)]
-        q = max((q for q in range(len(counts)) if counts[q] > 1),
-                key=lambda q: sum(c for c, b in zip(costs, best) if b == q))
+        weight = [0.0] * len(counts)
+        for c, b in zip(costs, best):
+            weight[b] += c
+        q = max((q for q in range(len(counts)) if counts[q] > 1), key=lambda q: weight[q])
         first = best.index(q)
         best = [b + 1 if (b > q or (b == q and k > first)) else b for k, b in enumerate(best)]
     return tuple(best)
@@ -548,7 +554,7 @@ def _assemble(ctx: SearchContext, config: Config, part: tuple[int, ...],
     step = one_f_one_b_time(fw, bw, m) if config.stages > 1 else m * (fw[0] + bw[0])
     return Candidate(config, tuple(o for o in chosen if o is not None), part, tuple(stages),
                      step, max(st.memory for st in stages), tuple(block_time),
-                     tuple(block_mem))
+                     tuple(block_mem), ctx.global_batch)
 
 
 def _p2p(ctx: SearchContext, config: Config, idx: list[int]) -> float:

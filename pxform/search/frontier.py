@@ -98,8 +98,8 @@ def chain_frontier(times: Sequence[np.ndarray], mems: Sequence[np.ndarray],
     for tv, mv, s, i in zip(t, m, s_end, i_end):
         choices = [int(s)]
         for k in range(n - 1, 0, -1):
-            _, _, ps, pi = layers[k][int(s)]
-            s, i = ps[i], pi[i]
+            _, _, parents, where = layers[k][int(s)]
+            s, i = parents[i], where[i]
             choices.append(int(s))
         out.append(Point(float(tv), float(mv), tuple(reversed(choices))))
     return out

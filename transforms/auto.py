@@ -1,0 +1,366 @@
+"""`pxform.auto`: search a plan for a function, then lower and run it.
+
+`auto` adds no machinery of its own to the data flow: `.plan(*args)` traces on fake
+tensors and runs the search (`pxform.search`) against an abstract device count; running
+composes the transforms a user would write by hand, `pxform.shard` over
+`pxform.pipeline` when the plan has stages, on a mesh with the plan's axes (`pp`, `outer`,
+`inner`), with parameters laid out per the plan's specs and each op's strategy taken from
+the plan instead of greedy propagation (`PlanLowering`). So a plan runs on exactly the
+lowering and runtime every other program uses.
+
+Example:
+    >>> @pxform.auto(mesh=pxform.Mesh.abstract(8), memory_budget="40GiB",
+    ...              hardware="a100-40gb")
+    ... def step(params, batch):
+    ...     return loss_fn(params, batch)
+    >>> print(step.plan(params, batch).explain())      # on a laptop: fake tensors only
+    >>> loss, grads = pxform.value_and_grad(step)(params, batch)   # under torchrun
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import optree
+import torch
+
+from pxform.cost import CostModel
+from pxform.cuts import StageCuts
+from pxform.errors import PxformError
+from pxform.hardware import Hardware
+from pxform.hardware import hardware as get_hardware
+from pxform.ir import Graph
+from pxform.layout import Layout
+from pxform.lower.regions import prepare
+from pxform.mesh import AbstractMesh, Mesh
+from pxform.plan import Plan
+from pxform.search import Pin, fingerprint, pin_of, search
+from pxform.search.analysis import Analysis, analyse
+from pxform.search.core import SearchContext, block_strategies
+from pxform.search.space import Config, Option
+from pxform.spec import P
+from pxform.stage_recompute import tag_blocks
+from pxform.trace import cache_key, trace
+from pxform.units import parse_bytes
+
+
+@dataclass(frozen=True, eq=False)
+class PlanLowering:
+    """Lays a traced graph out per a plan: stage of every op, recompute regions, and each
+    op's strategy on the lowering mesh (the stage mesh, plus the pipeline's microbatch
+    axis, which acts as a data axis)."""
+
+    plan: Plan
+    batch_inputs: frozenset[str]
+    batch_dim: int
+    hardware: Hardware
+    fn: str
+    _cache: dict = field(default_factory=dict, repr=False)
+
+    def analysis(self, graph: Graph) -> Analysis:
+        key = id(graph)
+        hit = self._cache.get(key)
+        if hit is not None and hit[0] is graph:
+            return hit[1]
+        a = analyse(graph, set(self.batch_inputs), self.batch_dim, self.fn)
+        if fingerprint(a) != self.plan.fingerprint or len(a.blocks) != len(self.plan.blocks):
+            raise PxformError(
+                f"pxform.{self.fn}: the plan was made for other arguments or another function "
+                f"(plan fingerprint {self.plan.fingerprint}, {len(self.plan.blocks)} blocks; "
+                f"these arguments give {fingerprint(a)}, {len(a.blocks)} blocks).\n  Fix: "
+                f"call with arguments of the shapes and dtypes the plan was searched for, "
+                f"or search again (step.plan(*args)).")
+        self._cache[key] = (graph, a)
+        return a
+
+    def cuts(self, cuts: StageCuts) -> StageCuts:
+        a = self.analysis(cuts.graph)
+        op_stage = [0] * len(cuts.graph.ops)
+        for b, bp in zip(a.blocks, self.plan.blocks):
+            for k in range(b.start, b.stop):
+                op_stage[k] = bp.stage
+        return StageCuts(cuts.graph, tuple(op_stage), self.plan.stages, cuts.blocks, "plan")
+
+    def strategies(self, graph: Graph, mesh: AbstractMesh, layouts: Sequence[Layout]
+                   ) -> tuple[Graph, list[Any]]:
+        a = self.analysis(graph)
+        plan = self.plan
+        ctx = SearchContext(a, CostModel(self.hardware), float("inf"), plan.global_batch,
+                            pin_of(plan))
+        config = Config(plan.stages, plan.outer, plan.inner, plan.microbatches)
+        extra = {ax: "dp" for ax in mesh.names if ax not in ("outer", "inner")}
+        out: list[Any] = []
+        for b, bp in zip(a.blocks, plan.blocks):
+            option = Option(bp.roles, bp.recompute)
+            out.extend(block_strategies(ctx, b, config, option, mesh=mesh, extra=extra))
+        flags = [bp.recompute for bp in plan.blocks]
+        if any(flags):
+            graph = tag_blocks(graph, a.blocks, flags, self.fn)  # type: ignore[arg-type]
+        return graph, out
+
+
+@dataclass(frozen=True, eq=False)
+class Auto:
+    """A function transformed by `pxform.auto`."""
+
+    fn: Any
+    devices: int
+    memory_budget: int
+    objective: str
+    hardware: Hardware
+    batch_range: tuple[int, int] | None
+    batch_argnums: tuple[int, ...] | None
+    batch_dim: int
+    pin: Pin | None
+    optimizer: str
+    _cache: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def __name__(self) -> str:
+        return getattr(self.fn, "__name__", "fn")
+
+    def __repr__(self) -> str:
+        return (f"pxform.auto({self.__name__}, devices={self.devices}, "
+                f"hardware={self.hardware.name!r}, objective={self.objective!r})")
+
+    def _batch_argnums(self, n: int) -> tuple[int, ...]:
+        if self.batch_argnums is not None:
+            return tuple(k % n for k in self.batch_argnums)
+        return tuple(range(1, n)) if n > 1 else (0,)
+
+    def _graph(self, args: tuple[Any, ...]) -> tuple[Graph, set[str], Any]:
+        from pxform.transforms.shard import _as_global, _is_dtensor
+
+        full: Any = optree.tree_map(_as_global, args, is_leaf=_is_dtensor)  # type: ignore[arg-type]
+        traced = trace(self.fn, *full)
+        graph = prepare(traced.graph)
+        batch = set(self._batch_argnums(len(args)))
+        arg_of = []
+        for n, a in enumerate(full):
+            for leaf in optree.tree_leaves(a):
+                if isinstance(leaf, torch.Tensor):
+                    arg_of.append(n)
+        names = {v.name for v, n in zip(graph.inputs, arg_of) if n in batch}
+        return graph, names, full
+
+    def plan(self, *args: Any) -> Plan:
+        """The plan for these arguments: searched on fake tensors (no devices, no
+        processes), once per argument signature. Arguments may be on `meta`."""
+        return self._planned(args)[0]
+
+    def _planned(self, args: tuple[Any, ...]) -> tuple[Plan, set[str]]:
+        from pxform.transforms.shard import _as_global, _is_dtensor
+
+        full: Any = optree.tree_map(_as_global, args, is_leaf=_is_dtensor)  # type: ignore[arg-type]
+        key = cache_key(full, {})
+        if key not in self._cache:
+            graph, names, _ = self._graph(args)
+            plan = search(graph, names, devices=self.devices, budget=self.memory_budget,
+                          hardware=self.hardware, objective=self.objective,
+                          batch_range=self.batch_range, pin=self.pin,
+                          batch_dim=self.batch_dim, optimizer=self.optimizer,
+                          fn=f"auto({self.__name__})")
+            self._cache[key] = (plan, names)
+        return self._cache[key]
+
+    def executable(self, *args: Any) -> Any:
+        """The `pxform.shard` (over `pxform.pipeline` when the plan has stages) that runs
+        the plan on this world."""
+        from pxform.transforms.pipeline import Pipelined
+        from pxform.transforms.shard import Sharded
+
+        plan, names = self._planned(args)
+        key = ("exe", id(plan))
+        if key in self._cache:
+            return self._cache[key]
+        import torch.distributed as dist
+
+        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        if world != plan.devices:
+            raise PxformError(
+                f"pxform.auto({self.__name__}): the plan is for {plan.devices} devices but "
+                f"this world has {world} process(es).\n  Fix: launch with torchrun "
+                f"--nproc-per-node {plan.devices} (or plan for {world} devices: "
+                f"pxform.auto(..., mesh={world})).")
+        lowering = PlanLowering(plan, frozenset(names), self.batch_dim, self.hardware,
+                                f"auto({self.__name__})")
+        specs = self._in_specs(plan, args, names)
+        mesh = Mesh(dict(plan.mesh.axes))
+        if plan.stages > 1:
+            fn: Any = Pipelined(self.fn, plan.stages, plan.microbatches, plan.schedule, "pp",
+                                batch_argnums=self._batch_argnums(len(args)),
+                                batch_dim=self.batch_dim, planner=lowering)
+            exe = Sharded(fn, mesh, specs)
+        else:
+            exe = Sharded(self.fn, mesh, specs, planner=lowering)
+        self._cache[key] = exe
+        return exe
+
+    def _in_specs(self, plan: Plan, args: tuple[Any, ...], names: set[str]) -> tuple[Any, ...]:
+        """Per argument leaf, its spec: parameters per the plan, batch leaves split on the
+        batch dim over the data axes of the first block (the lowering converts for later
+        blocks with other axes)."""
+        graph, _, full = self._graph(args)
+        specs = dict(plan.param_specs)
+        first = plan.blocks[0] if plan.blocks else None
+        data_axes = tuple(a for a, r in (first.roles if first else ()) if r in ("dp", "sdp"))
+        batch_entry: Any = (data_axes if len(data_axes) > 1 else data_axes[0]) \
+            if data_axes else None
+        leaf_specs = []
+        for v in graph.inputs:
+            if v.name in names:
+                entries: list[Any] = [None] * v.type.rank
+                entries[self.batch_dim] = batch_entry
+                leaf_specs.append(P(*entries))
+            else:
+                leaf_specs.append(_parse_spec(specs.get(v.name, "P()")))
+        it = iter(leaf_specs)
+        out = []
+        for a in full:
+            leaves, tree = optree.tree_flatten(a, none_is_leaf=True)
+            out.append(optree.tree_unflatten(tree, [next(it) if isinstance(x, torch.Tensor)
+                                                    else None for x in leaves]))
+        return tuple(out)
+
+    def distribute(self, *args: Any) -> Any:
+        """The arguments laid out per the plan, as DTensors on this world's mesh."""
+        return self.executable(*args).distribute(*args)
+
+    def __call__(self, *args: Any) -> Any:
+        value, _ = self.run(args, ())
+        return value
+
+    def run(self, args: tuple[Any, ...], grad_argnums: tuple[int, ...]) -> tuple[Any, Any]:
+        """Plan (once), lower and run on this rank (what `value_and_grad` calls)."""
+        return self.executable(*args).run(args, grad_argnums)
+
+
+def _parse_spec(text: str) -> P:
+    """`P(...)` from its repr, as plans store it (no eval: literals only)."""
+    if not (text.startswith("P(") and text.endswith(")")):
+        raise PxformError(f"pxform.auto: bad spec {text!r} in the plan; expected P(...).")
+    inner = text[2:-1].strip()
+    entries = ast.literal_eval(f"({inner},)") if inner else ()
+    return P(*entries)
+
+
+def auto(fn: Any = None, *, mesh: Any, memory_budget: Any = None, objective: str = "time",
+         hardware: Any = "h100-80gb", batch_range: tuple[int, int] | None = None,
+         batch_argnums: int | tuple[int, ...] | None = None, batch_dim: int = 0,
+         plan: Plan | Pin | None = None, optimizer: str = "adam") -> Any:
+    """Search a parallel plan for `fn` and run it (module doc). Usable as a decorator.
+
+    Args:
+        mesh: the devices to plan for: a device count, `pxform.Mesh.abstract(1024)`,
+            named axis sizes (only their product is used: the search lays out its own
+            axes), or a bound `pxform.Mesh` (its size).
+        memory_budget: bytes per device, or a string such as "80GiB" (default: the
+            hardware's device memory).
+        objective: "time", "memory" or "devices" (see `pxform.search.search`).
+        hardware: a preset name ("a100-40gb", "a100-80gb", "h100-80gb"), a path to a
+            profile written by `pxform calibrate`, or a `pxform.hardware.Hardware`.
+        batch_range: (low, high) to also search the global batch size.
+        batch_argnums: the arguments carrying the batch (default: all but the first).
+        plan: a `Plan` to pin every choice, or a `pxform.search.Pin` to pin some.
+        optimizer: "adam" or "sgd" (optimizer state in the memory count).
+
+    Example:
+        >>> step = pxform.auto(loss_fn, mesh=8, memory_budget="40GiB", hardware="a100-40gb")
+        >>> plan = step.plan(params, batch)
+    """
+    if fn is None:
+        return functools.partial(auto, mesh=mesh, memory_budget=memory_budget,
+                                 objective=objective, hardware=hardware,
+                                 batch_range=batch_range, batch_argnums=batch_argnums,
+                                 batch_dim=batch_dim, plan=plan, optimizer=optimizer)
+    devices = _device_count(mesh)
+    hw = get_hardware(hardware)
+    budget = hw.memory_bytes if memory_budget is None else \
+        _budget(memory_budget, getattr(fn, "__name__", "fn"))
+    nums = (batch_argnums,) if isinstance(batch_argnums, int) else batch_argnums
+    pin = pin_of(plan) if isinstance(plan, Plan) else plan
+    if isinstance(plan, Plan) and plan.devices != devices:
+        raise PxformError(f"pxform.auto({getattr(fn, '__name__', 'fn')}): the pinned plan is "
+                          f"for {plan.devices} devices but mesh= gives {devices}.\n  Fix: pass "
+                          f"mesh={plan.devices}, or search again without plan=.")
+    return Auto(fn, devices, budget, objective, hw, batch_range, nums, batch_dim, pin,
+                optimizer)
+
+
+def _budget(value: Any, name: str) -> int:
+    try:
+        return parse_bytes(value, f"pxform.auto({name}): memory_budget")
+    except ValueError as exc:
+        raise PxformError(str(exc)) from None
+
+
+def _device_count(mesh: Any) -> int:
+    if isinstance(mesh, bool):
+        raise PxformError(f"pxform.auto: mesh={mesh!r}; give a device count or a mesh")
+    if isinstance(mesh, int):
+        if mesh < 1:
+            raise PxformError(f"pxform.auto: mesh={mesh}; give a positive device count")
+        return mesh
+    if isinstance(mesh, (AbstractMesh, Mesh)):
+        return mesh.size
+    if isinstance(mesh, dict):
+        return AbstractMesh(mesh).size
+    raise PxformError(f"pxform.auto: mesh={mesh!r}; give a device count, "
+                      f"pxform.Mesh.abstract(n), named sizes such as {{'dp': 8}}, or a "
+                      f"pxform.Mesh.")
+
+
+@dataclass(frozen=True)
+class Profile:
+    """The best plan per device count (TensorOpt's profiling mode); `print` it."""
+
+    function: str
+    plans: tuple[tuple[int, Plan | None, str], ...]  # (devices, plan or None, why not)
+
+    def __str__(self) -> str:
+        from pxform.units import format_bytes
+
+        rows = [("devices", "step time", "samples/s", "peak memory", "plan")]
+        for n, plan, why in self.plans:
+            if plan is None:
+                rows.append((str(n), "-", "-", "-", why))
+                continue
+            rows.append((str(n), f"{plan.step_time_s:.4g} s",
+                         f"{plan.global_batch / plan.step_time_s:.4g}",
+                         format_bytes(int(plan.peak_memory_bytes)), plan.config_text()))
+        widths = [max(len(r[i]) for r in rows) for i in range(5)]
+        lines = [f"profile of {self.function}: best plan per device count"]
+        lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+        return "\n".join(lines)
+
+
+def profile(fn: Any, *args: Any, devices: Sequence[int], memory_budget: Any = None,
+            hardware: Any = "h100-80gb", batch_argnums: int | tuple[int, ...] | None = None,
+            batch_dim: int = 0, optimizer: str = "adam") -> Profile:
+    """The fastest plan for each device count in `devices` (None where nothing fits the
+    budget), traced once.
+
+    Example:
+        >>> print(pxform.profile(loss_fn, params, batch, devices=[8, 16, 32],
+        ...                      memory_budget="40GiB", hardware="a100-40gb"))
+    """
+    from pxform.search import SearchError
+
+    step = auto(fn, mesh=max(devices), memory_budget=memory_budget, hardware=hardware,
+                batch_argnums=batch_argnums, batch_dim=batch_dim, optimizer=optimizer)
+    graph, names, _ = step._graph(args)
+    out: list[tuple[int, Plan | None, str]] = []
+    for n in devices:
+        try:
+            plan = search(graph, names, devices=n, budget=step.memory_budget,
+                          hardware=step.hardware, batch_dim=batch_dim, optimizer=optimizer,
+                          fn=f"profile({step.__name__})")
+            out.append((n, plan, ""))
+        except SearchError as exc:
+            first = str(exc).split("\n")[0]
+            out.append((n, None, first.split(": ", 1)[-1]))
+    return Profile(getattr(fn, "__name__", "fn"), tuple(out))
