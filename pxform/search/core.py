@@ -387,11 +387,13 @@ def evaluate(ctx: SearchContext, config: Config, objective: str = "time"
             if level == 1.0 and (best is None or _key(cand, objective) < _key(best, objective)):
                 best = cand
             extra.append(cand)
-        # try handing the slowest stage's last block on, once per partition
+        # try handing a block of the worst stage (slowest; fullest for "memory") on
         if p > 1 and best is not None and moves < 2 * p and ctx.pin.block_stage is None \
                 and not a.marked:
-            slow = max(range(p), key=lambda s: best.stages[s].time)  # type: ignore[union-attr]
-            moved = _shift(part, slow, p)
+            top = best
+            worst = max(range(p), key=lambda s: top.stages[s].memory if objective == "memory"
+                        else top.stages[s].time)
+            moved = _shift(part, worst, p)
             if moved is not None and moved not in tried:
                 partitions.append(moved)
                 moves += 1
@@ -486,10 +488,15 @@ def _stage_frontier(ctx: SearchContext, config: Config, idx: list[int],
     trans_time: list[np.ndarray | None] = [None]
     for j in range(1, len(idx)):
         prev, cur = idx[j - 1], idx[j]
-        mat = np.zeros((len(per_block[prev]), len(per_block[cur])))
-        for r, s in enumerate(per_block[prev]):
-            for c, s2 in enumerate(per_block[cur]):
-                mat[r, c] = m * transition(ctx, a.blocks[prev], config, s, s2)
+        key = ("matrix", a.blocks[prev].kind, config, tuple(per_block[prev]),
+               tuple(per_block[cur]))
+        mat = ctx._trans.get(key)
+        if mat is None:
+            mat = np.zeros((len(per_block[prev]), len(per_block[cur])))
+            for r, s in enumerate(per_block[prev]):
+                for c, s2 in enumerate(per_block[cur]):
+                    mat[r, c] = m * transition(ctx, a.blocks[prev], config, s, s2)
+            ctx._trans[key] = mat
         trans_time.append(mat)
     budget = ctx.budget
     workspace = WORKSPACE_BLOCKS * max(min(c.saved for c in costs[k]) for k in idx)
@@ -497,7 +504,9 @@ def _stage_frontier(ctx: SearchContext, config: Config, idx: list[int],
         limit = budget - workspace
         if limit <= 0:
             return []
-        pts = chain_frontier(times, mems, trans_time, None, quantum=QUANTUM * budget,
+        # without a budget (the least-memory search) round to the device's memory scale
+        scale = budget if math.isfinite(budget) else ctx.hardware.memory_bytes
+        pts = chain_frontier(times, mems, trans_time, None, quantum=QUANTUM * scale,
                              limit=limit)
         out = []
         worst = workspace

@@ -8,15 +8,16 @@ pruning. Galvatron's memory-indexed DP (min time per memory budget) is the same 
 read at one memory value.
 
 Costs are additive and memory contributions non-negative, so a plan over `limit` can be
-dropped as soon as it appears. With `quantum > 0`, memory is rounded up to multiples of it
-before pruning, which bounds the frontier's size (the search uses 1/512 of the budget;
-rounding up keeps every reported plan within the budget); tests use exact memory.
+dropped as soon as it appears. With `quantum > 0`, only the fastest plan of each memory
+bucket of that width is kept, which bounds the frontier's size (the search uses 1/512 of
+the budget); memory values stay exact, so every reported plan is within the budget, and a
+dropped plan is never more than one bucket smaller than a kept faster one. Tests use 0.
 
 Example:
     >>> times = [np.array([1.0, 3.0]), np.array([1.0, 3.0])]
     >>> mems = [np.array([4.0, 1.0]), np.array([4.0, 1.0])]
     >>> [(p.time, p.memory, p.choices) for p in chain_frontier(times, mems)]
-    [(6.0, 2.0, (1, 1)), (4.0, 5.0, (0, 1)), (2.0, 8.0, (0, 0))]
+    [(6.0, 2.0, (1, 1)), (4.0, 5.0, (1, 0)), (2.0, 8.0, (0, 0))]
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ def chain_frontier(times: Sequence[np.ndarray], mems: Sequence[np.ndarray],
     first = []
     for s in range(len(times[0])):
         t = np.array([times[0][s]], dtype=float)
-        m = _round(np.array([mems[0][s]], dtype=float), quantum)
+        m = np.array([mems[0][s]], dtype=float)
         keep = m <= limit
         first.append((t[keep], m[keep], np.zeros(keep.sum(), dtype=np.int64),
                       np.zeros(keep.sum(), dtype=np.int64)))
@@ -67,24 +68,24 @@ def chain_frontier(times: Sequence[np.ndarray], mems: Sequence[np.ndarray],
         prev = layers[-1]
         tt = trans_time[k] if trans_time is not None else None
         tm = trans_mem[k] if trans_mem is not None else None
+        # every kept plan of block k-1, whatever its option, in one set of arrays
+        t_prev = np.concatenate([x[0] for x in prev])
+        m_prev = np.concatenate([x[1] for x in prev])
+        s_prev = np.concatenate([np.full(len(x[0]), s, dtype=np.int64)
+                                 for s, x in enumerate(prev)])
+        i_prev = np.concatenate([np.arange(len(x[0]), dtype=np.int64) for x in prev])
         cur = []
         for s2 in range(len(times[k])):
-            ts, ms, ps, idx = [], [], [], []
-            for s, (t, m, _, _) in enumerate(prev):
-                if len(t) == 0:
-                    continue
-                ts.append(t + (tt[s, s2] if tt is not None else 0.0) + times[k][s2])
-                ms.append(m + (tm[s, s2] if tm is not None else 0.0) + mems[k][s2])
-                ps.append(np.full(len(t), s, dtype=np.int64))
-                idx.append(np.arange(len(t), dtype=np.int64))
-            if not ts:
+            if len(t_prev) == 0:
                 cur.append(_empty())
                 continue
-            t_all = np.concatenate(ts)
-            m_all = _round(np.concatenate(ms), quantum)
-            p_all = np.concatenate(ps)
-            i_all = np.concatenate(idx)
-            cur.append(_prune(t_all, m_all, p_all, i_all, limit))
+            t_all = t_prev + times[k][s2]
+            m_all = m_prev + mems[k][s2]
+            if tt is not None:
+                t_all = t_all + tt[s_prev, s2]
+            if tm is not None:
+                m_all = m_all + tm[s_prev, s2]
+            cur.append(_prune(t_all, m_all, s_prev, i_prev, limit, quantum))
         layers.append(cur)
     # merge the end options
     ends = []
@@ -93,7 +94,7 @@ def chain_frontier(times: Sequence[np.ndarray], mems: Sequence[np.ndarray],
     if not any(len(e[0]) for e in ends):
         return []
     t, m, s_end, i_end = (np.concatenate([e[j] for e in ends]) for j in range(4))
-    t, m, s_end, i_end = _prune(t, m, s_end, i_end, limit)
+    t, m, s_end, i_end = _prune(t, m, s_end, i_end, limit, quantum)
     out = []
     for tv, mv, s, i in zip(t, m, s_end, i_end):
         choices = [int(s)]
@@ -110,15 +111,10 @@ def _empty() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     return z, z, np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
 
 
-def _round(m: np.ndarray, quantum: float) -> np.ndarray:
-    if quantum <= 0:
-        return m
-    return np.ceil(m / quantum - 1e-9) * quantum
-
-
-def _prune(t: np.ndarray, m: np.ndarray, p: np.ndarray, i: np.ndarray, limit: float
-           ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Keep the points no other point beats in both time and memory (ties: the first)."""
+def _prune(t: np.ndarray, m: np.ndarray, p: np.ndarray, i: np.ndarray, limit: float,
+           quantum: float = 0.0) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Keep the points no other point beats in both time and memory (ties: the first);
+    with `quantum`, only the fastest point of each memory bucket of that width."""
     ok = m <= limit
     t, m, p, i = t[ok], m[ok], p[ok], i[ok]
     if len(t) <= 1:
@@ -128,4 +124,11 @@ def _prune(t: np.ndarray, m: np.ndarray, p: np.ndarray, i: np.ndarray, limit: fl
     best = np.minimum.accumulate(t)
     keep = np.ones(len(t), dtype=bool)
     keep[1:] = t[1:] < best[:-1]
-    return t[keep], m[keep], p[keep], i[keep]
+    t, m, p, i = t[keep], m[keep], p[keep], i[keep]
+    if quantum > 0 and len(t) > 1:
+        # times fall as memory rises: the last point of a bucket is its fastest
+        bucket = np.floor(m / quantum)
+        last = np.ones(len(t), dtype=bool)
+        last[:-1] = bucket[1:] != bucket[:-1]
+        t, m, p, i = t[last], m[last], p[last], i[last]
+    return t, m, p, i

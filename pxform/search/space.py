@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+from functools import cached_property
 
 from pxform.mesh import AbstractMesh
 
@@ -38,15 +39,15 @@ class Option:
     def role(self, axis: str) -> str | None:
         return dict(self.roles).get(axis)
 
-    @property
+    @cached_property
     def data_axes(self) -> tuple[str, ...]:
         return tuple(a for a, r in self.roles if r in ("dp", "sdp"))
 
-    @property
+    @cached_property
     def sdp_axes(self) -> tuple[str, ...]:
         return tuple(a for a, r in self.roles if r == "sdp")
 
-    @property
+    @cached_property
     def tensor_axis(self) -> str | None:
         return next((a for a, r in self.roles if r == "tp"), None)
 
