@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import ast
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -117,6 +117,7 @@ class Auto:
     batch_dim: int
     pin: Pin | None
     optimizer: str
+    progress: Callable[[int, int], None] | None = field(default=None, repr=False)
     _cache: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -163,7 +164,7 @@ class Auto:
                           hardware=self.hardware, objective=self.objective,
                           batch_range=self.batch_range, pin=self.pin,
                           batch_dim=self.batch_dim, optimizer=self.optimizer,
-                          fn=f"auto({self.__name__})")
+                          fn=f"auto({self.__name__})", progress=self.progress)
             self._cache[key] = (plan, names)
         return self._cache[key]
 
@@ -251,7 +252,8 @@ def _parse_spec(text: str) -> P:
 def auto(fn: Any = None, *, mesh: Any, memory_budget: Any = None, objective: str = "time",
          hardware: Any = "h100-80gb", batch_range: tuple[int, int] | None = None,
          batch_argnums: int | tuple[int, ...] | None = None, batch_dim: int = 0,
-         plan: Plan | Pin | None = None, optimizer: str = "adam") -> Any:
+         plan: Plan | Pin | None = None, optimizer: str = "adam",
+         progress: Callable[[int, int], None] | None = None) -> Any:
     """Search a parallel plan for `fn` and run it (module doc). Usable as a decorator.
 
     Args:
@@ -267,6 +269,8 @@ def auto(fn: Any = None, *, mesh: Any, memory_budget: Any = None, objective: str
         batch_argnums: the arguments carrying the batch (default: all but the first).
         plan: a `Plan` to pin every choice, or a `pxform.search.Pin` to pin some.
         optimizer: "adam" or "sgd" (optimizer state in the memory count).
+        progress: called as `progress(done, total)` after each configuration the search
+            evaluates (`pxform plan` draws its progress bar with it).
 
     Example:
         >>> step = pxform.auto(loss_fn, mesh=8, memory_budget="40GiB", hardware="a100-40gb")
@@ -276,7 +280,8 @@ def auto(fn: Any = None, *, mesh: Any, memory_budget: Any = None, objective: str
         return functools.partial(auto, mesh=mesh, memory_budget=memory_budget,
                                  objective=objective, hardware=hardware,
                                  batch_range=batch_range, batch_argnums=batch_argnums,
-                                 batch_dim=batch_dim, plan=plan, optimizer=optimizer)
+                                 batch_dim=batch_dim, plan=plan, optimizer=optimizer,
+                                 progress=progress)
     devices = _device_count(mesh)
     hw = get_hardware(hardware)
     budget = hw.memory_bytes if memory_budget is None else \
@@ -288,7 +293,7 @@ def auto(fn: Any = None, *, mesh: Any, memory_budget: Any = None, objective: str
                           f"for {plan.devices} devices but mesh= gives {devices}.\n  Fix: pass "
                           f"mesh={plan.devices}, or search again without plan=.")
     return Auto(fn, devices, budget, objective, hw, batch_range, nums, batch_dim, pin,
-                optimizer)
+                optimizer, progress)
 
 
 def _budget(value: Any, name: str) -> int:
@@ -358,7 +363,7 @@ def profile(fn: Any, *args: Any, devices: Sequence[int], memory_budget: Any = No
         try:
             plan = search(graph, names, devices=n, budget=step.memory_budget,
                           hardware=step.hardware, batch_dim=batch_dim, optimizer=optimizer,
-                          fn=f"profile({step.__name__})")
+                          fn=f"profile({step.__name__})", function=step.__name__)
             out.append((n, plan, ""))
         except SearchError as exc:
             first = str(exc).split("\n")[0]

@@ -51,6 +51,7 @@ def search(graph: Graph, batch_inputs: set[str], *, devices: int, budget: int,
            hardware: Hardware, objective: str = "time", global_batch: int | None = None,
            batch_range: tuple[int, int] | None = None, pin: Pin | None = None,
            batch_dim: int = 0, optimizer: str = "adam", fn: str = "auto",
+           function: str | None = None,
            progress: Callable[[int, int], None] | None = None) -> Plan:
     """The best plan for `graph` on `devices` devices of `hardware` within `budget` bytes
     per device (module doc).
@@ -63,6 +64,8 @@ def search(graph: Graph, batch_inputs: set[str], *, devices: int, budget: int,
         batch_range: (low, high): also search the batch size, powers of two times `low`
             up to `high`, for the most samples per second.
         pin: choices fixed in advance (a plan passed back, or user constraints).
+        fn: how messages name the caller ("auto(loss_fn)"); function: the plan's name
+            for the user's function (default `fn`).
 
     Raises:
         SearchError: nothing fits; the message states the least memory per device any
@@ -104,7 +107,7 @@ def search(graph: Graph, batch_inputs: set[str], *, devices: int, budget: int,
     if best is None:
         raise _infeasible(analysis, model, devices, budget, batches[0], pin, hardware, fn)
     cand, ctx, found, secs = best
-    return _plan(cand, ctx, found, secs, fn, hardware, budget, objective)
+    return _plan(cand, ctx, found, secs, function or fn, hardware, budget, objective)
 
 
 def powers_of_two_upto(n: int) -> list[int]:
@@ -179,7 +182,13 @@ def _infeasible(a: Analysis, model: CostModel, devices: int, budget: int, batch:
 
 
 def _spec_text(layout: Layout) -> str:
-    return repr(layout.to_spec())
+    """`P(...)` text with trailing whole dims dropped: `P('inner')`, `P()`."""
+    from pxform.spec import P
+
+    entries = list(layout.to_spec().entries)
+    while entries and entries[-1] is None:
+        entries.pop()
+    return repr(P(*entries))
 
 
 def fingerprint(a: Analysis) -> str:

@@ -1,0 +1,72 @@
+"""Worker functions for tests/test_auto.py: run a plan of `pxform.auto` on every rank of
+a gloo world and compare it with the single-process reference (float64)."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import optree
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                "examples"))
+
+import gpt  # noqa: E402
+
+import pxform  # noqa: E402
+from pxform.search import Pin  # noqa: E402
+from pxform.search.space import Option  # noqa: E402
+
+CFG = gpt.GPT_CONFIGS["tiny"]
+NUM_BLOCKS = 4  # embed, layer 0, layer 1, head
+
+
+def setup() -> tuple:
+    torch.manual_seed(0)
+    params = gpt.init_params(CFG, dtype=torch.float64)
+    batch = gpt.make_batch(CFG, 8)
+    return params, batch, CFG
+
+
+def pin(stages: int, outer: int, inner: int, microbatches: int,
+        roles: tuple[tuple[str, str], ...] | None, recompute: tuple[bool, ...] | None = None
+        ) -> Pin:
+    """A pin of the whole configuration; `roles` for every block (None: searched)."""
+    options = None
+    if roles is not None:
+        flags = recompute or (False,) * NUM_BLOCKS
+        options = tuple(Option(roles, r) for r in flags)
+    return Pin(stages=stages, outer=outer, inner=inner, microbatches=microbatches,
+               block_options=options)
+
+
+def run_plan(the_pin: Pin | None, budget: str = "40GiB") -> dict:
+    """Plan, run value_and_grad, and compare with the reference on this rank.
+
+    Gradients of a pipeline come back on the ranks holding the parameter (None
+    elsewhere): each rank reports the worst error over the gradients it has, and which
+    leaves it has, so the test can check every leaf is covered."""
+    import torch.distributed as dist
+
+    params, batch, cfg = setup()
+    step = pxform.auto(gpt.loss_fn, mesh=dist.get_world_size(), memory_budget=budget,
+                       hardware="a100-40gb", plan=the_pin)
+    plan = step.plan(params, batch, cfg)
+    loss, grads = pxform.value_and_grad(step)(params, batch, cfg)
+    ref_loss, ref_grads = pxform.value_and_grad(gpt.loss_fn)(params, batch, cfg)
+    full = pxform.gather(grads)
+    mine = optree.tree_leaves(full, none_is_leaf=True)
+    ref = optree.tree_leaves(ref_grads)
+    paths = optree.tree_paths(ref_grads)
+    have = [str(p) for p, g in zip(paths, mine) if g is not None]
+    err = max(((g - r).abs().max().item() for g, r in zip(mine, ref) if g is not None),
+              default=0.0)
+    kinds: dict[str, list[str]] = {}
+    if plan.stages == 1:
+        program = step.executable(params, batch, cfg).lower(params, batch, cfg)
+        kinds = {"forward": sorted({c.split("(")[0] for c in program.collectives()}),
+                 "backward": sorted({c.split("(")[0] for c in program.backward_collectives()})}
+    return {"config": plan.config_text(), "collectives": kinds, "strategies": [b.strategy for b in plan.blocks],
+            "loss_err": float((loss - ref_loss).abs()), "grad_err": err, "have": have,
+            "num_leaves": len(ref), "fingerprint": plan.fingerprint}

@@ -1,0 +1,324 @@
+"""The auto-search on abstract meshes: golden choices, the frontier DP against brute force,
+plans as values, constraints and their errors. No processes: everything runs on fake
+tensors (`test_auto.py` runs plans on gloo worlds)."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import re
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given
+from hypothesis import strategies as st
+
+import pxform
+from pxform.cuts import balance
+from pxform.search import Pin, pin_of
+from pxform.search.core import linear_partition
+from pxform.search.frontier import chain_frontier
+from pxform.search.space import Option
+
+# ---------------------------------------------------------------- models
+
+
+def residual_mlp(params, x, y):
+    h = x
+    for p in params["layers"]:
+        h = h + F.linear(F.gelu(F.linear(h, p["w1"])), p["w2"])
+    return ((h - y) ** 2).mean()
+
+
+def mlp_args(d: int = 2048, layers: int = 8, batch: int = 16384):
+    """Big enough that compute dominates: 8 layers of 2 x 4d x d weights, on meta."""
+    params = {"layers": [{"w1": torch.empty(4 * d, d, device="meta"),
+                          "w2": torch.empty(d, 4 * d, device="meta")} for _ in range(layers)]}
+    return params, torch.empty(batch, d, device="meta"), torch.empty(batch, d, device="meta")
+
+
+MLP = mlp_args()
+
+
+def plan_mlp(budget: str, **kw):
+    step = pxform.auto(residual_mlp, mesh=pxform.Mesh.abstract(4), memory_budget=budget,
+                       hardware="a100-80gb", **kw)
+    return step.plan(*MLP)
+
+
+def roles(plan) -> set[str]:
+    return {r for b in plan.blocks for _, r in b.roles}
+
+
+# ---------------------------------------------------------------- golden choices
+
+
+def test_plenty_of_memory_gives_data_parallel():
+    plan = plan_mlp("80GiB")
+    assert plan.stages == 1
+    assert roles(plan) == {"dp"}
+    assert not any(b.recompute for b in plan.blocks)
+    assert plan.peak_memory_bytes <= 80 * 2**30
+
+
+def test_tight_memory_gives_zero3_or_tensor_parallel():
+    plan = plan_mlp("4GiB")
+    assert roles(plan) & {"sdp", "tp"}
+    assert not any(b.recompute for b in plan.blocks)
+    assert plan.peak_memory_bytes <= 4 * 2**30
+    # and it costs time: the unconstrained plan is at least as fast
+    assert plan_mlp("80GiB").step_time_s <= plan.step_time_s
+
+
+def test_tighter_memory_recomputes():
+    plan = plan_mlp("1.5GiB")
+    assert any(b.recompute for b in plan.blocks)
+    assert plan.peak_memory_bytes <= 1.5 * 2**30
+
+
+def test_below_the_minimum_says_what_is_needed_and_what_fits():
+    with pytest.raises(pxform.SearchError) as err:
+        plan_mlp("1GiB")
+    text = str(err.value)
+    assert "no plan fits 1 GiB per device on 4 devices (a100-80gb) for global batch 16384" \
+        in text
+    need = re.search(r"the least memory any plan needs there is ([\d.]+) GiB", text)
+    assert need and 1.0 < float(need.group(1)) < 1.5
+    assert "8 devices fit it" in text
+    assert "Fix: raise memory_budget to at least" in text
+
+
+def test_objectives_memory_and_devices():
+    fast = plan_mlp("80GiB")
+    small = plan_mlp("80GiB", objective="memory")
+    assert small.peak_memory_bytes < fast.peak_memory_bytes
+    assert small.step_time_s >= fast.step_time_s
+    few = plan_mlp("16GiB", objective="devices")
+    assert few.devices < 4  # the model fits on fewer devices than offered
+    assert few.peak_memory_bytes <= 16 * 2**30
+
+
+def test_megatron_pattern_comes_out_of_the_op_rules():
+    """Pinned to tensor parallelism on every block of a GPT, the op-level search lays the
+    weights out column-then-row, as Megatron does (nothing names linear layers)."""
+    import dataclasses
+
+    import gpt
+
+    # GPT-1.3B's layer shape (d 2048, seq 2048), two layers: sizes where bandwidth, not
+    # latency, decides (on tiny tensors fewer collectives can beat Megatron, rightly)
+    cfg = dataclasses.replace(gpt.GPT_CONFIGS["1.3B"], num_layers=2)
+    params = gpt.init_params(cfg, device="meta", dtype=torch.bfloat16)
+    batch = gpt.make_batch(cfg, 8, device="meta")
+    tp = Option((("inner", "tp"),), False)
+    step = pxform.auto(gpt.loss_fn, mesh=4, hardware="a100-80gb",
+                       plan=Pin(stages=1, outer=1, inner=4, microbatches=1,
+                                block_options=(tp,) * 4))
+    specs = dict(step.plan(params, batch, cfg).param_specs)
+    for k in range(cfg.num_layers):
+        assert specs[f"blocks.{k}.qkv_w"] == "P('inner')"   # column
+        assert specs[f"blocks.{k}.proj_w"] == "P(None, 'inner')"  # row
+        assert specs[f"blocks.{k}.fc_w"] == "P('inner')"    # column
+        assert specs[f"blocks.{k}.out_w"] == "P(None, 'inner')"   # row
+        assert specs[f"blocks.{k}.ln1_w"] == "P()"
+
+
+# ---------------------------------------------------------------- plans as values
+
+
+def test_save_load_diff_and_determinism(tmp_path):
+    plan = plan_mlp("4GiB")
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    loaded = pxform.Plan.load(path)
+    assert loaded == plan
+    assert loaded.diff(plan) == ""
+    again = plan_mlp("4GiB")  # a fresh search
+    assert again.diff(plan) == "" and again.to_json()["blocks"] == plan.to_json()["blocks"]
+    # a loaded plan passed back pins every choice and gives the same plan
+    pinned = pxform.auto(residual_mlp, mesh=4, memory_budget="4GiB", hardware="a100-80gb",
+                         plan=loaded).plan(*MLP)
+    assert pinned.diff(plan) == ""
+
+
+def test_diff_names_what_changed():
+    a, b = plan_mlp("80GiB"), plan_mlp("1.5GiB")
+    text = a.diff(b)
+    assert "memory_budget: 85899345920 -> 1610612736" in text
+    assert re.search(r"block layer \d+: stage \d .* -> stage \d .*\+recompute", text)
+
+
+def test_explain_reports_blocks_stages_and_predictions():
+    plan = plan_mlp("1.5GiB")
+    text = plan.explain()
+    assert text.startswith("plan for residual_mlp: 4 devices (a100-80gb), budget 1.5 GiB")
+    assert "predicted step" in text and "peak memory" in text
+    assert "+recompute" in text
+    if plan.stages > 1:
+        assert "F/microbatch" in text and "in flight" in text
+    assert str(plan) == text
+
+
+def test_frontier_is_pareto_and_contains_the_plan():
+    plan = plan_mlp("8GiB")
+    points = plan.frontier()
+    assert len(points) >= 2
+    mems = [p.memory_bytes for p in points]
+    times = [p.time_s for p in points]
+    assert mems == sorted(mems)
+    assert all(t1 > t2 for t1, t2 in zip(times, times[1:]))  # none dominated
+    assert min(times) <= plan.step_time_s + 1e-12
+    assert all(m <= 8 * 2**30 for m in mems)
+
+
+def test_partial_pin_keeps_what_is_pinned():
+    plan = plan_mlp("80GiB", plan=Pin(stages=2, microbatches=4))
+    assert (plan.stages, plan.microbatches) == (2, 4)
+    assert {b.stage for b in plan.blocks} == {0, 1}
+
+
+def test_profile_gives_the_best_plan_per_device_count():
+    prof = pxform.profile(residual_mlp, *MLP, devices=[1, 2, 4], memory_budget="4GiB",
+                          hardware="a100-80gb")
+    text = str(prof)
+    assert text.splitlines()[0] == "profile of residual_mlp: best plan per device count"
+    by = {n: p for n, p, _ in prof.plans}
+    assert by[1] is None and "no plan fits" in dict((n, w) for n, _, w in prof.plans)[1] \
+        or by[1] is not None
+    assert by[4] is not None and by[4].devices == 4
+    if by[2] is not None:
+        assert by[4].step_time_s < by[2].step_time_s
+
+
+def test_batch_range_searches_the_batch():
+    plan = plan_mlp("80GiB", batch_range=(4096, 16384))
+    assert plan.global_batch in (4096, 8192, 16384)
+
+
+# ---------------------------------------------------------------- constraints and errors
+
+
+def test_stage_boundaries_are_hard_constraints():
+    def marked(params, x, y):
+        h = x
+        for k, p in enumerate(params["layers"]):
+            if k == 2:
+                h = pxform.stage_boundary(h)
+            h = h + F.linear(F.gelu(F.linear(h, p["w1"])), p["w2"])
+        return ((h - y) ** 2).mean()
+
+    step = pxform.auto(marked, mesh=4, memory_budget="80GiB", hardware="a100-80gb")
+    plan = step.plan(*MLP)
+    assert plan.stages == 2
+    first = [b.stage for b in plan.blocks]
+    assert first == sorted(first) and first.count(0) == 2  # cut where the user marked it
+    with pytest.raises(pxform.SearchError, match=r"marks 2 pipeline stages with "
+                       r"pxform.stage_boundary, but the pinned plan has stages=4"):
+        pxform.auto(marked, mesh=4, memory_budget="80GiB", hardware="a100-80gb",
+                    plan=Pin(stages=4)).plan(*MLP)
+
+
+def test_contradictory_or_bad_settings_are_refused(tmp_path):
+    with pytest.raises(pxform.SearchError, match=r"3 pipeline stages do not divide 4 "
+                       r"devices"):
+        plan_mlp("80GiB", plan=Pin(stages=3))
+    with pytest.raises(pxform.SearchError, match=r"objective='speed'; use one of"):
+        plan_mlp("80GiB", objective="speed")
+    plan = plan_mlp("80GiB")
+    with pytest.raises(pxform.PxformError, match=r"the pinned plan is for 4 devices but "
+                       r"mesh= gives 8"):
+        pxform.auto(residual_mlp, mesh=8, hardware="a100-80gb", plan=plan)
+    with pytest.raises(pxform.PxformError, match=r"memory_budget"):
+        pxform.auto(residual_mlp, mesh=4, memory_budget="lots")
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"format": "something else"}')
+    with pytest.raises(pxform.PxformError, match=r"is not a pxform plan"):
+        pxform.Plan.load(bad)
+    bad.write_text("{not json")
+    with pytest.raises(pxform.PxformError, match=r"bad.json is not JSON"):
+        pxform.Plan.load(bad)
+    # a pinned per-block option that the mesh cannot have
+    tp = Option((("inner", "tp"),), False)
+    with pytest.raises(pxform.SearchError, match=r"no plan fits"):
+        plan_mlp("80GiB", plan=Pin(stages=1, outer=4, inner=1, block_options=(tp,) * 8))
+
+
+# ---------------------------------------------------------------- the frontier DP
+
+
+def _brute(times, mems, tt, tm, limit=math.inf):
+    out = []
+    for combo in itertools.product(*[range(len(t)) for t in times]):
+        t = sum(times[k][c] for k, c in enumerate(combo))
+        m = sum(mems[k][c] for k, c in enumerate(combo))
+        for k in range(1, len(combo)):
+            t += tt[k][combo[k - 1], combo[k]]
+            m += tm[k][combo[k - 1], combo[k]]
+        if m <= limit:
+            out.append((t, m, combo))
+    return out
+
+
+@st.composite
+def chains(draw):
+    n = draw(st.integers(1, 4))
+    sizes = [draw(st.integers(1, 3)) for _ in range(n)]
+    num = st.integers(0, 20).map(float)
+    times = [np.array([draw(num) for _ in range(s)]) for s in sizes]
+    mems = [np.array([draw(num) for _ in range(s)]) for s in sizes]
+    tt = [None] + [np.array([[draw(num) for _ in range(sizes[k])] for _ in range(sizes[k - 1])])
+                   for k in range(1, n)]
+    tm = [None] + [np.array([[draw(st.integers(0, 3).map(float)) for _ in range(sizes[k])]
+                             for _ in range(sizes[k - 1])]) for k in range(1, n)]
+    limit = draw(st.one_of(st.just(math.inf), st.integers(0, 60).map(float)))
+    return times, mems, tt, tm, limit
+
+
+@given(chains())
+def test_frontier_dp_equals_brute_force(chain):
+    times, mems, tt, tm, limit = chain
+    pts = chain_frontier(times, mems, tt, tm, limit=limit)
+    brute = _brute(times, mems, tt, tm, limit)
+    if not brute:
+        assert pts == []
+        return
+    # no point dominated by another; each is a real plan with the reported costs
+    for p in pts:
+        assert not any(q.time <= p.time and q.memory <= p.memory and
+                       (q.time, q.memory) != (p.time, p.memory) for q in pts)
+        real = _brute([t[[c]] for t, c in zip(times, p.choices)],
+                      [m[[c]] for m, c in zip(mems, p.choices)],
+                      [None] + [x[np.ix_([p.choices[k - 1]], [p.choices[k]])]
+                                for k, x in enumerate(tt) if k > 0],
+                      [None] + [x[np.ix_([p.choices[k - 1]], [p.choices[k]])]
+                                for k, x in enumerate(tm) if k > 0])
+        assert real[0][:2] == (p.time, p.memory)
+    # it has brute force's fastest and smallest plans, and nothing brute force beats
+    fastest = min(brute, key=lambda x: (x[0], x[1]))
+    smallest = min(brute, key=lambda x: (x[1], x[0]))
+    assert any((p.time, p.memory) == fastest[:2] for p in pts)
+    assert any((p.time, p.memory) == smallest[:2] for p in pts)
+    for t, m, _ in brute:
+        assert any(p.time <= t and p.memory <= m for p in pts)
+
+
+@given(st.lists(st.integers(1, 9), min_size=1, max_size=14), st.integers(1, 6))
+def test_linear_partition_matches_the_dp_balance(costs, parts):
+    parts = min(parts, len(costs))
+    a = linear_partition(costs, parts)
+    b = balance(costs, parts)
+    assert sorted(set(a)) == list(range(parts)) and list(a) == sorted(a)
+
+    def worst(part):
+        return max(sum(c for c, q in zip(costs, part) if q == s) for s in range(parts))
+
+    assert worst(a) == worst(b)
+
+
+def test_pin_of_round_trips_a_plan():
+    plan = plan_mlp("4GiB")
+    p = pin_of(plan)
+    assert p.stages == plan.stages and len(p.block_options) == len(plan.blocks)
+    assert [o.text() for o in p.block_options] == [b.strategy for b in plan.blocks]
