@@ -211,8 +211,8 @@ def _hardware(spec: str) -> Hardware:
         return get_hardware(spec)
     except ValueError as exc:
         raise UsageError(f"--hardware {spec}: {exc}",
-                         f"use a preset ({', '.join(PRESETS)}) or a profile file written by "
-                         f"`pxform calibrate --out PATH`.") from None
+                         "pass a preset name, or measure this machine with `pxform "
+                         "calibrate --out PATH` and pass PATH.") from None
 
 
 def _need_matplotlib() -> None:
@@ -310,8 +310,11 @@ def _import_failed(spec: str, name: str, exc: BaseException) -> UsageError:
 
 
 def _where(exc: BaseException) -> str:
-    """` (file.py, line N)` of the innermost frame of `exc`'s traceback."""
-    frames = traceback.extract_tb(exc.__traceback__)
+    """` (file.py, line N)` of the innermost frame of `exc`'s traceback outside this file
+    ("" when it was raised here, e.g. calling with the wrong keywords)."""
+    here = os.path.abspath(__file__)
+    frames = [f for f in traceback.extract_tb(exc.__traceback__)
+              if os.path.abspath(f.filename) != here]
     if not frames:
         return ""
     last = frames[-1]
