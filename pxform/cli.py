@@ -33,6 +33,7 @@ import os
 import sys
 import time
 import traceback
+from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any, TextIO
 
@@ -382,10 +383,23 @@ class _ProgressBar:
 
 
 # ---------------------------------------------------------------------------- output
-def _marks_chosen(plan: Plan, point: pxform.FrontierPoint) -> bool:
-    return (plan.config_text().startswith(point.config)
-            and math.isclose(point.time_s, plan.step_time_s, rel_tol=1e-9)
-            and math.isclose(point.memory_bytes, plan.peak_memory_bytes, rel_tol=1e-9))
+def _chosen_index(plan: Plan) -> int | None:
+    """The frontier point of the chosen plan: same configuration and block strategies,
+    the nearest in (memory, time) when several match (the plan's own step time may be
+    simulated more exactly than the frontier's estimate); None if none matches."""
+    counts = Counter(b.strategy for b in plan.blocks)
+    strategies = ", ".join(f"{n}x {t}" for t, n in counts.most_common())
+    config = plan.config_text()
+
+    def distance(p: pxform.FrontierPoint) -> float:
+        return sum(abs(math.log(max(a, 1e-300) / max(b, 1e-300)))
+                   for a, b in ((p.memory_bytes, plan.peak_memory_bytes),
+                                (p.time_s, plan.step_time_s)))
+
+    same = [(distance(p), k) for k, p in enumerate(plan.frontier())
+            if (config == p.config or config.startswith(p.config + " "))
+            and p.strategies == strategies]
+    return min(same)[1] if same else None
 
 
 def frontier_table(plan: Plan) -> str:
@@ -394,12 +408,14 @@ def frontier_table(plan: Plan) -> str:
     points = plan.frontier()
     if not points:
         return "frontier: none recorded (the plan was pinned, not searched)"
+    chosen = _chosen_index(plan)
     rows = [("", "step time", "memory", "config", "strategies")]
-    for p in points:
-        rows.append(("*" if _marks_chosen(plan, p) else "", f"{p.time_s:.4g} s",
+    for k, p in enumerate(points):
+        rows.append(("*" if k == chosen else "", f"{p.time_s:.4g} s",
                      format_bytes(int(p.memory_bytes)), p.config, p.strategies))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines = [f"frontier: {len(points)} plan(s), least memory first (* the chosen plan)"]
+    mark = " (* the chosen plan)" if chosen is not None else ""
+    lines = [f"frontier: {len(points)} plan(s), least memory first{mark}"]
     lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
     return "\n".join(lines)
 

@@ -67,6 +67,25 @@ def run_plan(the_pin: Pin | None, budget: str = "40GiB") -> dict:
         program = step.executable(params, batch, cfg).lower(params, batch, cfg)
         kinds = {"forward": sorted({c.split("(")[0] for c in program.collectives()}),
                  "backward": sorted({c.split("(")[0] for c in program.backward_collectives()})}
-    return {"config": plan.config_text(), "collectives": kinds, "strategies": [b.strategy for b in plan.blocks],
+    return {"config": plan.config_text(), "collectives": kinds,
+            "strategies": [b.strategy for b in plan.blocks],
             "loss_err": float((loss - ref_loss).abs()), "grad_err": err, "have": have,
             "num_leaves": len(ref), "fingerprint": plan.fingerprint}
+
+
+def run_distributed(the_pin: Pin) -> dict:
+    """`step.distribute` lays the arguments out per the plan (DTensors where split), and
+    calling the plan on them gives the reference loss."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    params, batch, cfg = setup()
+    step = pxform.auto(gpt.loss_fn, mesh=dist.get_world_size(), memory_budget="40GiB",
+                       hardware="a100-40gb", plan=the_pin)
+    local = step.distribute(params, batch, cfg)
+    placements = {str(p): str(x.placements) for p, x in
+                  zip(optree.tree_paths(local[0]), optree.tree_leaves(local[0]))
+                  if isinstance(x, DTensor)}
+    loss = step(*local)
+    ref = gpt.loss_fn(params, batch, cfg)
+    return {"placements": placements, "loss_err": float((loss - ref).abs())}

@@ -83,3 +83,12 @@ def test_zero3_outer_tensor_inner_with_recompute_on_4_ranks(world4):
                                             (True, False, True, False))))
     assert {"all_gather"} <= set(r["collectives"]["forward"])
     assert {"reduce_scatter"} <= set(r["collectives"]["backward"])
+
+
+def test_distribute_lays_arguments_out_per_the_plan(world2):
+    results = world2.run(W.run_distributed, W.pin(1, 2, 1, 1, (("outer", "sdp"),)))
+    for r in results:
+        assert r["loss_err"] < TOL
+        # ZeRO-3: every weight matrix is a DTensor split over the data axis
+        assert "('blocks', 0, 'fc_w')" in r["placements"]
+        assert "Shard(dim=0)" in r["placements"]["('blocks', 0, 'fc_w')"]

@@ -87,7 +87,7 @@ def test_below_the_minimum_says_what_is_needed_and_what_fits():
     need = re.search(r"the least memory any plan needs there is ([\d.]+) GiB", text)
     assert need and 1.0 < float(need.group(1)) < 1.5
     assert "8 devices fit it" in text
-    assert "Fix: raise memory_budget to at least" in text
+    assert "Fix: raise memory_budget (--memory on the command line) to at least" in text
 
 
 def test_objectives_memory_and_devices():

@@ -164,7 +164,8 @@ class Auto:
                           hardware=self.hardware, objective=self.objective,
                           batch_range=self.batch_range, pin=self.pin,
                           batch_dim=self.batch_dim, optimizer=self.optimizer,
-                          fn=f"auto({self.__name__})", progress=self.progress)
+                          fn=f"auto({self.__name__})", function=self.__name__,
+                          progress=self.progress)
             self._cache[key] = (plan, names)
         return self._cache[key]
 

@@ -177,8 +177,8 @@ def _infeasible(a: Analysis, model: CostModel, devices: int, budget: int, batch:
         f"pxform.{fn}: no plan fits {format_bytes(budget)} per device on {devices} devices "
         f"({hw.name}) for global batch {batch}: the least memory any plan needs there is "
         f"{need} per device (with ZeRO-3, tensor parallelism and recompute everywhere); "
-        f"{where}.\n  Fix: raise memory_budget to at least {need}, use more devices, or a "
-        f"smaller batch.")
+        f"{where}.\n  Fix: raise memory_budget (--memory on the command line) to at least "
+        f"{need}, use more devices, or a smaller batch.")
 
 
 def _spec_text(layout: Layout) -> str:

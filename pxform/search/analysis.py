@@ -60,7 +60,7 @@ class Analysis:
     op_flops: tuple[int, ...]
     op_batch: tuple[bool, ...]
     op_saved: tuple[int, ...]            # bytes saved for backward at the traced batch
-    data_strategies: tuple[Strategy, ...]  # per op, on AbstractMesh({DATA: 2})
+    data_strategies: tuple[Strategy, ...]  # per op, on a one-axis mesh DATA
     data_layouts: dict[str, Layout]      # value -> layout under data parallelism
     traced_batch: int
     marked: tuple[int, ...]              # block indices starting a user-marked stage
@@ -116,7 +116,12 @@ def analyse(graph: Graph, batch_inputs: set[str], batch_dim: int = 0,
         if k not in done:
             done[k] = saved_bytes_per_op(graph, a, b, skip)
         saved[a:b] = done[k]
-    data_mesh = AbstractMesh({DATA: 2})
+    # the reference data axis: the smallest split of the batch there is (2 for even
+    # batches), so the propagation can split it; which dims carry the batch is all it
+    # tells, whatever the real data axes' sizes
+    traced = next(iter(sizes))
+    ways = next((d for d in range(2, traced + 1) if traced % d == 0), 1)
+    data_mesh = AbstractMesh({DATA: ways})
     in_layouts = [Layout.of(_batch_spec(v, batch_dim), v.type.rank) if v.name in batch
                   else Layout.replicated(v.type.rank) for v in graph.inputs]
     strategies = propagate(graph, data_mesh, in_layouts)
@@ -130,7 +135,7 @@ def analyse(graph: Graph, batch_inputs: set[str], batch_dim: int = 0,
     marked = tuple(i for i, (_, _, m) in enumerate(blocks) if m)
     defined_at = {v.name: k for k, op in enumerate(graph.ops) for v in op.outputs}
     return Analysis(graph, infos, batch, params, op_flops, tuple(op_batch), tuple(saved),
-                    tuple(strategies), layouts, sizes.pop(), marked, tuple(kind_of),
+                    tuple(strategies), layouts, traced, marked, tuple(kind_of),
                     frozenset(depends), defined_at)
 
 

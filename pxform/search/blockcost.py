@@ -239,17 +239,19 @@ def tensor_strategies(a: Analysis, block: BlockInfo, axis: str, size: int, level
             for name, lay in x.layouts.items():
                 if lay.partial and (last.get(name, -1) > k or name in crossing):
                     v = vals[name]
-                    pending += cache.time(v, lay, _reduced(lay), sc)
+                    pending += cache.time(v, lay, _reduced(lay, v.type.shape, mesh), sc)
             return (x.key[0], x.key[1] + pending)
 
         beam = sorted(grown.values(), key=order)[:BEAM_WIDTH]
     return beam[0].picks
 
 
-def _reduced(lay: Layout) -> Layout:
-    """`lay` with its partial sums reduced and scattered over the first dim left whole."""
+def _reduced(lay: Layout, shape: tuple[int, ...], mesh: AbstractMesh) -> Layout:
+    """`lay` with its partial sums reduced and scattered over the first dim left whole
+    that they divide (all-reduced when none does)."""
     dims = list(lay.dims)
-    free = [d for d, axes in enumerate(dims) if not axes]
+    ways = math.prod(mesh.axis_size(a) for a in lay.partial)
+    free = [d for d, axes in enumerate(dims) if not axes and shape[d] % ways == 0]
     if free:
         dims[free[0]] = tuple(sorted(lay.partial))
     return Layout(tuple(dims))
