@@ -73,19 +73,22 @@ def test_tight_memory_gives_zero3_or_tensor_parallel():
 
 
 def test_tighter_memory_recomputes():
-    plan = plan_mlp("1.5GiB")
+    plan = plan_mlp("1.2GiB")
     assert any(b.recompute for b in plan.blocks)
-    assert plan.peak_memory_bytes <= 1.5 * 2**30
+    assert plan.peak_memory_bytes <= 1.2 * 2**30
 
 
 def test_below_the_minimum_says_what_is_needed_and_what_fits():
     with pytest.raises(pxform.SearchError) as err:
-        plan_mlp("1GiB")
+        plan_mlp("0.9GiB")
     text = str(err.value)
-    assert "no plan fits 1 GiB per device on 4 devices (a100-80gb) for global batch 16384" \
+    assert "no plan fits 922 MiB per device on 4 devices (a100-80gb) for global batch 16384" \
         in text
     need = re.search(r"the least memory any plan needs there is ([\d.]+) GiB", text)
-    assert need and 1.0 < float(need.group(1)) < 1.5
+    assert need and 1.0 < float(need.group(1)) < 1.2
+    with pytest.raises(pxform.SearchError):  # and it is really needed
+        plan_mlp(f"{float(need.group(1)) * 0.99}GiB")
+    plan_mlp(f"{need.group(1)}GiB")  # and enough
     assert "8 devices fit it" in text
     assert "Fix: raise memory_budget (--memory on the command line) to at least" in text
 
@@ -144,16 +147,16 @@ def test_save_load_diff_and_determinism(tmp_path):
 
 
 def test_diff_names_what_changed():
-    a, b = plan_mlp("80GiB"), plan_mlp("1.5GiB")
+    a, b = plan_mlp("80GiB"), plan_mlp("1.2GiB")
     text = a.diff(b)
-    assert "memory_budget: 85899345920 -> 1610612736" in text
+    assert "memory_budget: 85899345920 -> 1288490188" in text
     assert re.search(r"block layer \d+: stage \d .* -> stage \d .*\+recompute", text)
 
 
 def test_explain_reports_blocks_stages_and_predictions():
-    plan = plan_mlp("1.5GiB")
+    plan = plan_mlp("1.2GiB")
     text = plan.explain()
-    assert text.startswith("plan for residual_mlp: 4 devices (a100-80gb), budget 1.5 GiB")
+    assert text.startswith("plan for residual_mlp: 4 devices (a100-80gb), budget 1.2 GiB")
     assert "predicted step" in text and "peak memory" in text
     assert "+recompute" in text
     if plan.stages > 1:
@@ -239,10 +242,15 @@ def test_contradictory_or_bad_settings_are_refused(tmp_path):
     bad.write_text("{not json")
     with pytest.raises(pxform.PxformError, match=r"bad.json is not JSON"):
         pxform.Plan.load(bad)
+    with pytest.raises(pxform.SearchError, match=r"the pin gives 2 block optionss? but the "
+                       r"function has 9 blocks \(layer 0, layer 1, layer 2, layer 3, ...\)"):
+        plan_mlp("80GiB", plan=Pin(block_options=(None, None)))
     # a pinned per-block option that the mesh cannot have
     tp = Option((("inner", "tp"),), False)
-    with pytest.raises(pxform.SearchError, match=r"no plan fits"):
-        plan_mlp("80GiB", plan=Pin(stages=1, outer=4, inner=1, block_options=(tp,) * 8))
+    with pytest.raises(pxform.SearchError, match=r"no plan exists on 4 devices \(a100-80gb\) "
+                       r"for global batch 16384 at any memory budget: .*; pinned: stages=1, "
+                       r"outer=4, inner=1"):
+        plan_mlp("80GiB", plan=Pin(stages=1, outer=4, inner=1, block_options=(tp,) * 9))
 
 
 # ---------------------------------------------------------------- the frontier DP

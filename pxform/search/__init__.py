@@ -76,6 +76,15 @@ def search(graph: Graph, batch_inputs: set[str], *, devices: int, budget: int,
     analysis = analyse(graph, batch_inputs, batch_dim, fn)
     model = CostModel(hardware, optimizer)
     pin = pin or Pin()
+    for name in ("block_options", "block_stage"):
+        given = getattr(pin, name)
+        if given is not None and len(given) != len(analysis.blocks):
+            raise SearchError(
+                f"pxform.{fn}: the pin gives {len(given)} {name.replace('_', ' ')}s but the "
+                f"function has {len(analysis.blocks)} blocks "
+                f"({', '.join(b.label for b in analysis.blocks[:4])}"
+                f"{', ...' if len(analysis.blocks) > 4 else ''}).\n  Fix: give one per "
+                f"block, or pin a plan searched for these arguments.")
     traced = analysis.traced_batch
     batches = [global_batch or traced]
     if batch_range is not None:
@@ -161,7 +170,18 @@ def _infeasible(a: Analysis, model: CostModel, devices: int, budget: int, batch:
     ctx = SearchContext(a, model, math.inf, batch, pin)
     cands = _configs(a, devices, hw, batch, pin, fn)
     least, _, _ = search_configs(ctx, cands, "memory")
-    need = f"{format_bytes(int(least.peak_memory))}" if least is not None else "unknown"
+    if least is None:
+        pinned = ", ".join(f"{f}={getattr(pin, f)}" for f in ("stages", "outer", "inner",
+                                                                 "microbatches")
+                           if getattr(pin, f) is not None)
+        return SearchError(
+            f"pxform.{fn}: no plan exists on {devices} devices ({hw.name}) for global batch "
+            f"{batch} at any memory budget: every configuration leaves some block without a "
+            f"valid option (a microbatch's samples must split evenly over the data-parallel "
+            f"axes, and pinned per-block options must exist on the configuration's mesh)"
+            f"{'; pinned: ' + pinned if pinned else ''}.\n  Fix: pin fewer choices, or use a "
+            f"batch and microbatch count that the devices divide.")
+    need = format_bytes(_round_up(least.peak_memory)) if least is not None else "unknown"
     fits = None
     n = devices * 2
     while n <= devices * 64 and least is not None:
@@ -179,6 +199,17 @@ def _infeasible(a: Analysis, model: CostModel, devices: int, budget: int, batch:
         f"{need} per device (with ZeRO-3, tensor parallelism and recompute everywhere); "
         f"{where}.\n  Fix: raise memory_budget (--memory on the command line) to at least "
         f"{need}, use more devices, or a smaller batch.")
+
+
+def _round_up(n: float) -> int:
+    """`n` rounded up at its third significant digit of its binary unit, so that the
+    printed minimum is never below what is needed (1.0004 GiB prints as 1.01 GiB)."""
+    unit = 1
+    while n >= 1024 * unit and unit < 2**40:
+        unit *= 1024
+    digits = 2 - int(math.floor(math.log10(max(n / unit, 1e-9))))
+    step = unit / 10**digits
+    return int(math.ceil(n / step) * step)
 
 
 def _spec_text(layout: Layout) -> str:

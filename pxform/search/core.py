@@ -4,7 +4,7 @@ For each configuration (`space.configs`) the blocks are split into stages balanc
 fastest time (`pxform.cuts.balance`), then each stage's chain of blocks is solved by the
 frontier DP (`frontier.chain_frontier`) under the memory budget left after its workspace;
 a stage that does not fit gives a block to its neighbour towards the end of the pipeline
-(later stages hold fewer microbatches in flight under 1F1B), up to `2 x stages` moves
+(later stages hold fewer microbatches in flight under 1F1B), up to `stages` moves
 (Galvatron-BMW's bi-objective balance: time first, memory as the constraint that moves the
 cuts). The step time of a pipeline is 1F1B's closed form over the stages' times (see
 `pxform.cost.one_f_one_b_time`); the chosen plan is simulated exactly afterwards.
@@ -59,7 +59,7 @@ FRONTIER_LEVELS = (1.0, 0.8, 0.65, 0.5, 0.4, 0.3, 0.22, 0.15, 0.1)
 """Memory limits, as fractions of the budget, at which each configuration's fastest plan
 is read off the stage frontiers for `Plan.frontier()`."""
 
-QUANTUM = 1 / 512
+QUANTUM = 1 / 256
 """Frontier memory rounding, as a fraction of the budget (`frontier` module doc)."""
 
 
@@ -217,27 +217,53 @@ def canonical(ctx: SearchContext, name: str, rank: int, option: Option) -> Layou
 
 def walk_cost(ctx: SearchContext, block: BlockInfo, config: Config, option: Option
               ) -> WalkCost:
-    b = ctx.global_batch // config.microbatches
-    scale = b / ctx.analysis.traced_batch
+    """The block's walk at this configuration's microbatch size. Every term is affine in
+    the microbatch size (compute and bytes scale, latencies do not), so two walks per
+    kind, roles and mesh (at the traced batch and at half of it) give every size; with a
+    measured comm table, which is not affine, this interpolates it linearly."""
+    scale = (ctx.global_batch // config.microbatches) / ctx.analysis.traced_batch
     key = (block.kind, config.outer, config.inner, option.roles, scale)
+    hit = ctx._walk.get(key)
+    if hit is not None:
+        return hit
+    one = _walk_at(ctx, block, config, option, 1.0)
+    half = _walk_at(ctx, block, config, option, 0.5)
+    cost = WalkCost(*(h + (o - h) * (scale - 0.5) / 0.5 for o, h in zip(_fields(one),
+                                                                          _fields(half))))
+    ctx._walk[key] = cost
+    return cost
+
+
+def _fields(w: WalkCost) -> tuple[float, ...]:
+    return (w.fwd_compute, w.fwd_comm, w.bwd_comm, w.grad_comm, w.saved_bytes, w.kept_bytes,
+            w.param_bytes, w.param_numel, w.ag_comm)
+
+
+def _walk_at(ctx: SearchContext, block: BlockInfo, config: Config, option: Option,
+             scale: float) -> WalkCost:
+    key = ("at", block.kind, config.outer, config.inner, option.roles, scale)
     hit = ctx._walk.get(key)
     if hit is not None:
         return hit
     a = ctx.analysis
     block = _first_block(a, block.kind)
-    mesh = config.stage_mesh
-    strats = block_strategies(ctx, block, config, option)
-    params = param_layouts(ctx, block, config, option, strats, mesh)
-    vals = a.values()
-    outside: dict[str, Layout] = {}
-    for k in range(block.start, block.stop):
-        for v in a.graph.ops[k].inputs:
-            if v.name not in params and v.name not in outside:
-                outside[v.name] = canonical(ctx, v.name, v.type.rank, option)
-    outputs = {n: canonical(ctx, n, vals[n].type.rank, option) for n in block.crossing
-               if block.start <= a.defined_at.get(n, -1) < block.stop}
-    batch_values = a.batch_values
-    cost = walk(a, block, strats, outside, params, ctx.cache(config), scale, batch_values,
+    layout_key = ("layouts", block.kind, config.outer, config.inner, option.roles)
+    laid = ctx._walk.get(layout_key)
+    if laid is None:  # the same at every scale
+        mesh = config.stage_mesh
+        strats = block_strategies(ctx, block, config, option)
+        params = param_layouts(ctx, block, config, option, strats, mesh)
+        vals = a.values()
+        outside: dict[str, Layout] = {}
+        for k in range(block.start, block.stop):
+            for v in a.graph.ops[k].inputs:
+                if v.name not in params and v.name not in outside:
+                    outside[v.name] = canonical(ctx, v.name, v.type.rank, option)
+        outputs = {n: canonical(ctx, n, vals[n].type.rank, option) for n in block.crossing
+                   if block.start <= a.defined_at.get(n, -1) < block.stop}
+        laid = ctx._walk[layout_key] = (strats, outside, params, outputs)
+    strats, outside, params, outputs = laid
+    cost = walk(a, block, strats, outside, params, ctx.cache(config), scale, a.batch_values,
                 outputs)
     ctx._walk[key] = cost
     return cost
@@ -313,28 +339,62 @@ def _valid(ctx: SearchContext, config: Config, option: Option) -> bool:
     return b % ways == 0
 
 
+def block_costs(ctx: SearchContext, config: Config
+                ) -> tuple[list[list[Option]], list[list[OptionCost]]] | None:
+    """Per block, the options allowed on `config` and their costs (None when some block
+    has no valid option: the batch per microbatch does not split over the data axes, or
+    a pinned option does not exist on this mesh)."""
+    key = ("costs", config)
+    if key in ctx._stages:
+        return ctx._stages[key]
+    a = ctx.analysis
+    opts_all = [o for o in options(config) if _valid(ctx, config, o)]
+    per_block: list[list[Option]] = []
+    out: tuple[list[list[Option]], list[list[OptionCost]]] | None = None
+    if opts_all:
+        for k, blk in enumerate(a.blocks):
+            allowed = opts_all
+            pinned = ctx.pin.block_options[k] if ctx.pin.block_options else None
+            if pinned is not None:
+                allowed = [o for o in opts_all if o == pinned]
+            elif _user_recomputed(a, blk):
+                allowed = [o for o in opts_all if o.recompute]
+            if not allowed:
+                break
+            per_block.append(allowed)
+        else:
+            by_kind: dict[tuple, list[OptionCost]] = {}
+            costs = []
+            for blk, opts in zip(a.blocks, per_block):
+                kk = (blk.kind, tuple(opts))
+                if kk not in by_kind:
+                    by_kind[kk] = [option_cost(ctx, blk, config, o) for o in opts]
+                costs.append(by_kind[kk])
+            out = (per_block, costs)
+    ctx._stages[key] = out
+    return out
+
+
+def lower_bound(ctx: SearchContext, config: Config) -> float:
+    """No plan of `config` is faster than this: every block at its fastest option, the
+    work spread evenly over the stages, no bubble."""
+    table = block_costs(ctx, config)
+    if table is None:
+        return math.inf
+    m = config.microbatches
+    return sum(min(c.step_time(m) for c in cs) for cs in table[1]) / config.stages
+
+
 def evaluate(ctx: SearchContext, config: Config, objective: str = "time"
              ) -> tuple[Candidate | None, list[Candidate]]:
     """The best plan of `config` under the budget (None if nothing fits), and the fastest
     plans at lower memory limits (for the frontier)."""
     a = ctx.analysis
     blocks = a.blocks
-    opts_all = [o for o in options(config) if _valid(ctx, config, o)]
-    if not opts_all:
+    table = block_costs(ctx, config)
+    if table is None:
         return None, []
-    per_block: list[list[Option]] = []
-    for k, blk in enumerate(blocks):
-        allowed = opts_all
-        pinned = ctx.pin.block_options[k] if ctx.pin.block_options else None
-        if pinned is not None:
-            allowed = [o for o in opts_all if o == pinned]
-        elif _user_recomputed(a, blk):
-            allowed = [o for o in opts_all if o.recompute]
-        if not allowed:
-            return None, []
-        per_block.append(allowed)
-    costs = [[option_cost(ctx, blk, config, o) for o in opts]
-             for blk, opts in zip(blocks, per_block)]
+    per_block, costs = table
     p, m = config.stages, config.microbatches
     flights = one_f_one_b_in_flight(p, m)
     fastest = [min(c.step_time(m) for c in cs) for cs in costs]
@@ -363,7 +423,9 @@ def evaluate(ctx: SearchContext, config: Config, objective: str = "time"
         failed = None
         for s in range(p):
             idx = [k for k in range(len(blocks)) if part[k] == s]
-            key = (config, tuple(idx), flights[s])
+            # stages with the same kinds, options and flight have the same frontier
+            key = (config, tuple((a.blocks[k].kind, id(per_block[k])) for k in idx),
+                   flights[s])
             pts = ctx._stages.get(key)
             if pts is None:
                 pts = _stage_frontier(ctx, config, idx, per_block, costs, flights[s])
@@ -373,7 +435,7 @@ def evaluate(ctx: SearchContext, config: Config, objective: str = "time"
                 break
             stage_points.append((idx, pts))
         if failed is not None:
-            if ctx.pin.block_stage is None and not a.marked and moves < 2 * p and p > 1:
+            if ctx.pin.block_stage is None and not a.marked and moves < p and p > 1:
                 moved = _shift(part, failed, p)
                 if moved is not None:
                     partitions.append(moved)
@@ -388,7 +450,7 @@ def evaluate(ctx: SearchContext, config: Config, objective: str = "time"
                 best = cand
             extra.append(cand)
         # try handing a block of the worst stage (slowest; fullest for "memory") on
-        if p > 1 and best is not None and moves < 2 * p and ctx.pin.block_stage is None \
+        if p > 1 and best is not None and moves < p and ctx.pin.block_stage is None \
                 and not a.marked:
             top = best
             worst = max(range(p), key=lambda s: top.stages[s].memory if objective == "memory"
@@ -568,6 +630,15 @@ def _assemble(ctx: SearchContext, config: Config, part: tuple[int, ...],
 
 def _p2p(ctx: SearchContext, config: Config, idx: list[int]) -> float:
     """Seconds to send one microbatch's boundary activations to the next stage."""
+    key = ("p2p", config, idx[-1])
+    hit = ctx._trans.get(key)
+    if hit is not None:
+        return hit
+    ctx._trans[key] = t = _p2p_time(ctx, config, idx)
+    return t
+
+
+def _p2p_time(ctx: SearchContext, config: Config, idx: list[int]) -> float:
     a = ctx.analysis
     last = a.blocks[idx[-1]]
     vals = a.values()
@@ -587,7 +658,17 @@ def search_configs(ctx: SearchContext, configs: Sequence[Config], objective: str
     start = time.perf_counter()
     best: Candidate | None = None
     found: list[Candidate] = []
-    for n, config in enumerate(configs):
+    # branch and bound for time: the most promising configurations first, and none whose
+    # lower bound cannot beat the best plan so far
+    bounds = {c: lower_bound(ctx, c) for c in configs}
+    order = sorted(configs, key=lambda c: (bounds[c], c.stages, c.outer, c.microbatches))
+    if objective != "time":
+        order = list(configs)
+    for n, config in enumerate(order):
+        if objective == "time" and best is not None and bounds[config] >= best.step_time:
+            if progress is not None:
+                progress(n + 1, len(configs))
+            continue
         cand, extra = evaluate(ctx, config, objective)
         found.extend(extra)
         if cand is not None and (best is None or _key(cand, objective) < _key(best, objective)):

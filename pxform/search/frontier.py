@@ -9,7 +9,7 @@ read at one memory value.
 
 Costs are additive and memory contributions non-negative, so a plan over `limit` can be
 dropped as soon as it appears. With `quantum > 0`, only the fastest plan of each memory
-bucket of that width is kept, which bounds the frontier's size (the search uses 1/512 of
+bucket of that width is kept, which bounds the frontier's size (the search uses 1/256 of
 the budget); memory values stay exact, so every reported plan is within the budget, and a
 dropped plan is never more than one bucket smaller than a kept faster one. Tests use 0.
 

@@ -65,7 +65,7 @@ class Config:
     inner: int
     microbatches: int
 
-    @property
+    @cached_property
     def stage_mesh(self) -> AbstractMesh:
         axes = [(OUTER, self.outer), (INNER, self.inner)]
         kept = tuple((n, s) for n, s in axes if s > 1)
@@ -109,9 +109,14 @@ def configs(devices: int, devices_per_node: int, num_blocks: int, batch: int,
             stages: int | None = None, microbatches: int | None = None) -> list[Config]:
     """The configurations tried: pipeline degrees and inner sizes that are powers of two
     dividing the device count (inner within a node, at most one stage per block), and a
-    few microbatch counts per pipeline degree: 1 without a pipeline, else p, 2p and 4p
-    (Galvatron-BMW's finding: search time is dominated by the microbatch dimension, and
-    more than 4p microbatches brings the 1F1B bubble under 1/(4p+1) for little gain)."""
+    few microbatch counts per pipeline degree: 1 without a pipeline, else p, 2p, 4p, 8p
+    and the largest, one sample per data-parallel replica (all axes data, or the outer
+    one only) (Galvatron-BMW's finding: search
+    time is dominated by the microbatch dimension, so not every divisor; the largest
+    matters at high pipeline degrees, where the 1F1B bubble (p - 1)/(m + p - 1) is still
+    big at 4p). The cost model has no per-microbatch efficiency loss beyond collective
+    latency, so it favours many small microbatches; real kernels lose efficiency on tiny
+    ones.)"""
     out = []
     for p in ([stages] if stages else powers_of_two(devices)):
         if devices % p or p > num_blocks:
@@ -121,7 +126,14 @@ def configs(devices: int, devices_per_node: int, num_blocks: int, batch: int,
             if rest % inner:
                 continue
             outer = rest // inner
-            counts = [microbatches] if microbatches else [1] if p == 1 else [p, 2 * p, 4 * p]
+            if microbatches:
+                counts = [microbatches]
+            elif p == 1:
+                counts = [1]
+            else:
+                # and the most there can be: one sample per data-parallel replica
+                counts = sorted({p, 2 * p, 4 * p, 8 * p, batch // rest, batch // outer})
+                counts = [m for m in counts if p <= m <= batch]
             for m in counts:
                 if batch % m == 0:
                     out.append(Config(p, outer, inner, m))
