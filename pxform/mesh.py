@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, overload
 
 from pxform.errors import SpecError
@@ -36,6 +36,7 @@ class AbstractMesh:
     """
 
     axes: tuple[tuple[str, int], ...]
+    _names: tuple[str, ...] = field(init=False, repr=False, compare=False)
 
     def __init__(self, axes: Mapping[str, int] | tuple[tuple[str, int], ...]) -> None:
         items = tuple(axes.items()) if isinstance(axes, Mapping) else tuple(axes)
@@ -51,10 +52,12 @@ class AbstractMesh:
                 raise ValueError(f"Mesh: axis {name!r} has size {size!r}; sizes are integers >= 1")
             seen.add(name)
         object.__setattr__(self, "axes", tuple((n, int(s)) for n, s in items))
+        # derived, kept because lowering and search ask for it millions of times
+        object.__setattr__(self, "_names", tuple(n for n, _ in self.axes))
 
     @property
     def names(self) -> tuple[str, ...]:
-        return tuple(n for n, _ in self.axes)
+        return self._names
 
     @property
     def shape(self) -> tuple[int, ...]:

@@ -377,12 +377,15 @@ def block_costs(ctx: SearchContext, config: Config
 
 def lower_bound(ctx: SearchContext, config: Config) -> float:
     """No plan of `config` is faster than this: every block at its fastest option, the
-    work spread evenly over the stages, no bubble."""
+    work T spread evenly over the p stages, and 1F1B's warm-up and drain: the closed form
+    `(m - 1) x max stage + sum of stages` per microbatch is at least
+    `T (m - 1 + p) / (p m)`."""
     table = block_costs(ctx, config)
     if table is None:
         return math.inf
-    m = config.microbatches
-    return sum(min(c.step_time(m) for c in cs) for cs in table[1]) / config.stages
+    m, p = config.microbatches, config.stages
+    total = sum(min(c.step_time(m) for c in cs) for cs in table[1])
+    return total * (m - 1 + p) / (p * m) if p > 1 else total
 
 
 def evaluate(ctx: SearchContext, config: Config, objective: str = "time"

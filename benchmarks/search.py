@@ -1,0 +1,305 @@
+"""Auto-search time and the chosen plan for BERT-large, GPT-3 6.7B and GPT-3 175B, and the
+175B plan against Megatron-LM's configuration under the same cost model.
+
+Cases (`examples/factories.py`, parameters on `meta`, bfloat16):
+
+    bert    BERT-large, seq 512, on 8 / 16 / 64 A100-class GPUs of 24 GB (the a100-40gb
+            preset with 24 GiB of memory, "a100-24gb"), budget 24 GiB, global batch
+            128 / 256 / 1024
+    gpt67   GPT-3 6.7B, seq 2048, on 8 / 16 / 64 A100-40GB, budget 40 GiB, global batch
+            64 / 128 / 512
+    gpt3    GPT-3 175B, seq 2048, on 1024 H100-80GB, budget 80 GiB, global batch 1536
+
+Per case, in one process: `pxform.trace` of the factory's function alone (trace), then
+`pxform.auto(...).plan(*args)` timed as a whole (total: it traces again, prepares the
+graph, analyses it, searches and assembles the plan), with `plan.search_seconds` (the
+search proper: every configuration evaluated) reported apart. Goals: search <= 1 s for
+each BERT-large and GPT-6.7B case, <= 5 s for GPT-3 175B; pass/fail is judged on the
+search time, and the total is printed beside it. An untimed plan of BERT "tiny" runs first
+so that one-time warm-up (torch's dispatcher, fake-tensor caches) is not charged to the
+first row.
+
+Megatron-LM's GPT-3 175B configuration, pinned and evaluated by the same search and cost
+model (`pxform.search.search` with a `Pin`): TP 8, PP 16, micro-batch 1, global batch 1536
+(as in Megatron-LM's examples/gpt3/train_gpt3_175b_distributed.sh; on 1024 GPUs that
+leaves DP 8: "TP 8, PP 16, DP 8, as commonly cited"; Narayanan et al. 2021 compare 175B
+runs on 384 to 1536 GPUs with a model-parallel size of 96, from memory, not checked here,
+and 96 does not divide 1024), so 192 microbatches, 1F1B without interleaving, every block
+`outer=dp inner=tp`, once without recompute and once with full recompute (the paper's
+large runs recompute activations; the example script leaves it to the user). Each
+is taken with the stage partition left to the search (it balances the blocks' times, which
+can only help Megatron's figure) and with Megatron's uniform split (6 layers per stage,
+the embedding with the first, the head with the last). A pinned plan that does not fit
+80 GiB is reported as such and evaluated again with an unbounded budget, so its step time
+and peak memory are still shown. Last, the search runs again with only the microbatch
+count pinned (192, then 96): it tries p, 2p and 4p microbatches per pipeline degree p, and
+these rows show what that restriction costs at this scale.
+
+    python benchmarks/search.py                      # all cases, writes benchmarks/results/
+    python benchmarks/search.py --cases bert,gpt67   # a subset
+    python benchmarks/search.py --quick              # 8-device cases only, writes nothing
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+import time
+from collections import Counter
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import harness  # noqa: E402
+
+GiB = 2**30
+UNBOUNDED = 10**15  # bytes: the budget a pinned plan that does not fit is evaluated with
+
+# per case: the factory in examples/factories.py, its seq, the hardware preset (with its
+# memory replaced when "memory" is set), the budget, the search-time goal, (devices, batch)
+CASES: dict[str, dict[str, Any]] = {
+    "bert": {"model": "BERT-large", "factory": "bert_large", "seq": 512,
+             "preset": "a100-40gb", "memory": 24 * GiB, "hw_name": "a100-24gb",
+             "budget": 24 * GiB, "goal_s": 1.0,
+             "runs": [(8, 128), (16, 256), (64, 1024)]},
+    "gpt67": {"model": "GPT-6.7B", "factory": "gpt_6_7b", "seq": 2048,
+              "preset": "a100-40gb", "memory": None, "hw_name": None,
+              "budget": 40 * GiB, "goal_s": 1.0,
+              "runs": [(8, 64), (16, 128), (64, 512)]},
+    "gpt3": {"model": "GPT-3 175B", "factory": "gpt3_175b", "seq": 2048,
+             "preset": "h100-80gb", "memory": None, "hw_name": None,
+             "budget": 80 * GiB, "goal_s": 5.0,
+             "runs": [(1024, 1536)]},
+}
+
+# Megatron-LM's 175B layout (module doc)
+MEGATRON = {"tp": 8, "pp": 16, "dp": 8, "micro_batch": 1}
+MICROBATCHES_PINNED = (192, 96)
+
+
+def hardware_of(case: dict[str, Any]) -> Any:
+    import pxform
+
+    hw = pxform.hardware.hardware(case["preset"])
+    if case["memory"] is not None:
+        hw = dataclasses.replace(hw, memory_bytes=case["memory"], name=case["hw_name"])
+    return hw
+
+
+def strategies(plan: Any) -> dict[str, int]:
+    """How many blocks take each strategy, most common first."""
+    return dict(Counter(b.strategy for b in plan.blocks).most_common())
+
+
+def strategies_text(counts: dict[str, int]) -> str:
+    return ", ".join(f"{n}x {s}" for s, n in counts.items())
+
+
+def run_case(name: str, devices: int, batch: int) -> tuple[dict[str, Any], Any]:
+    """Trace, then plan (timed as a whole); the row and the `Auto` (for its graph)."""
+    import factories
+
+    import pxform
+
+    case = CASES[name]
+    hw = hardware_of(case)
+    fn, args = getattr(factories, case["factory"])(batch=batch, seq=case["seq"])
+    start = time.perf_counter()
+    traced = pxform.trace(fn, *args)
+    trace_s = time.perf_counter() - start
+    ops = len(traced.graph.ops)
+    del traced
+    step = pxform.auto(fn, mesh=devices, memory_budget=case["budget"], hardware=hw)
+    start, cpu = time.perf_counter(), time.process_time()
+    plan = step.plan(*args)
+    total_s = time.perf_counter() - start
+    total_cpu_s = time.process_time() - cpu
+    counts = strategies(plan)
+    row = {
+        "case": name, "model": case["model"], "seq": case["seq"], "devices": devices,
+        "batch": batch, "hardware": hw.name, "budget": case["budget"], "ops": ops,
+        "blocks": len(plan.blocks), "trace_s": trace_s, "search_s": plan.search_seconds,
+        "total_s": total_s, "total_cpu_s": total_cpu_s,
+        "outside_search_s": total_s - plan.search_seconds,
+        "goal_s": case["goal_s"], "pass": plan.search_seconds <= case["goal_s"],
+        "config": plan.config_text(), "strategies": counts,
+        "stage_blocks": [len(s.blocks) for s in plan.stage_plans],
+        "step_time_s": plan.step_time_s, "peak_memory_bytes": plan.peak_memory_bytes,
+        "frontier_points": len(plan.frontier_points),
+        "explain": plan.explain(),
+    }
+    return row, (step, args, plan)
+
+
+def megatron_rows(step: Any, args: Any, found: Any) -> list[dict[str, Any]]:
+    """Megatron-LM's 175B configuration pinned, with and without recompute, partition
+    free and uniform (module doc)."""
+    from pxform.search import Pin, SearchError, search
+    from pxform.search.space import Option
+
+    graph, names, _ = step._graph(args)
+    n = len(found.blocks)
+    tp, pp, dp, mb = MEGATRON["tp"], MEGATRON["pp"], MEGATRON["dp"], MEGATRON["micro_batch"]
+    microbatches = found.global_batch // (dp * mb)
+    layers = [b for b in found.blocks if b.label.startswith("layer")]
+    # Megatron's split: the transformer layers evenly over the stages, the embedding on the
+    # first stage and the vocabulary head (and loss) on the last
+    per_stage = len(layers) // pp
+    uniform = []
+    k = 0
+    for b in found.blocks:
+        if b.label.startswith("layer"):
+            uniform.append(min(k // per_stage, pp - 1))
+            k += 1
+        else:
+            uniform.append(0 if not uniform else pp - 1)
+    rows = []
+    for recompute in (False, True):
+        for partition, block_stage in (("balanced", None), ("uniform", tuple(uniform))):
+            option = Option((("outer", "dp"), ("inner", "tp")), recompute)
+            pin = Pin(stages=pp, outer=dp, inner=tp, microbatches=microbatches,
+                      block_options=(option,) * n, block_stage=block_stage)
+            fits = True
+            start = time.perf_counter()
+            try:
+                plan = search(graph, names, devices=step.devices, budget=step.memory_budget,
+                              hardware=step.hardware, pin=pin, fn="megatron")
+            except SearchError:
+                fits = False
+                plan = search(graph, names, devices=step.devices, budget=UNBOUNDED,
+                              hardware=step.hardware, pin=pin, fn="megatron")
+            rows.append({
+                "name": f"Megatron TP{tp} PP{pp} DP{dp}"
+                        f"{' +recompute' if recompute else ''}, {partition} stages",
+                "recompute": recompute, "partition": partition,
+                "fits_budget": fits, "budget": step.memory_budget,
+                "seconds": time.perf_counter() - start,
+                "config": plan.config_text(), "strategies": strategies(plan),
+                "stage_blocks": [len(s.blocks) for s in plan.stage_plans],
+                "step_time_s": plan.step_time_s, "peak_memory_bytes": plan.peak_memory_bytes,
+                "found_over_it": found.step_time_s / plan.step_time_s,
+                "found_not_slower": found.step_time_s <= plan.step_time_s,
+            })
+    return rows
+
+
+def pinned_microbatch_rows(step: Any, args: Any, found: Any) -> list[dict[str, Any]]:
+    """The search again with only the microbatch count pinned (to Megatron's 192, and to
+    96): the search space tries p, 2p and 4p microbatches per pipeline degree p
+    (`pxform.search.space.configs`), so these show what that restriction costs."""
+    from pxform.search import Pin, SearchError, search
+
+    graph, names, _ = step._graph(args)
+    rows = []
+    for m in MICROBATCHES_PINNED:
+        start = time.perf_counter()
+        try:
+            plan = search(graph, names, devices=step.devices, budget=step.memory_budget,
+                          hardware=step.hardware, pin=Pin(microbatches=m), fn="search")
+        except SearchError as exc:
+            rows.append({"name": f"search, microbatches={m} pinned", "microbatches": m,
+                         "error": str(exc).split("\n")[0]})
+            continue
+        rows.append({
+            "name": f"search, microbatches={m} pinned", "microbatches": m,
+            "fits_budget": True, "budget": step.memory_budget,
+            "seconds": time.perf_counter() - start, "search_s": plan.search_seconds,
+            "config": plan.config_text(), "strategies": strategies(plan),
+            "stage_blocks": [len(s.blocks) for s in plan.stage_plans],
+            "step_time_s": plan.step_time_s, "peak_memory_bytes": plan.peak_memory_bytes,
+            "found_over_it": found.step_time_s / plan.step_time_s,
+            "found_not_slower": found.step_time_s <= plan.step_time_s,
+        })
+    return rows
+
+
+def warm_up() -> None:
+    """An untimed trace and plan of a tiny model (module doc)."""
+    import factories
+
+    import pxform
+
+    fn, args = factories.bert_tiny(batch=8, seq=16)
+    pxform.auto(fn, mesh=8, hardware="a100-40gb").plan(*args)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--cases", default=",".join(CASES),
+                   help=f"comma-separated subset of {','.join(CASES)}")
+    p.add_argument("--quick", action="store_true",
+                   help="only the 8-device BERT and GPT-6.7B runs; writes no result")
+    p.add_argument("--out", default=harness.RESULTS)
+    args = p.parse_args()
+    names = [c.strip() for c in args.cases.split(",") if c.strip()]
+    unknown = [c for c in names if c not in CASES]
+    if unknown:
+        p.error(f"unknown case(s) {unknown}; choose from {list(CASES)}")
+    harness.add_paths()
+    from pxform.units import format_bytes
+
+    warm_up()
+    rows: list[dict[str, Any]] = []
+    megatron: list[dict[str, Any]] = []
+    pinned: list[dict[str, Any]] = []
+    header = (f"{'model':<11}{'dev':>5}{'batch':>6}  {'hardware':<10}{'trace s':>8}"
+              f"{'search s':>9}{'total s':>8}{'(cpu)':>7}{'goal':>6}  {'pass':<5}{'step s':>8}"
+              f"{'peak':>10}  plan")
+    print(header)
+    for name in names:
+        runs = CASES[name]["runs"]
+        if args.quick:
+            runs = [r for r in runs if r[0] == 8] if name != "gpt3" else []
+        for devices, batch in runs:
+            row, (step, fargs, plan) = run_case(name, devices, batch)
+            rows.append(row)
+            print(f"{row['model']:<11}{devices:>5}{batch:>6}  {row['hardware']:<10}"
+                  f"{row['trace_s']:>8.2f}{row['search_s']:>9.2f}{row['total_s']:>8.2f}"
+                  f"{row['total_cpu_s']:>7.2f}"
+                  f"{row['goal_s']:>6.0f}  {'yes' if row['pass'] else 'NO':<5}"
+                  f"{row['step_time_s']:>8.3f}{format_bytes(int(row['peak_memory_bytes'])):>10}"
+                  f"  {row['config'].replace(' schedule=1f1b', '')}"
+                  f" [{strategies_text(row['strategies'])}]", flush=True)
+            if name == "gpt3":
+                megatron = megatron_rows(step, fargs, plan)
+                pinned = pinned_microbatch_rows(step, fargs, plan)
+    if megatron:
+        found = next(r for r in rows if r["case"] == "gpt3")
+        print(f"\nGPT-3 175B on 1024 {found['hardware']}, batch {found['batch']}: the found "
+              f"plan against Megatron-LM's configuration (same cost model)")
+        print(f"  {'plan':<74}{'step s':>8}{'peak':>11}  {'fits':<5}{'found/it':>9}"
+              f"  found not slower")
+        print(f"  {'found: ' + found['config'].replace(' schedule=1f1b', ''):<74}"
+              f"{found['step_time_s']:>8.3f}"
+              f"{format_bytes(int(found['peak_memory_bytes'])):>11}  {'yes':<5}")
+        for m in megatron:
+            print(f"  {m['name']:<74}{m['step_time_s']:>8.3f}"
+                  f"{format_bytes(int(m['peak_memory_bytes'])):>11}  "
+                  f"{'yes' if m['fits_budget'] else 'NO':<5}{m['found_over_it']:>9.3f}"
+                  f"  {'yes' if m['found_not_slower'] else 'no'}")
+        if pinned:
+            print("  the search with only the microbatch count pinned:")
+        for m in pinned:
+            if "error" in m:
+                print(f"  {m['name']:<74}  {m['error']}")
+                continue
+            text = m["config"].replace(" schedule=1f1b", "")
+            print(f"  {m['name'] + ': ' + text:<74}{m['step_time_s']:>8.3f}"
+                  f"{format_bytes(int(m['peak_memory_bytes'])):>11}  {'yes':<5}"
+                  f"{m['found_over_it']:>9.3f}  {'yes' if m['found_not_slower'] else 'no'}")
+    if megatron:
+        print("  found/it: the found plan's step time over this one's (> 1: the found plan "
+              "is slower)")
+    print("\nsearch s: plan.search_seconds (wall; goal: <= goal); total s: wall time of "
+          "auto(...).plan(), tracing included; (cpu): its process CPU time, all threads (well "
+          "below total s: the process waited for a CPU); trace s: pxform.trace alone")
+    if not args.quick:
+        result = {"cases": names, "megatron_config": MEGATRON, "rows": rows,
+                  "megatron": megatron, "microbatches_pinned": pinned}
+        variant = "" if names == list(CASES) else "cases-" + "-".join(names)
+        print("wrote", harness.write_result("search", result, args.out, variant))
+
+
+if __name__ == "__main__":
+    main()
