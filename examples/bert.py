@@ -19,11 +19,15 @@ Run (traces the model on the `meta` device and prints its IR summary and op tabl
 from __future__ import annotations
 
 import argparse
-import time
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+try:  # imported as examples.bert (the planner's factories) or run from examples/
+    from . import gpt as _gpt
+except ImportError:
+    import gpt as _gpt  # type: ignore[no-redef]
 
 PAD_ID = 0
 """Token id of padding (`attention_mask` 0); `make_batch` puts it at padded positions."""
@@ -209,8 +213,6 @@ def make_batch(cfg: BertConfig, batch_size: int, *, device: str | torch.device =
 
 
 def main() -> None:
-    import pxform
-
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", default="large", choices=sorted(BERT_CONFIGS))
     parser.add_argument("--batch", type=int, default=8)
@@ -222,18 +224,7 @@ def main() -> None:
     print(f"BERT {args.size}: {cfg}")
     print(f"{cfg.num_params() / 1e6:.1f} M parameters, batch {args.batch} x {cfg.seq_len} "
           f"tokens, bf16, on the meta device (nothing allocated)\n")
-    start = time.perf_counter()
-    traced = pxform.trace(loss_fn, params, batch, cfg)
-    elapsed = time.perf_counter() - start
-    print(f"traced in {elapsed:.2f} s\n")
-    print(traced.summary())
-    print("\nops by aten target:")
-    print(traced.op_table(by="target"))
-    print("\nthe first ops (embeddings and the first layer), one row each:")
-    print(traced.op_table(limit=40))
-    if args.ir:
-        print("\nthe IR, first lines:")
-        print("\n".join(str(traced).splitlines()[:40]))
+    _gpt.report(loss_fn, params, batch, cfg, limit=40, ir=args.ir)
 
 
 if __name__ == "__main__":

@@ -146,8 +146,6 @@ def make_batch(cfg: GPTConfig, batch_size: int, *, device: str | torch.device = 
 
 
 def main() -> None:
-    import pxform
-
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", default="1.3B", choices=sorted(GPT_CONFIGS))
     parser.add_argument("--batch", type=int, default=8)
@@ -159,18 +157,27 @@ def main() -> None:
     print(f"GPT {args.size}: {cfg}")
     print(f"{cfg.num_params() / 1e9:.2f} B parameters, batch {args.batch} x {cfg.seq_len} "
           f"tokens, bf16, on the meta device (nothing allocated)\n")
+    report(loss_fn, params, batch, cfg, limit=36, ir=args.ir)
+
+
+def report(fn, params: dict, batch: dict, cfg, *, limit: int, ir: bool) -> None:  # type: ignore[no-untyped-def]
+    """Trace `fn(params, batch, cfg)` and print the time, summary and op tables (the
+    examples' `main`s share it)."""
+    import pxform
+
     start = time.perf_counter()
-    traced = pxform.trace(loss_fn, params, batch, cfg)
+    traced = pxform.trace(fn, params, batch, cfg)
     elapsed = time.perf_counter() - start
     print(f"traced in {elapsed:.2f} s\n")
     print(traced.summary())
     print("\nops by aten target:")
     print(traced.op_table(by="target"))
-    print("\nthe first ops (embeddings and the first block), one row each:")
-    print(traced.op_table(limit=36))
-    if args.ir:
+    print("\nthe first ops (embeddings and the first layer), one row each:")
+    print(traced.op_table(limit=limit))
+    if ir:
         print("\nthe IR, first lines:")
         print("\n".join(str(traced).splitlines()[:40]))
+
 
 if __name__ == "__main__":
     main()
