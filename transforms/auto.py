@@ -134,17 +134,16 @@ class Auto:
         return tuple(range(1, n)) if n > 1 else (0,)
 
     def _graph(self, args: tuple[Any, ...]) -> tuple[Graph, set[str], Any]:
-        from pxform.transforms.shard import _as_global, _is_dtensor
+        """The prepared graph, the names of its batch inputs, the global arguments."""
+        from pxform.transforms.shard import _as_global, _is_dtensor, _leaf_arg_index
 
         full: Any = optree.tree_map(_as_global, args, is_leaf=_is_dtensor)  # type: ignore[arg-type]
         traced = trace(self.fn, *full)
         graph = prepare(traced.graph)
         batch = set(self._batch_argnums(len(args)))
-        arg_of = []
-        for n, a in enumerate(full):
-            for leaf in optree.tree_leaves(a):
-                if isinstance(leaf, torch.Tensor):
-                    arg_of.append(n)
+        leaves = optree.tree_leaves(full)  # type: ignore[arg-type]
+        arg_of = [n for n, leaf in zip(_leaf_arg_index(full), leaves)
+                  if isinstance(leaf, torch.Tensor)]
         names = {v.name for v, n in zip(graph.inputs, arg_of) if n in batch}
         return graph, names, full
 
@@ -153,7 +152,8 @@ class Auto:
         processes), once per argument signature. Arguments may be on `meta`."""
         return self._planned(args)[0]
 
-    def _planned(self, args: tuple[Any, ...]) -> tuple[Plan, set[str]]:
+    def _planned(self, args: tuple[Any, ...]) -> tuple[Plan, set[str], tuple[Any, ...]]:
+        """(plan, names of the batch inputs, the graph's inputs), once per signature."""
         from pxform.transforms.shard import _as_global, _is_dtensor
 
         full: Any = optree.tree_map(_as_global, args, is_leaf=_is_dtensor)  # type: ignore[arg-type]
@@ -166,7 +166,7 @@ class Auto:
                           batch_dim=self.batch_dim, optimizer=self.optimizer,
                           fn=f"auto({self.__name__})", function=self.__name__,
                           progress=self.progress)
-            self._cache[key] = (plan, names)
+            self._cache[key] = (plan, names, graph.inputs)
         return self._cache[key]
 
     def executable(self, *args: Any) -> Any:
@@ -175,7 +175,7 @@ class Auto:
         from pxform.transforms.pipeline import Pipelined
         from pxform.transforms.shard import Sharded
 
-        plan, names = self._planned(args)
+        plan, names, inputs = self._planned(args)
         key = ("exe", id(plan))
         if key in self._cache:
             return self._cache[key]
@@ -190,7 +190,7 @@ class Auto:
                 f"pxform.auto(..., mesh={world})).")
         lowering = PlanLowering(plan, frozenset(names), self.batch_dim, self.hardware,
                                 f"auto({self.__name__})")
-        specs = self._in_specs(plan, args, names)
+        specs = self._in_specs(plan, args, inputs, names)
         mesh = Mesh(dict(plan.mesh.axes))
         if plan.stages > 1:
             fn: Any = Pipelined(self.fn, plan.stages, plan.microbatches, plan.schedule, "pp",
@@ -202,18 +202,21 @@ class Auto:
         self._cache[key] = exe
         return exe
 
-    def _in_specs(self, plan: Plan, args: tuple[Any, ...], names: set[str]) -> tuple[Any, ...]:
+    def _in_specs(self, plan: Plan, args: tuple[Any, ...], inputs: tuple[Any, ...],
+                  names: set[str]) -> tuple[Any, ...]:
         """Per argument leaf, its spec: parameters per the plan, batch leaves split on the
         batch dim over the data axes of the first block (the lowering converts for later
-        blocks with other axes)."""
-        graph, _, full = self._graph(args)
+        blocks with other axes). `inputs` are the graph's inputs, one per tensor leaf."""
+        from pxform.transforms.shard import _as_global, _is_dtensor
+
+        full: Any = optree.tree_map(_as_global, args, is_leaf=_is_dtensor)  # type: ignore[arg-type]
         specs = dict(plan.param_specs)
         first = plan.blocks[0] if plan.blocks else None
         data_axes = tuple(a for a, r in (first.roles if first else ()) if r in ("dp", "sdp"))
         batch_entry: Any = (data_axes if len(data_axes) > 1 else data_axes[0]) \
             if data_axes else None
         leaf_specs = []
-        for v in graph.inputs:
+        for v in inputs:
             if v.name in names:
                 entries: list[Any] = [None] * v.type.rank
                 entries[self.batch_dim] = batch_entry

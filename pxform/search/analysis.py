@@ -67,18 +67,15 @@ class Analysis:
     kind_of_block: tuple[int, ...]
     batch_values: frozenset[str]         # values depending on the batch
     defined_at: dict[str, int]           # value -> index of the op defining it
+    value_map: dict[str, Value]          # every value by name
 
     @property
     def num_kinds(self) -> int:
         return 1 + max(self.kind_of_block, default=-1)
 
     def values(self) -> dict[str, Value]:
-        """Every value of the graph by name (computed once)."""
-        cached = self.__dict__.get("_values")
-        if cached is None:
-            cached = {v.name: v for v in self.graph.values()}
-            object.__setattr__(self, "_values", cached)
-        return cached
+        """Every value of the graph by name."""
+        return self.value_map
 
 
 def analyse(graph: Graph, batch_inputs: set[str], batch_dim: int = 0,
@@ -136,7 +133,7 @@ def analyse(graph: Graph, batch_inputs: set[str], batch_dim: int = 0,
     defined_at = {v.name: k for k, op in enumerate(graph.ops) for v in op.outputs}
     return Analysis(graph, infos, batch, params, op_flops, tuple(op_batch), tuple(saved),
                     tuple(strategies), layouts, traced, marked, tuple(kind_of),
-                    frozenset(depends), defined_at)
+                    frozenset(depends), defined_at, {v.name: v for v in graph.values()})
 
 
 def _batch_spec(v: Value, batch_dim: int):  # type: ignore[no-untyped-def]

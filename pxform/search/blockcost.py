@@ -100,6 +100,21 @@ def _ways(strategy: Strategy, axes: Mapping[str, tuple[int, int]]) -> int:
     return math.prod(axes[a][0] for a, c in strategy.choices if c[0] == "split")
 
 
+def input_times(v: Value, i: int, s: Strategy, have: Layout, cache: RelayoutCache,
+                scale: float, first_use: bool) -> tuple[float, float]:
+    """Seconds to bring input `i` (value `v`, laid out as `have`) to what strategy `s`
+    needs (only on the first use of that layout: the lowering converts once per value and
+    layout), and to bring its gradient back (C -> G(have), the conversion rule)."""
+    fwd = cache.time(v, have, s.inputs[i], scale) if first_use else 0.0
+    bwd = 0.0
+    if _floating(v):
+        c = consumer_gradient_layout(s, i)
+        g = gradient_layout(have)
+        if c != g:
+            bwd = cache.time(v, c, g, scale)
+    return fwd, bwd
+
+
 def walk(a: Analysis, block: BlockInfo, strats: list[Strategy], outside: Mapping[str, Layout],
          params: Mapping[str, Layout], cache: RelayoutCache, scale: float,
          batch_values: frozenset[str], outputs: Mapping[str, Layout]) -> WalkCost:
@@ -126,23 +141,17 @@ def walk(a: Analysis, block: BlockInfo, strats: list[Strategy], outside: Mapping
             have = layouts.get(v.name) or params.get(v.name) or outside.get(v.name)
             if have is None:
                 have = Layout.replicated(v.type.rank)
-            need = s.inputs[i]
-            vs = sc if v.name in batch_values else 1.0
-            if (v.name, need) not in done:
-                done.add((v.name, need))
-                t = cache.time(v, have, need, vs)
-                fwd_comm += t
-                if v.name in params:
-                    ag += t
-            if _floating(v):
-                c = consumer_gradient_layout(s, i)
-                g = gradient_layout(have)
-                if c != g:
-                    t = cache.time(v, c, g, vs)
-                    if v.name in a.params:
-                        grad_comm += t
-                    else:
-                        bwd_comm += t
+            first = (v.name, s.inputs[i]) not in done
+            done.add((v.name, s.inputs[i]))
+            fwd, bwd = input_times(v, i, s, have, cache,
+                                   sc if v.name in batch_values else 1.0, first)
+            fwd_comm += fwd
+            if v.name in params:
+                ag += fwd
+            if v.name in a.params:
+                grad_comm += bwd
+            else:
+                bwd_comm += bwd
         for v, lay in zip(op.outputs, s.outputs):
             layouts[v.name] = lay
             values[v.name] = v
@@ -277,14 +286,8 @@ def _tensor_step(a: Analysis, k: int, s: Strategy, st: _State, cache: RelayoutCa
         else:
             have = st.layouts.get(v.name) or st.params.get(v.name) or \
                 Layout.replicated(v.type.rank)
-        vs = sc
-        if (v.name, need) not in st.done:
-            t += cache.time(v, have, need, vs)
-        if _floating(v):
-            c = consumer_gradient_layout(s, i)
-            g = gradient_layout(have)
-            if c != g:
-                t += cache.time(v, c, g, vs)
+        fwd, bwd = input_times(v, i, s, have, cache, sc, (v.name, need) not in st.done)
+        t += fwd + bwd
     return bad, t
 
 
