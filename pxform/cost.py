@@ -30,7 +30,6 @@ Example:
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -200,11 +199,3 @@ def one_f_one_b_time(forward: Sequence[float], backward: Sequence[float],
 def one_f_one_b_in_flight(stages: int, microbatches: int) -> list[int]:
     """Microbatches whose activations stage s holds at most under 1F1B."""
     return [min(stages - s, microbatches) for s in range(stages)]
-
-
-def ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def prod(xs: Sequence[int]) -> int:
-    return math.prod(xs)

@@ -87,9 +87,8 @@ class WalkCost:
     grad_comm: float      # parameter gradients: overlapped with backward
     saved_bytes: float    # saved for backward by the block's ops
     kept_bytes: float     # what a recomputed block keeps: its inputs from earlier blocks
-    param_bytes: float    # local bytes of the parameters the block holds
-    param_numel: float    # local elements of those parameters
-    ag_comm: float        # of fwd_comm: parameter all-gathers (ZeRO-3), per microbatch
+    param_bytes: float    # local bytes (+ gradients and optimizer state) of the
+                          # parameters the block holds
 
 
 def _floating(v: Value) -> bool:
@@ -126,7 +125,7 @@ def walk(a: Analysis, block: BlockInfo, strats: list[Strategy], outside: Mapping
     axes = cache.axes
     layouts: dict[str, Layout] = {}
     done: set[tuple[str, Layout]] = set()
-    fwd_compute = fwd_comm = bwd_comm = grad_comm = saved = ag = 0.0
+    fwd_compute = fwd_comm = bwd_comm = grad_comm = saved = 0.0
     graph = a.graph
     values = {}
     for k, s in zip(range(block.start, block.stop), strats):
@@ -146,8 +145,6 @@ def walk(a: Analysis, block: BlockInfo, strats: list[Strategy], outside: Mapping
             fwd, bwd = input_times(v, i, s, have, cache,
                                    sc if v.name in batch_values else 1.0, first)
             fwd_comm += fwd
-            if v.name in params:
-                ag += fwd
             if v.name in a.params:
                 grad_comm += bwd
             else:
@@ -171,14 +168,13 @@ def walk(a: Analysis, block: BlockInfo, strats: list[Strategy], outside: Mapping
         lay = outside.get(name, Layout.replicated(v.type.rank))
         local = math.prod(lay.local_shape(v.type.shape, cache.mesh))
         kept += local * v.type.dtype.itemsize * (scale if name in batch_values else 1.0)
-    pbytes = pnumel = 0.0
+    pbytes = 0.0
     for name in block.params:
         v = vals[name]
         lay = params.get(name, Layout.replicated(v.type.rank))
         local = math.prod(lay.local_shape(v.type.shape, cache.mesh))
-        pnumel += local
         pbytes += local * model.state_bytes_per_param(v.type.dtype)
-    return WalkCost(fwd_compute, fwd_comm, bwd_comm, grad_comm, saved, kept, pbytes, pnumel, ag)
+    return WalkCost(fwd_compute, fwd_comm, bwd_comm, grad_comm, saved, kept, pbytes)
 
 
 # ---------------------------------------------------------------- tensor-axis beam search

@@ -236,7 +236,7 @@ def walk_cost(ctx: SearchContext, block: BlockInfo, config: Config, option: Opti
 
 def _fields(w: WalkCost) -> tuple[float, ...]:
     return (w.fwd_compute, w.fwd_comm, w.bwd_comm, w.grad_comm, w.saved_bytes, w.kept_bytes,
-            w.param_bytes, w.param_numel, w.ag_comm)
+            w.param_bytes)
 
 
 def _walk_at(ctx: SearchContext, block: BlockInfo, config: Config, option: Option,
