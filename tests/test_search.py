@@ -330,3 +330,19 @@ def test_pin_of_round_trips_a_plan():
     p = pin_of(plan)
     assert p.stages == plan.stages and len(p.block_options) == len(plan.blocks)
     assert [o.text() for o in p.block_options] == [b.strategy for b in plan.blocks]
+
+
+def test_plans_with_a_measured_profile(tmp_path):
+    """A profile written by calibrate (here: this process, compute only) plans like a
+    preset; its measured FLOP/s set the compute times."""
+    import factories
+
+    from pxform.calibrate import calibrate
+
+    hw = calibrate(sizes=(1024,), repeats=1)
+    path = tmp_path / "cpu.json"
+    hw.save(path)
+    fn, args = factories.gpt_tiny()
+    plan = pxform.auto(fn, mesh=2, hardware=str(path), memory_budget="1GiB").plan(*args)
+    assert plan.hardware == hw.name and plan.devices == 2
+    assert sum(b.time_s for b in plan.blocks) > 0 and plan.step_time_s > 0
