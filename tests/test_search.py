@@ -346,3 +346,25 @@ def test_plans_with_a_measured_profile(tmp_path):
     plan = pxform.auto(fn, mesh=2, hardware=str(path), memory_budget="1GiB").plan(*args)
     assert plan.hardware == hw.name and plan.devices == 2
     assert sum(b.time_s for b in plan.blocks) > 0 and plan.step_time_s > 0
+
+
+def test_a_function_needing_the_whole_batch_gets_no_pipeline():
+    """HF BERT's padding mask indexes rows by arange(batch): data parallelism gathers the
+    mask, a pipeline's microbatches cannot. The search plans no pipeline for it, and a
+    pinned one is refused with the op that needs the whole batch."""
+    from test_models import _hf_model
+
+    model, inputs = _hf_model("bert")
+    fn, params = pxform.module_fn(model)
+
+    def bert_loss(params, inputs):
+        return fn(params, **inputs).loss
+
+    plan = pxform.auto(bert_loss, mesh=4, memory_budget="1GiB", hardware="a100-40gb"
+                       ).plan(params, inputs)
+    assert plan.stages == 1 and plan.microbatches == 1
+    with pytest.raises(pxform.SearchError, match=r"a pipeline cuts the batch into "
+                       r"microbatches, but this function needs the whole batch at once: "
+                       r".*index.* reads %\d+ \(b8\[2,16\]\) across the whole batch"):
+        pxform.auto(bert_loss, mesh=4, memory_budget="1GiB", hardware="a100-40gb",
+                    plan=Pin(stages=2)).plan(params, inputs)

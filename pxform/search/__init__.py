@@ -154,8 +154,14 @@ def _configs(a: Analysis, devices: int, hw: Hardware, batch: int, pin: Pin, fn: 
         raise SearchError(f"pxform.{fn}: {stages} pipeline stages do not divide {devices} "
                           f"devices.\n  Fix: use a device count that is a multiple of "
                           f"{stages}.")
+    if a.whole_batch is not None and ((stages or 1) > 1 or (pin.microbatches or 1) > 1):
+        raise SearchError(
+            f"pxform.{fn}: a pipeline cuts the batch into microbatches, but this function "
+            f"needs the whole batch at once: {a.whole_batch}.\n  Fix: compute that value "
+            f"per example (masks from each row's own data), or plan without a pipeline "
+            f"(no stage_boundary markers, stages and microbatches 1).")
     out = configs(devices, hw.devices_per_node, len(a.blocks), batch, stages,
-                  pin.microbatches)
+                  pin.microbatches, microbatching=a.whole_batch is None)
     if pin.outer is not None:
         out = [c for c in out if c.outer == pin.outer]
     if pin.inner is not None:

@@ -67,6 +67,10 @@ class Analysis:
     kind_of_block: tuple[int, ...]
     batch_values: frozenset[str]         # values depending on the batch
     defined_at: dict[str, int]           # value -> index of the op defining it
+    # why the batch cannot be cut into microbatches (an op needs values of the whole
+    # batch in the forward pass: data parallelism gathers them, a pipeline cannot); None
+    # when it can
+    whole_batch: str | None
     value_map: dict[str, Value]          # every value by name
 
     @property
@@ -125,7 +129,13 @@ def analyse(graph: Graph, batch_inputs: set[str], batch_dim: int = 0,
     layouts = {v.name: lay for v, lay in zip(graph.inputs, in_layouts)}
     for c in graph.constants:
         layouts[c.value.name] = Layout.replicated(c.value.type.rank)
+    whole_batch = None
     for op, s in zip(graph.ops, strategies):
+        for i, v in enumerate(op.inputs):
+            if whole_batch is None and _gathers_batch(v, layouts[v.name], s.inputs[i],
+                                                      data_mesh):
+                whole_batch = f"{op} at {op.source or 'an unknown line'} reads %{v.name} " \
+                              f"({v.type}) across the whole batch"
         for v, lay in zip(op.outputs, s.outputs):
             layouts[v.name] = lay
     infos = _block_infos(graph, blocks, kind_of, params, depends)
@@ -133,7 +143,19 @@ def analyse(graph: Graph, batch_inputs: set[str], batch_dim: int = 0,
     defined_at = {v.name: k for k, op in enumerate(graph.ops) for v in op.outputs}
     return Analysis(graph, infos, batch, params, op_flops, tuple(op_batch), tuple(saved),
                     tuple(strategies), layouts, traced, marked, tuple(kind_of),
-                    frozenset(depends), defined_at, {v.name: v for v in graph.values()})
+                    frozenset(depends), defined_at, whole_batch,
+                    {v.name: v for v in graph.values()})
+
+
+def _gathers_batch(v: Value, have: Layout, need: Layout, mesh: AbstractMesh) -> bool:
+    """Does converting `v` from `have` to `need` gather or reduce over the data axis in
+    the forward pass?"""
+    if have == need or DATA not in have.used_axes() | have.partial:
+        return False
+    from pxform.layout import plan_relayout
+
+    steps = plan_relayout(v.type.shape, v.type.dtype.itemsize, have, need, mesh).steps
+    return any(st.axis == DATA and st.kind not in ("slice", "zero") for st in steps)
 
 
 def _batch_spec(v: Value, batch_dim: int):  # type: ignore[no-untyped-def]

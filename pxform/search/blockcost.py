@@ -10,11 +10,12 @@ A block's strategy gives each mesh axis of its stage a *role*:
 
 On a data axis every op takes the strategy the data-parallel reference propagation gave it
 (`Analysis.data_strategies`). On the tensor axis a small beam search over the block's ops,
-in program order, picks per op one of its rule's strategies: inputs from earlier blocks
-arrive whole (replicated over the tensor axis) and the block's outputs leave whole; a
-parameter is stored as its first reader needs it; the cost of a state is its compute time
-(split ops do 1/n of the work) plus the forward and backward re-layout time; states with
-fewer weight matrices left replicated come first (the tensor role is there to split them).
+in program order, picks per op one of its rule's strategies that does not split the batch:
+inputs from earlier blocks arrive whole (replicated over the tensor axis) and the block's
+outputs leave whole; a parameter is stored as its first reader needs it; the cost of a
+state is its compute time (split ops do 1/n of the work) plus the forward and backward
+re-layout time; states with fewer weight matrices left replicated come first (the tensor
+role is there to split them).
 Megatron's pattern, a column-split linear feeding a row-split one and one all-reduce,
 comes out of this search; it is not written anywhere.
 
@@ -203,7 +204,12 @@ def tensor_strategies(a: Analysis, block: BlockInfo, axis: str, size: int, level
     beam = [_State((0.0, 0.0), {}, {}, frozenset(), ())]
     for k in range(block.start, block.stop):
         op = graph.ops[k]
-        options = strategies(op, mesh)
+        # the tensor axis splits inside ops, never the batch: splitting the batch is the
+        # data roles' job, and a batch dim split over the tensor axis as well as the
+        # pipeline's microbatch axis could only be regrouped through the whole batch
+        batch = a.data_strategies[k].choices[0][1]
+        options = [s for s in strategies(op, mesh)
+                   if not (batch[0] == "split" and s.choices[0][1] == batch)]
         dtype = op.outputs[0].type.dtype if op.outputs else op.inputs[0].type.dtype
         sc = scale if a.op_batch[k] else 1.0
         grown: dict[tuple, _State] = {}

@@ -106,8 +106,10 @@ def powers_of_two(n: int) -> Iterator[int]:
 
 
 def configs(devices: int, devices_per_node: int, num_blocks: int, batch: int,
-            stages: int | None = None, microbatches: int | None = None) -> list[Config]:
-    """The configurations tried: pipeline degrees and inner sizes that are powers of two
+            stages: int | None = None, microbatches: int | None = None,
+            microbatching: bool = True) -> list[Config]:
+    """The configurations tried (without `microbatching`, when the batch cannot be cut,
+    no pipeline): pipeline degrees and inner sizes that are powers of two
     dividing the device count (inner within a node, at most one stage per block), and a
     few microbatch counts per pipeline degree: 1 without a pipeline, else p, 2p, 4p, 8p
     and the largest, one sample per data-parallel replica (all axes data, or the outer
@@ -119,7 +121,7 @@ def configs(devices: int, devices_per_node: int, num_blocks: int, batch: int,
     ones.)"""
     out = []
     for p in ([stages] if stages else powers_of_two(devices)):
-        if devices % p or p > num_blocks:
+        if devices % p or p > num_blocks or (p > 1 and not microbatching):
             continue
         rest = devices // p
         for inner in powers_of_two(min(rest, devices_per_node)):
