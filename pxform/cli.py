@@ -193,6 +193,7 @@ def _plan_command(args: argparse.Namespace) -> int:
     sys.stdout.flush()
     try:
         if args.out is not None:
+            os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
             plan.save(args.out)
             if not args.quiet:
                 print(f"wrote {args.out}", file=err)

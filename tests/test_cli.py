@@ -31,7 +31,7 @@ def at_root(monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 def test_plan_prints_and_saves_the_plan(at_root, tmp_path, capsys):
-    out = tmp_path / "plan.json"
+    out = tmp_path / "new" / "plan.json"  # folders are created
     assert main(["plan", TINY, *SMALL_RUN, "--out", str(out)]) == 0
     captured = capsys.readouterr()
     assert "predicted step" in captured.out
