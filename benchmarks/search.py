@@ -174,20 +174,23 @@ def megatron_rows(step: Any, args: Any, found: Any) -> list[dict[str, Any]]:
                         f"{' +recompute' if recompute else ''}, {partition} stages",
                 "recompute": recompute, "partition": partition,
                 "fits_budget": fits, "budget": step.memory_budget,
-                "seconds": time.perf_counter() - start,
-                "config": plan.config_text(), "strategies": strategies(plan),
-                "stage_blocks": [len(s.blocks) for s in plan.stage_plans],
-                "step_time_s": plan.step_time_s, "peak_memory_bytes": plan.peak_memory_bytes,
-                "found_over_it": found.step_time_s / plan.step_time_s,
-                "found_not_slower": found.step_time_s <= plan.step_time_s,
-            })
+                "seconds": time.perf_counter() - start, **comparison(plan, found)})
     return rows
+
+
+def comparison(plan: Any, found: Any) -> dict[str, Any]:
+    """The columns every comparison row has: the plan, and the found plan against it."""
+    return {"config": plan.config_text(), "strategies": strategies(plan),
+            "stage_blocks": [len(s.blocks) for s in plan.stage_plans],
+            "step_time_s": plan.step_time_s, "peak_memory_bytes": plan.peak_memory_bytes,
+            "found_over_it": found.step_time_s / plan.step_time_s,
+            "found_not_slower": found.step_time_s <= plan.step_time_s}
 
 
 def pinned_microbatch_rows(step: Any, args: Any, found: Any) -> list[dict[str, Any]]:
     """The search again with only the microbatch count pinned (to Megatron's 192, and to
-    96): the search space tries p, 2p and 4p microbatches per pipeline degree p
-    (`pxform.search.space.configs`), so these show what that restriction costs."""
+    96): the search space tries a few microbatch counts per pipeline degree
+    (`pxform.search.space.configs`), so these show whether others would do better."""
     from pxform.search import Pin, SearchError, search
 
     graph, names, _ = step._graph(args)
@@ -205,12 +208,7 @@ def pinned_microbatch_rows(step: Any, args: Any, found: Any) -> list[dict[str, A
             "name": f"search, microbatches={m} pinned", "microbatches": m,
             "fits_budget": True, "budget": step.memory_budget,
             "seconds": time.perf_counter() - start, "search_s": plan.search_seconds,
-            "config": plan.config_text(), "strategies": strategies(plan),
-            "stage_blocks": [len(s.blocks) for s in plan.stage_plans],
-            "step_time_s": plan.step_time_s, "peak_memory_bytes": plan.peak_memory_bytes,
-            "found_over_it": found.step_time_s / plan.step_time_s,
-            "found_not_slower": found.step_time_s <= plan.step_time_s,
-        })
+            **comparison(plan, found)})
     return rows
 
 

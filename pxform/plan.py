@@ -33,6 +33,12 @@ from pxform.units import format_bytes
 FORMAT = "pxform-plan/1"
 
 
+def strategy_text(roles: tuple[tuple[str, str], ...], recompute: bool) -> str:
+    """A block's strategy as plans print it: "outer=dp inner=tp +recompute"."""
+    text = " ".join(f"{a}={r}" for a, r in roles) or "single device"
+    return text + (" +recompute" if recompute else "")
+
+
 @dataclass(frozen=True)
 class BlockPlan:
     """One block: where it runs and how. `time_s` is its share of a stage's step (all
@@ -49,8 +55,7 @@ class BlockPlan:
 
     @property
     def strategy(self) -> str:
-        roles = " ".join(f"{a}={r}" for a, r in self.roles) or "single device"
-        return roles + (" +recompute" if self.recompute else "")
+        return strategy_text(self.roles, self.recompute)
 
 
 @dataclass(frozen=True)

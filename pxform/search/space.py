@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from functools import cached_property
 
 from pxform.mesh import AbstractMesh
+from pxform.plan import strategy_text
 
 OUTER = "outer"
 INNER = "inner"
@@ -52,8 +53,7 @@ class Option:
         return next((a for a, r in self.roles if r == "tp"), None)
 
     def text(self) -> str:
-        roles = " ".join(f"{a}={r}" for a, r in self.roles) or "single device"
-        return roles + (" +recompute" if self.recompute else "")
+        return strategy_text(self.roles, self.recompute)
 
 
 @dataclass(frozen=True)
