@@ -1,7 +1,30 @@
 #!/usr/bin/env bash
-# The flagship demo: trace the example GPT at a realistic size on the meta device and print
-# its IR summary and op table. Later issues grow this into planning and training.
+# The flagship demo, on a laptop, in a few minutes:
+#   1. plan GPT-3 175B for 1,024 H100s (fake tensors: no GPU, no memory) and print the plan
+#      and its time/memory frontier;
+#   2. measure this machine (matmul and gloo collectives on 2 local CPU ranks);
+#   3. train a small GPT on those 2 ranks under torchrun with a plan searched for them,
+#      printing the loss beside a single-process run's and the predicted vs measured step
+#      time and memory.
+# Under CI=true the training part is shorter. Outputs go to $PXFORM_DEMO_OUT (demo_out/).
 set -euo pipefail
 source "$(dirname "$0")/scripts/setup.sh" ""
-SIZE="${PXFORM_DEMO_SIZE:-1.3B}"
-python examples/gpt.py --size "$SIZE" --batch 8 "$@"
+OUT="${PXFORM_DEMO_OUT:-demo_out}"
+mkdir -p "$OUT"
+if [ "${CI:-}" = "true" ]; then SIZE=tiny; STEPS=8; else SIZE=small; STEPS=30; fi
+export OMP_NUM_THREADS=1  # 2 ranks share the machine's cores
+
+echo "== 1/3  GPT-3 175B on 1,024 H100-80GB: the plan pxform searches (no GPU needed) =="
+pxform plan examples/factories.py:gpt3_175b --devices 1024 --hardware h100-80gb \
+    --batch 1536 --out "$OUT/gpt3-175b-1024xh100.json"
+
+echo
+echo "== 2/3  Measuring this machine: 2 CPU ranks, gloo =="
+python -m torch.distributed.run --standalone --nproc-per-node 2 -m pxform calibrate \
+    --out "$OUT/cpu-profile.json" --name cpu-x2
+
+echo
+echo "== 3/3  Training GPT '$SIZE' on 2 CPU ranks with a searched plan =="
+python -m torch.distributed.run --standalone --nproc-per-node 2 examples/train_gpt.py \
+    --size "$SIZE" --steps "$STEPS" --hardware "$OUT/cpu-profile.json" --report-at 3 \
+    --log-every 5 --check "$@"

@@ -21,11 +21,13 @@ from pxform.errors import (
     UnsupportedOpError,
 )
 from pxform.ir import Graph, Op, TensorType, Value, check
+from pxform.measure import Measured, measure
 from pxform.memory import MemoryMeter, MemoryReport, MemoryStats, memory_report
 from pxform.mesh import AbstractMesh, Mesh
 from pxform.ops import OpInfo, Signature, register_rule
 from pxform.plan import FrontierPoint, Plan
 from pxform.regions import Policy, RegionError
+from pxform.report import PlanReport
 from pxform.search import Pin, SearchError
 from pxform.spec import UNCONSTRAINED, P
 from pxform.trace import Traced, module_fn, trace
@@ -39,7 +41,8 @@ from pxform.transforms.shard import Sharded, gather, shard
 __version__ = "0.1.0"
 
 __all__ = [
-    "MemoryMeter", "MemoryReport", "MemoryStats", "memory_report",
+    "MemoryMeter", "MemoryReport", "MemoryStats", "memory_report", "measure", "Measured",
+    "PlanReport",
     "AbstractMesh", "auto", "Auto", "check", "FrontierPoint", "hardware", "Pin", "Plan",
     "profile", "SearchError", "checkpoint_name", "coshard", "Cosharded", "gather", "Graph",
     "GraphCheckError", "Mesh", "module_fn", "Op", "OpInfo", "ops", "P", "pipeline", "Pipelined",

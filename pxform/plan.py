@@ -180,6 +180,17 @@ class Plan:
     def __str__(self) -> str:
         return self.explain()
 
+    def report(self, measured: Any) -> Any:
+        """This plan's predicted step time and peak memory per rank beside a measurement
+        (`pxform.measure`): a `pxform.report.PlanReport`; `print` it.
+
+        Example:
+            >>> print(plan.report(pxform.measure(step, params, batch, optimizer=opt)))
+        """
+        from pxform.report import compare
+
+        return compare(self, measured)
+
     def diff(self, other: Plan) -> str:
         """What differs from `other`, one line per difference; "" when the plans make the
         same choices and predictions."""

@@ -242,7 +242,7 @@ def test_contradictory_or_bad_settings_are_refused(tmp_path):
     bad.write_text("{not json")
     with pytest.raises(pxform.PxformError, match=r"bad.json is not JSON"):
         pxform.Plan.load(bad)
-    with pytest.raises(pxform.SearchError, match=r"the pin gives 2 block optionss? but the "
+    with pytest.raises(pxform.SearchError, match=r"the pin gives 2 block options but the "
                        r"function has 9 blocks \(layer 0, layer 1, layer 2, layer 3, ...\)"):
         plan_mlp("80GiB", plan=Pin(block_options=(None, None)))
     # a pinned per-block option that the mesh cannot have

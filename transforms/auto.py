@@ -231,6 +231,29 @@ class Auto:
                                                     else None for x in leaves]))
         return tuple(out)
 
+    def holds(self, *args: Any) -> Any:
+        """Per leaf of `args` (same pytree), whether this rank computes with it: True for
+        every tensor leaf unless the plan has pipeline stages, where a rank holds only what
+        its stage reads (it gets None gradients for the rest, and its copies of the rest
+        are never read or updated). Training loops use it to give the optimizer and the
+        checkpoint only the parameters this rank owns.
+
+        Example:
+            >>> held = step.holds(params, batch)[0]    # {"wte": True, "blocks": [...], ...}
+        """
+        from pxform.transforms.pipeline import Pipelined
+        from pxform.transforms.shard import _is_dtensor
+
+        exe = self.executable(*args)
+        if isinstance(exe.fn, Pipelined):
+            flags = iter(exe.fn.holds(args, sharded=exe))
+        else:
+            flags = iter([True] * sum(isinstance(x, torch.Tensor) for x in optree.tree_leaves(
+                args, is_leaf=_is_dtensor)))  # type: ignore[arg-type]
+        return tuple(optree.tree_map(
+            lambda x: next(flags) if isinstance(x, torch.Tensor) else False, a,
+            is_leaf=_is_dtensor, none_is_leaf=True) for a in args)  # type: ignore[arg-type]
+
     def distribute(self, *args: Any) -> Any:
         """The arguments laid out per the plan, as DTensors on this world's mesh."""
         return self.executable(*args).distribute(*args)

@@ -288,6 +288,7 @@ class Pipelined:
         from pxform.runtime.collectives import AxisGroups
         from pxform.runtime.pipeline import run as run_actions
         from pxform.transforms.shard import (
+            _is_dtensor,
             _local_input,
             _regroup_grads,
             _to_dtensor,
@@ -299,8 +300,7 @@ class Pipelined:
         layouts = sharded._input_layouts(args) if sharded is not None else None
         program, traced = self._compile(args, sub, layouts, sharded)
         arg_of, leaves = self._inputs(args)
-        reads = {j for st in program.stages if st.stage % place.size == place.rank
-                 for j in st.graph_inputs}
+        reads = self._reads(program, place)
         base = layouts or [Layout.replicated(t.dim()) for t in leaves]
         full_axes = mesh_axes(mesh) if mesh is not None else AxisGroups({}, {}, {})
         local = [(_local_input(leaf, layout, full_axes, mesh.abstract) if mesh is not None
@@ -335,9 +335,25 @@ class Pipelined:
                 flat.append(None)
                 continue
             grad_layout = gradient_layout(layout)
-            flat.append(g if mesh is None or not grad_layout.used_axes() else
-                        _to_dtensor(g, grad_layout, mesh))
+            # DTensor arguments get DTensor gradients with their placements (see shard.py)
+            wrap = mesh is not None and (grad_layout.used_axes() or _is_dtensor(leaves[j]))
+            flat.append(_to_dtensor(g, grad_layout, mesh) if wrap else g)
         return value, _regroup_grads(args, grad_argnums, flat)
+
+    def holds(self, args: tuple[Any, ...], sharded: Any = None) -> list[bool]:
+        """Per tensor leaf of `args`, whether this rank's stages read it: the leaves it
+        computes with and gets gradients for (a tied weight is held by every stage that
+        reads it). Lowers (cached) on the first call."""
+        mesh, place, _, sub = self._placement(sharded)
+        layouts = sharded._input_layouts(args) if sharded is not None else None
+        program, _ = self._compile(args, sub, layouts, sharded)
+        reads = self._reads(program, place)
+        return [j in reads for j in range(len(self._inputs(args)[1]))]
+
+    @staticmethod
+    def _reads(program: PipelineProgram, place: Any) -> set[int]:
+        return {j for st in program.stages if st.stage % place.size == place.rank
+                for j in st.graph_inputs}
 
     def _check_trainable(self, program: PipelineProgram) -> None:
         """A stage the schedule runs no backward for must not need one (nF1B's sweeps

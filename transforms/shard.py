@@ -123,7 +123,9 @@ class Sharded:
     # ---------------------------------------------------------------- running
 
     def distribute(self, *args: Any) -> Any:
-        """The arguments as DTensors laid out per the in_specs (needs a bound `Mesh`)."""
+        """The arguments as DTensors laid out per the in_specs (needs a bound `Mesh`).
+        The DTensors never share memory with the arguments (an optimizer updating them in
+        place leaves the caller's tensors as they were)."""
         from torch.distributed.tensor import distribute_tensor
 
         mesh = self._bound_mesh("distribute")
@@ -132,8 +134,11 @@ class Sharded:
         def dist(leaf: Any) -> Any:
             if not isinstance(leaf, torch.Tensor):
                 return leaf
-            return distribute_tensor(leaf, mesh.device_mesh, placements(next(layouts),
-                                                                         self.abstract_mesh))
+            layout = next(layouts)
+            # distribute_tensor keeps a replicated tensor's storage as the local piece
+            source = leaf if layout.used_axes() else leaf.detach().clone()
+            return distribute_tensor(source, mesh.device_mesh,
+                                     placements(layout, self.abstract_mesh))
 
         return optree.tree_map(dist, args)  # type: ignore[arg-type]
 
@@ -190,6 +195,7 @@ class Sharded:
         self._last["bucket_stats"] = buckets.stats
         grad_iter = iter(grads)
         wrapped: list[Any] = []
+        given = [_is_dtensor(leaf) for leaf, _ in tensor_leaves]
         for index, (t, w, layout) in enumerate(zip(local, wants, layouts)):
             if not w:
                 wrapped.append(None)
@@ -199,9 +205,11 @@ class Sharded:
                 g = reduced[index] if g is None else g + reduced[index]
             g = torch.zeros_like(t) if g is None else g
             grad_layout = gradient_layout(layout)
-            # like the parameters: replicated ones get full tensors, sharded ones DTensors
-            wrapped.append(g if not grad_layout.used_axes() else
-                           _to_dtensor(g, grad_layout, mesh))
+            # like the arguments: DTensors (as `distribute` makes them) get DTensors with
+            # the same placements, so `p.grad = g` and torch.optim work on them directly;
+            # of full tensors, replicated ones get full tensors, sharded ones DTensors
+            wrapped.append(_to_dtensor(g, grad_layout, mesh)
+                           if given[index] or grad_layout.used_axes() else g)
         return value, _regroup_grads(args, grad_argnums, wrapped)
 
     @property

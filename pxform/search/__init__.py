@@ -76,11 +76,11 @@ def search(graph: Graph, batch_inputs: set[str], *, devices: int, budget: int,
     analysis = analyse(graph, batch_inputs, batch_dim, fn)
     model = CostModel(hardware, optimizer)
     pin = pin or Pin()
-    for name in ("block_options", "block_stage"):
+    for name, what in (("block_options", "block options"), ("block_stage", "block stages")):
         given = getattr(pin, name)
         if given is not None and len(given) != len(analysis.blocks):
             raise SearchError(
-                f"pxform.{fn}: the pin gives {len(given)} {name.replace('_', ' ')}s but the "
+                f"pxform.{fn}: the pin gives {len(given)} {what} but the "
                 f"function has {len(analysis.blocks)} blocks "
                 f"({', '.join(b.label for b in analysis.blocks[:4])}"
                 f"{', ...' if len(analysis.blocks) > 4 else ''}).\n  Fix: give one per "
