@@ -127,9 +127,15 @@ def calibrate(*, sizes: Sequence[int] = (2**10, 2**14, 2**18, 2**22), repeats: i
         tables = _measure_comms(sorted(set(sizes)), repeats, tuple(kinds), world, rank,
                                 devices_per_node, device, backend, say)
 
+    # every rank computes at once, as in training: ranks sharing cores and a memory bus
+    # (CPU) share their rate; rank 0's figures are kept
+    if distributed and world >= 2:
+        dist.barrier()
+    bandwidth = _measure_bandwidth(device, say)
+    overhead = _measure_op_overhead(say) if device.type == "cpu" else 0.0
+    compute = _measure_compute(device, say)
     profile: dict[str, Any] | None = None
     if rank == 0:
-        compute = _measure_compute(device, say)
         links, levels_note = _fit_links(tables, world)
         today = datetime.date.today().isoformat()
         if world >= 2:
@@ -146,7 +152,7 @@ def calibrate(*, sizes: Sequence[int] = (2**10, 2**14, 2**18, 2**22), repeats: i
             memory_bytes=_memory_bytes(device, min(world, devices_per_node)),
             peak_flops=(), efficiency=1.0,  # compute_flops are achieved rates already
             links=links, comm_tables=tuple(tables), compute_flops=tuple(compute.items()),
-            source=source)
+            source=source, memory_bandwidth=bandwidth, op_overhead_s=overhead)
         profile = hw.to_json()
     if distributed and world >= 2:
         box = [profile]
@@ -194,6 +200,52 @@ def _measure_compute(device: torch.device, say: Callable[[str], None]) -> dict[s
         if best > 0:
             rates[label] = best
     return rates
+
+
+def _measure_bandwidth(device: torch.device, say: Callable[[str], None]) -> float:
+    """Bytes/s of an elementwise add over tensors far larger than any cache (64 MiB on
+    CPUs, 256 MiB on GPUs): two reads and a write per element; the median of 5."""
+    n = 2**26 if device.type == "cuda" else 2**24
+    a = torch.ones(n, device=device)
+    b = torch.ones(n, device=device)
+    out = torch.empty(n, device=device)
+    torch.add(a, b, out=out)  # warm-up (first touch of the pages)
+    _sync(device)
+    times = []
+    for _ in range(5):
+        start = time.perf_counter()
+        torch.add(a, b, out=out)
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    rate = 3 * n * 4 / statistics.median(times)
+    say(f"memory bandwidth: {rate / 1e9:.4g} GB/s (elementwise add, {format_bytes(n * 4)} "
+        f"tensors)")
+    return rate
+
+
+def _measure_op_overhead(say: Callable[[str], None]) -> float:
+    """Host seconds per op on the CPU: a chain of 256 elementwise ops on 8 elements,
+    forward and backward under autograd, over the 3 op-equivalents the cost model counts
+    per forward op (forward 1, backward 2); the median of 5. Only CPUs: on GPUs launches
+    overlap with kernels."""
+    x = torch.ones(8, requires_grad=True)
+    ops = 256
+
+    def chain() -> None:
+        y = x
+        for _ in range(ops):
+            y = y * 1.0001
+        y.sum().backward()
+
+    chain()
+    times = []
+    for _ in range(5):
+        start = time.perf_counter()
+        chain()
+        times.append(time.perf_counter() - start)
+    per_op = statistics.median(times) / (3 * ops)
+    say(f"per-op host time: {per_op * 1e6:.3g} us (autograd chain of {ops} small ops)")
+    return per_op
 
 
 def _memory_bytes(device: torch.device, ranks_per_node: int) -> int:
@@ -459,6 +511,10 @@ def summary(hw: Hardware) -> str:
              f"{format_bytes(hw.memory_bytes)} each", f"  source: {hw.source}"]
     rates = hw.compute_flops or tuple((k, v * hw.efficiency) for k, v in hw.peak_flops)
     lines.append("  compute: " + ", ".join(f"{k} {v / 1e9:.4g} GFLOP/s" for k, v in rates))
+    if hw.memory_bandwidth > 0:
+        lines.append(f"  memory bandwidth: {hw.memory_bandwidth / 1e9:.4g} GB/s")
+    if hw.op_overhead_s > 0:
+        lines.append(f"  per-op host time: {hw.op_overhead_s * 1e6:.3g} us")
     for level, link in enumerate(hw.links):
         lines.append(f"  link {level} ({link.name}): latency {link.latency_s * 1e6:.3g} us, "
                      f"bandwidth {link.bandwidth / 1e9:.4g} GB/s")

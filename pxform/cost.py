@@ -92,9 +92,14 @@ class CostModel:
             return 2.0 * item + 8.0
         return 2.0 * item + 12.0
 
-    def compute_time(self, flops: float, dtype: torch.dtype) -> float:
-        """Seconds for `flops` on one device."""
-        return self.hardware.compute_time(flops, dtype) if flops > 0 else 0.0
+    def compute_time(self, flops: float, dtype: torch.dtype, nbytes: float = 0.0) -> float:
+        """Seconds for one op of `flops` that reads and writes `nbytes` on one device: the
+        longer of the two (a roofline; `Hardware.memory_bandwidth`), plus the host's per-op
+        time (`Hardware.op_overhead_s`)."""
+        compute = self.hardware.compute_time(flops, dtype) if flops > 0 else 0.0
+        if nbytes > 0:
+            compute = max(compute, self.hardware.memory_time(nbytes))
+        return compute + self.hardware.op_overhead_s
 
     def relayout_time(self, relayout: Relayout, axes: Mapping[str, tuple[int, int]],
                       scale: float = 1.0) -> float:

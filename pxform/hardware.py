@@ -235,6 +235,14 @@ class Hardware:
         comm_tables: measured `CommTable`s (from calibrate); empty for presets.
         compute_flops: measured achieved FLOP/s per dtype (from calibrate); where present
             they override peak * efficiency.
+        memory_bandwidth: bytes/s an elementwise op streams through device memory (0:
+            unknown, and ops are costed by their FLOPs alone). Ops cost the longer of their
+            FLOPs at `flops_per_second` and their bytes (inputs and outputs) at this rate: a
+            roofline, so layer norms, activations and softmax cost something too.
+        op_overhead_s: seconds of host time every op costs on top (dispatch, autograd
+            bookkeeping, the runtime's interpreter). It is on the critical path where the
+            host runs the ops itself (CPUs), and what makes many small microbatches slow
+            there. 0 for the GPU presets: kernel launches overlap with the GPU's work.
         source: where the numbers come from.
 
     Example:
@@ -254,6 +262,8 @@ class Hardware:
     comm_tables: tuple[CommTable, ...] = ()
     compute_flops: tuple[tuple[str, float], ...] = ()
     source: str = ""
+    memory_bandwidth: float = 0.0
+    op_overhead_s: float = 0.0
 
     def __post_init__(self) -> None:
         what = f"Hardware {self.name!r}"
@@ -281,6 +291,12 @@ class Hardware:
             if t.level >= len(self.links):
                 raise ValueError(f"{what}: a {t.kind} table is for link level {t.level} but "
                                  f"there are only {len(self.links)} links")
+        if not _number(self.memory_bandwidth) or self.memory_bandwidth < 0:
+            raise ValueError(f"{what}: memory_bandwidth must be a number >= 0 (bytes/s; 0 "
+                             f"for unknown), got {self.memory_bandwidth!r}")
+        if not _number(self.op_overhead_s) or self.op_overhead_s < 0:
+            raise ValueError(f"{what}: op_overhead_s must be a number >= 0 (seconds), got "
+                             f"{self.op_overhead_s!r}")
         if "fp32" not in dict(self.peak_flops) and "fp32" not in dict(self.compute_flops):
             raise ValueError(f"{what}: needs an 'fp32' entry in peak_flops or "
                              f"compute_flops (the fallback for dtypes without a number)")
@@ -330,6 +346,16 @@ class Hardware:
         if flops < 0:
             raise ValueError(f"Hardware.compute_time: flops must be >= 0, got {flops!r}")
         return flops / self.flops_per_second(dtype)
+
+    def memory_time(self, nbytes: float) -> float:
+        """Seconds to stream `nbytes` through device memory (0 when the bandwidth is
+        unknown).
+
+        Example:
+            >>> hardware("h100-80gb").memory_time(3.35e12)
+            1.0
+        """
+        return nbytes / self.memory_bandwidth if self.memory_bandwidth > 0 else 0.0
 
     # ------------------------------------------------------------------------ comms
     def level(self, span: int) -> int:
@@ -424,6 +450,8 @@ class Hardware:
             "comm_tables": [{"kind": t.kind, "level": t.level, "group_size": t.group_size,
                              "points": [list(p) for p in t.points]} for t in self.comm_tables],
             "compute_flops": dict(self.compute_flops),
+            "memory_bandwidth": self.memory_bandwidth,
+            "op_overhead_s": self.op_overhead_s,
             "source": self.source,
         }
 
@@ -492,7 +520,8 @@ def _from_json(d: Any, where: str) -> Hardware:
         raise bad("format", f"{got}, expected {FORMAT!r} (not a pxform hardware profile, or "
                             f"one from another pxform version)")
     known = {"format", "name", "devices_per_node", "memory_bytes", "peak_flops",
-             "efficiency", "links", "comm_tables", "compute_flops", "source"}
+             "efficiency", "links", "comm_tables", "compute_flops", "source",
+             "memory_bandwidth", "op_overhead_s"}
     for key in d:
         if key not in known:
             raise bad(key, f"is not a profile key (known: {', '.join(sorted(known))})")
@@ -524,6 +553,8 @@ def _from_json(d: Any, where: str) -> Hardware:
     tables_json = get("comm_tables", "a list", [], required=False)
     compute = get("compute_flops", "an object of dtype name -> FLOP/s", {}, required=False)
     source = get("source", "a string", "", required=False)
+    bandwidth = get("memory_bandwidth", "a number", 0.0, required=False)
+    overhead = get("op_overhead_s", "a number", 0.0, required=False)
 
     links: list[Link] = []
     for i, x in enumerate(links_json):
@@ -556,7 +587,8 @@ def _from_json(d: Any, where: str) -> Hardware:
                         memory_bytes=memory_bytes, peak_flops=tuple(peak.items()),
                         efficiency=float(efficiency), links=tuple(links),
                         comm_tables=tuple(tables), compute_flops=tuple(compute.items()),
-                        source=source)
+                        source=source, memory_bandwidth=float(bandwidth),
+                        op_overhead_s=float(overhead))
     except ValueError as e:
         raise ValueError(f"Hardware.load: {where}: {e}; {_FIX}") from None
 
@@ -627,24 +659,31 @@ _H100_FLOPS = (
     ("fp64", 67e12),  # [H100] FP64 tensor core (SXM)
 )
 _EFFICIENCY = 0.5  # [MFU]
+# Achieved share of datasheet HBM bandwidth for streaming elementwise kernels: STREAM-like
+# copies reach about 90% on A100/H100 (NVIDIA's published babelstream/STREAM figures are
+# 1.3-1.4 TB/s of A100-40GB's 1.555); 0.8 leaves room for the less regular ops.
+_BANDWIDTH_EFFICIENCY = 0.8
 
 PRESETS: dict[str, Hardware] = {
     "a100-40gb": Hardware(
         name="a100-40gb", devices_per_node=8,  # [DGX] DGX A100: 8 GPUs
         memory_bytes=40 * 2**30,  # [A100] "40GB" HBM2 = 40 GiB
         peak_flops=_A100_FLOPS, efficiency=_EFFICIENCY, links=(_NVLINK3, _HDR),
+        memory_bandwidth=1.555e12 * _BANDWIDTH_EFFICIENCY,  # [A100] HBM2 1,555 GB/s
         source="NVIDIA A100 SXM datasheet, DGX A100 user guide, nccl-tests busbw; "
                "efficiency 0.5 after Narayanan et al. 2021"),
     "a100-80gb": Hardware(
         name="a100-80gb", devices_per_node=8,  # [DGX] DGX A100: 8 GPUs
         memory_bytes=80 * 2**30,  # [A100] "80GB" HBM2e = 80 GiB
         peak_flops=_A100_FLOPS, efficiency=_EFFICIENCY, links=(_NVLINK3, _HDR),
+        memory_bandwidth=2.039e12 * _BANDWIDTH_EFFICIENCY,  # [A100] HBM2e 2,039 GB/s
         source="NVIDIA A100 SXM datasheet, DGX A100 user guide, nccl-tests busbw; "
                "efficiency 0.5 after Narayanan et al. 2021"),
     "h100-80gb": Hardware(
         name="h100-80gb", devices_per_node=8,  # [DGX] DGX H100: 8 GPUs
         memory_bytes=80 * 2**30,  # [H100] "80GB" HBM3 = 80 GiB
         peak_flops=_H100_FLOPS, efficiency=_EFFICIENCY, links=(_NVLINK4, _NDR),
+        memory_bandwidth=3.35e12 * _BANDWIDTH_EFFICIENCY,  # [H100] HBM3 3.35 TB/s (SXM)
         source="NVIDIA H100 SXM datasheet, DGX H100 user guide, nccl-tests busbw; "
                "efficiency 0.5 after Narayanan et al. 2021"),
 }

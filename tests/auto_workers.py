@@ -89,3 +89,49 @@ def run_distributed(the_pin: Pin) -> dict:
     loss = step(*local)
     ref = gpt.loss_fn(params, batch, cfg)
     return {"placements": placements, "loss_err": float((loss - ref).abs())}
+
+
+def run_training_api(the_pin: Pin) -> dict:
+    """What a training loop relies on: `distribute` copies, `holds` says which leaves
+    this rank computes with, gradients of DTensor parameters are DTensors with the same
+    placements (None for leaves a pipeline rank does not hold), `measure` and
+    `plan.report` give one row per rank."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    params, batch, cfg = setup()
+    step = pxform.auto(gpt.loss_fn, mesh=dist.get_world_size(), memory_budget="40GiB",
+                       hardware="a100-40gb", plan=the_pin)
+    plan = step.plan(params, batch, cfg)
+    before = params["wte"].clone()
+    dparams = step.distribute(params, batch, cfg)[0]
+    with torch.no_grad():
+        for leaf in optree.tree_leaves(dparams, is_leaf=lambda x: isinstance(x, DTensor)):
+            (leaf.to_local() if isinstance(leaf, DTensor) else leaf).add_(1.0)
+    aliased = not torch.equal(params["wte"], before)
+    dparams = step.distribute(params, batch, cfg)[0]
+    held = step.holds(dparams, batch, cfg)[0]
+    _, grads = pxform.value_and_grad(step)(dparams, batch, cfg)
+    is_leaf = lambda x: isinstance(x, DTensor)  # noqa: E731
+    p_leaves = optree.tree_leaves(dparams, is_leaf=is_leaf)
+    g_leaves = optree.tree_leaves(grads, is_leaf=is_leaf, none_is_leaf=True)
+    h_leaves = optree.tree_leaves(held)
+    mismatched = []
+    for k, (p, g, h) in enumerate(zip(p_leaves, g_leaves, h_leaves)):
+        ok = (isinstance(g, DTensor) and g.placements == p.placements
+              and g.shape == p.shape) if h else g is None
+        if not ok:
+            mismatched.append((k, h, type(g).__name__))
+    owned = [p for p, h in zip(p_leaves, h_leaves) if h]
+    opt = torch.optim.AdamW(owned, lr=1e-3)
+    for p, g, h in zip(p_leaves, g_leaves, h_leaves):
+        if h:
+            p.grad = g
+    opt.step()
+    measured = pxform.measure(step, dparams, batch, cfg, optimizer=opt, steps=2, warmup=1)
+    report = plan.report(measured)
+    return {"aliased": aliased, "held": sum(h_leaves), "leaves": len(h_leaves),
+            "mismatched": mismatched, "ranks": [(r.rank, r.stage) for r in report.ranks],
+            "state": [r.state_bytes for r in measured.ranks],
+            "peaks": [r.peak_memory_bytes for r in measured.ranks],
+            "times": [r.step_time_s for r in measured.ranks], "text": str(report)}

@@ -92,3 +92,24 @@ def test_distribute_lays_arguments_out_per_the_plan(world2):
         # ZeRO-3: every weight matrix is a DTensor split over the data axis
         assert "('blocks', 0, 'fc_w')" in r["placements"]
         assert "Shard(dim=0)" in r["placements"]["('blocks', 0, 'fc_w')"]
+
+
+@pytest.mark.parametrize("stages", [1, 2], ids=["zero3", "pipeline"])
+def test_what_training_loops_rely_on(world2, stages):
+    the_pin = W.pin(1, 2, 1, 1, (("outer", "sdp"),)) if stages == 1 else \
+        W.pin(2, 1, 1, 2, None)
+    results = world2.run(W.run_training_api, the_pin)
+    for r in results:
+        assert not r["aliased"]  # distribute copies: the caller's tensors stay as they were
+        assert r["mismatched"] == []
+        assert r["ranks"] == [(0, 0), (1, stages - 1)]
+        assert all(t > 0 for t in r["times"]) and all(s > 0 for s in r["state"])
+        assert all(p > s for p, s in zip(r["peaks"], r["state"]))
+        assert "predicted vs measured" in r["text"] and "worst rank" in r["text"]
+    if stages == 1:
+        assert [r["held"] for r in results] == [results[0]["leaves"]] * 2
+    else:
+        # each pipeline rank holds its stage's leaves; the tied embedding both
+        held = [r["held"] for r in results]
+        assert all(0 < h < results[0]["leaves"] for h in held)
+        assert sum(held) == results[0]["leaves"] + 1

@@ -283,6 +283,9 @@ def test_calibrate_on_two_gloo_ranks(world, tmp_path):
     assert hw.source.startswith("measured by pxform calibrate on ")
     assert hw.source.endswith(", 2 ranks, gloo")
     assert "fp32" in dict(hw.compute_flops) and dict(hw.compute_flops)["fp32"] > 1e6
+    # a roofline needs the memory rate, and CPUs pay host time per op
+    assert 1e8 < hw.memory_bandwidth < 1e13 and 0 < hw.op_overhead_s < 1e-3
+    assert "memory bandwidth" in summary(hw) and "per-op host time" in summary(hw)
     assert hw.links[0].latency_s > 0 and 0 < hw.links[0].bandwidth < math.inf
     assert sorted(t.kind for t in hw.comm_tables) == sorted(KINDS)
     for t in hw.comm_tables:
@@ -372,3 +375,31 @@ def test_arguments_reject_bad_sizes(capsys):
     assert "--sizes: '12 parsecs' is not a size" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         parser.parse_args(["--sizes", "1KiB"])  # --out is required
+
+
+def test_roofline_and_per_op_time():
+    """An op costs the longer of its FLOPs and its bytes, plus the host's per-op time; a
+    profile without a bandwidth costs FLOPs alone (old profiles load unchanged)."""
+    from dataclasses import replace
+
+    from pxform.cost import CostModel
+
+    hw = replace(hardware("a100-80gb"), memory_bandwidth=1e12, op_overhead_s=2e-6)
+    model = CostModel(hw)
+    flops_s = hw.compute_time(1e12, torch.float32)
+    assert model.compute_time(1e12, torch.float32, 1e6) == flops_s + 2e-6  # compute-bound
+    assert model.compute_time(1e3, torch.float32, 1e12) == 1.0 + 2e-6      # memory-bound
+    assert model.compute_time(0, torch.float32) == 2e-6                   # a view: host only
+    d = hw.to_json()
+    assert (d["memory_bandwidth"], d["op_overhead_s"]) == (1e12, 2e-6)
+    assert Hardware.from_json(d) == hw
+    del d["memory_bandwidth"], d["op_overhead_s"]
+    old = Hardware.from_json(d)
+    assert (old.memory_bandwidth, old.op_overhead_s) == (0.0, 0.0)
+    assert CostModel(old).compute_time(1e3, torch.float32, 1e12) == old.compute_time(
+        1e3, torch.float32)
+    assert hardware("h100-80gb").memory_time(3.35e12 * 0.8) == 1.0
+    with pytest.raises(ValueError, match="memory_bandwidth must be a number >= 0"):
+        replace(hw, memory_bandwidth=-1.0)
+    with pytest.raises(ValueError, match="op_overhead_s must be a number >= 0"):
+        replace(hw, op_overhead_s=float("nan"))

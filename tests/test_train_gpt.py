@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -30,8 +31,17 @@ def torchrun(*args: str, ranks: int = 2, restarts: int = 0, timeout: float = 240
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
            "--master-addr", "127.0.0.1", "--master-port", str(_port()),
            "--max-restarts", str(restarts), SCRIPT, *args]
-    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout,
-                          cwd=ROOT)
+    # a session of its own, so a timeout can kill the workers too, not only torchrun
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          env=env, cwd=ROOT, start_new_session=True) as proc:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, err = proc.communicate()
+            raise AssertionError(f"timed out after {timeout} s:\n{out[-3000:]}\n"
+                                 f"{err[-3000:]}") from None
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 def test_train_matches_one_process_and_reports_predictions(tmp_path):

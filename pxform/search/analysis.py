@@ -58,6 +58,7 @@ class Analysis:
     batch_inputs: frozenset[str]
     params: frozenset[str]
     op_flops: tuple[int, ...]
+    op_bytes: tuple[int, ...]            # bytes an op reads and writes (inputs + outputs)
     op_batch: tuple[bool, ...]
     op_saved: tuple[int, ...]            # bytes saved for backward at the traced batch
     data_strategies: tuple[Strategy, ...]  # per op, on a one-axis mesh DATA
@@ -107,6 +108,9 @@ def analyse(graph: Graph, batch_inputs: set[str], batch_dim: int = 0,
             depends.update(v.name for v in op.outputs)
         op_batch.append(on)
     op_flops = tuple(rule_info(op).flops for op in graph.ops)
+    op_bytes = tuple(sum(v.type.numel * v.type.dtype.itemsize
+                         for v in (*op.inputs, *op.outputs) if hasattr(v, "type"))
+                     for op in graph.ops)
     # kinds: same ops on the same shapes
     ids: dict[tuple, int] = {}
     kind_of = [ids.setdefault(_signature(graph.ops[a:b]), len(ids)) for a, b, _ in blocks]
@@ -141,7 +145,7 @@ def analyse(graph: Graph, batch_inputs: set[str], batch_dim: int = 0,
     infos = _block_infos(graph, blocks, kind_of, params, depends)
     marked = tuple(i for i, (_, _, m) in enumerate(blocks) if m)
     defined_at = {v.name: k for k, op in enumerate(graph.ops) for v in op.outputs}
-    return Analysis(graph, infos, batch, params, op_flops, tuple(op_batch), tuple(saved),
+    return Analysis(graph, infos, batch, params, op_flops, op_bytes, tuple(op_batch), tuple(saved),
                     tuple(strategies), layouts, traced, marked, tuple(kind_of),
                     frozenset(depends), defined_at, whole_batch,
                     {v.name: v for v in graph.values()})

@@ -129,12 +129,16 @@ def walk(a: Analysis, block: BlockInfo, strats: list[Strategy], outside: Mapping
     fwd_compute = fwd_comm = bwd_comm = grad_comm = saved = 0.0
     graph = a.graph
     values = {}
+    # parameter gradients go to buckets (`pxform.runtime.buckets`): one collective per
+    # kind and axis for the block's gradients together, so one latency, not one per tensor
+    bucket: dict[tuple[str, str], float] = {}
     for k, s in zip(range(block.start, block.stop), strats):
         op = graph.ops[k]
         ways = _ways(s, axes)
         sc = scale if a.op_batch[k] else 1.0
         dtype = op.outputs[0].type.dtype if op.outputs else op.inputs[0].type.dtype
-        fwd_compute += model.compute_time(a.op_flops[k] * sc / ways, dtype)
+        fwd_compute += model.compute_time(a.op_flops[k] * sc / ways, dtype,
+                                          a.op_bytes[k] * sc / ways)
         saved += a.op_saved[k] * sc / ways
         for i, v in enumerate(op.inputs):
             values[v.name] = v
@@ -147,12 +151,17 @@ def walk(a: Analysis, block: BlockInfo, strats: list[Strategy], outside: Mapping
                                    sc if v.name in batch_values else 1.0, first)
             fwd_comm += fwd
             if v.name in a.params:
-                grad_comm += bwd
+                if bwd > 0:
+                    for kind, axis, sent in cache.steps(v, consumer_gradient_layout(s, i),
+                                                        gradient_layout(have)):
+                        bucket[kind, axis] = bucket.get((kind, axis), 0.0) + sent
             else:
                 bwd_comm += bwd
         for v, lay in zip(op.outputs, s.outputs):
             layouts[v.name] = lay
             values[v.name] = v
+    grad_comm = sum(model.step_time(kind, axis, sent, axes)
+                    for (kind, axis), sent in bucket.items())
     for name, want in outputs.items():
         have = layouts.get(name)
         if have is None or have == want:
@@ -274,8 +283,11 @@ def _tensor_step(a: Analysis, k: int, s: Strategy, st: _State, cache: RelayoutCa
     op = a.graph.ops[k]
     size = cache.axes[next(iter(cache.axes))][0]
     split = any(c[0] == "split" for _, c in s.choices)
+    # forward and backward of the op in one call: its per-op time counts once here,
+    # the same for every choice, so the beam's ranking is unchanged
     t = model.compute_time(a.op_flops[k] * sc * (1.0 + BACKWARD_RATIO)
-                           / (size if split else 1), dtype)
+                           / (size if split else 1), dtype,
+                           a.op_bytes[k] * sc * (1.0 + BACKWARD_RATIO) / (size if split else 1))
     bad = 0.0
     for i, v in enumerate(op.inputs):
         need = s.inputs[i]

@@ -1,0 +1,29 @@
+"""The README's flagship demo, `bash run.sh`, end to end (CI=true: the short training run):
+plan GPT-3 175B for 1,024 H100s, calibrate this machine on 2 gloo ranks, train a GPT on
+them under torchrun with a searched plan, report predicted vs measured, check against one
+process."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_run_sh(tmp_path):
+    env = dict(os.environ, CI="true", PXFORM_DEMO_OUT=str(tmp_path))
+    r = subprocess.run(["bash", os.path.join(ROOT, "run.sh")], capture_output=True,
+                       text=True, env=env, timeout=600, cwd=ROOT)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
+    out = r.stdout
+    # 1: the GPT-3 plan and its frontier, saved
+    assert "1024 devices" in out and "frontier" in out.lower()
+    assert (tmp_path / "gpt3-175b-1024xh100.json").exists()
+    # 2: a measured profile of this machine
+    assert "memory bandwidth" in out and (tmp_path / "cpu-profile.json").exists()
+    # 3: training with a plan searched against that profile, predictions checked
+    assert "devices (cpu-x2)" in out
+    assert re.search(r"step\s+8\s+loss", out)
+    assert "predicted vs measured" in out and "check passed" in out
