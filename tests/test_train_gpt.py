@@ -82,7 +82,9 @@ def test_check_fails_when_training_differs(tmp_path):
 
 
 def test_resume_after_a_rank_is_killed(tmp_path):
-    common = ["--size", "tiny", "--steps", "8", "--ckpt-every", "3", "--log-every", "100"]
+    # a 2-stage pipeline: each rank checkpoints only the stage it owns
+    common = ["--size", "tiny", "--steps", "8", "--ckpt-every", "3", "--log-every", "100",
+              "--stages", "2"]
     whole = torchrun(*common, "--ckpt-dir", str(tmp_path / "a"),
                      "--save-final", str(tmp_path / "a.pt"))
     assert whole.returncode == 0, whole.stdout[-3000:] + whole.stderr[-3000:]
@@ -94,7 +96,7 @@ def test_resume_after_a_rank_is_killed(tmp_path):
     assert killed.returncode == 0, killed.stdout[-3000:] + killed.stderr[-3000:]
     assert "simulated failure after step 5" in killed.stdout
     assert "resumed from" in killed.stdout and "at step 3 (attempt 1)" in killed.stdout
-    assert "pp=2" in killed.stdout  # a pipeline: each rank checkpoints only its stage
+    assert "pp=2" in killed.stdout
     a = torch.load(tmp_path / "a.pt")
     b = torch.load(tmp_path / "b.pt")
     assert a.keys() == b.keys() and len(a) == 28
