@@ -245,14 +245,14 @@ class Auto:
         from pxform.transforms.shard import _is_dtensor
 
         exe = self.executable(*args)
-        if isinstance(exe.fn, Pipelined):
-            flags = iter(exe.fn.holds(args, sharded=exe))
-        else:
-            flags = iter([True] * sum(isinstance(x, torch.Tensor) for x in optree.tree_leaves(
-                args, is_leaf=_is_dtensor)))  # type: ignore[arg-type]
-        return tuple(optree.tree_map(
-            lambda x: next(flags) if isinstance(x, torch.Tensor) else False, a,
-            is_leaf=_is_dtensor, none_is_leaf=True) for a in args)  # type: ignore[arg-type]
+        reads = iter(exe.fn.holds(args, sharded=exe)) if isinstance(exe.fn, Pipelined) \
+            else None
+
+        def held(x: Any) -> bool:  # one flag per tensor leaf, in leaf order
+            return isinstance(x, torch.Tensor) and (reads is None or next(reads))
+
+        return tuple(optree.tree_map(held, a, is_leaf=_is_dtensor, none_is_leaf=True)
+                     for a in args)  # type: ignore[arg-type]
 
     def distribute(self, *args: Any) -> Any:
         """The arguments laid out per the plan, as DTensors on this world's mesh."""

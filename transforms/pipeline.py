@@ -344,7 +344,7 @@ class Pipelined:
         """Per tensor leaf of `args`, whether this rank's stages read it: the leaves it
         computes with and gets gradients for (a tied weight is held by every stage that
         reads it). Lowers (cached) on the first call."""
-        mesh, place, _, sub = self._placement(sharded)
+        _, place, _, sub = self._placement(sharded)
         layouts = sharded._input_layouts(args) if sharded is not None else None
         program, _ = self._compile(args, sub, layouts, sharded)
         reads = self._reads(program, place)
