@@ -110,6 +110,9 @@ class Plan:
     search_seconds: float = 0.0
     fingerprint: str = ""
     notes: tuple[str, ...] = field(default=())
+    # batch inputs as the first block reading each wants them (its data axes): where
+    # `auto` lays the batch out, so no block meets a batch the search did not cost
+    batch_specs: tuple[tuple[str, str], ...] = ()
 
     # ---------------------------------------------------------------- views
 
@@ -230,7 +233,8 @@ class Plan:
                               f"Plan.save or `pxform plan --out`.")
         names = {f.name for f in fields(Plan)}
         missing = sorted(n for n in names if n not in d and n not in
-                         ("frontier_points", "search_seconds", "fingerprint", "notes"))
+                         ("frontier_points", "search_seconds", "fingerprint", "notes",
+                          "batch_specs"))
         if missing:
             raise PxformError(f"pxform.Plan.load: {where} lacks {missing}.\n  Fix: write the "
                               f"plan again with Plan.save.")
@@ -241,7 +245,7 @@ class Plan:
             return Plan(
                 **{k: d[k] for k in names if k in d and k not in
                    ("blocks", "stage_plans", "tensor_choices", "param_specs",
-                    "frontier_points", "notes")},
+                    "frontier_points", "notes", "batch_specs")},
                 blocks=tuple(BlockPlan(**{**b, "roles": tuple(tuple(r) for r in b["roles"])})
                              for b in d["blocks"]),
                 stage_plans=tuple(StagePlan(**{**s, "blocks": tuple(s["blocks"])})
@@ -250,7 +254,8 @@ class Plan:
                                      for k, cs in d["tensor_choices"]),
                 param_specs=tuple((n, s) for n, s in d["param_specs"]),
                 frontier_points=tuple(FrontierPoint(**p) for p in d.get("frontier_points", ())),
-                notes=tuple(d.get("notes", ())))
+                notes=tuple(d.get("notes", ())),
+                batch_specs=tuple((n, s) for n, s in d.get("batch_specs", ())))
         except (TypeError, KeyError, ValueError) as exc:
             raise PxformError(f"pxform.Plan.load: {where} is malformed: {exc}.\n  Fix: write "
                               f"the plan again with Plan.save.") from None

@@ -368,3 +368,27 @@ def test_a_function_needing_the_whole_batch_gets_no_pipeline():
                        r".*index.* reads %\d+ \(b8\[2,16\]\) across the whole batch"):
         pxform.auto(bert_loss, mesh=4, memory_budget="1GiB", hardware="a100-40gb",
                     plan=Pin(stages=2)).plan(params, inputs)
+
+
+def test_pipelined_plans_split_the_batch_over_the_same_data_axes_in_every_block():
+    """The microbatch axis is the innermost split of the batch, so a block splitting it
+    over other data axes than the block before could only regroup across microbatches:
+    the search keeps one set of data axes per pipelined plan (found on GPT tiny, 4
+    devices: tensor-parallel embedding on stage 0, data-parallel layers on stage 1), and
+    lays each batch input out as its first reader wants it."""
+    import gpt
+
+    cfg = gpt.GPT_CONFIGS["tiny"]
+    params = gpt.init_params(cfg, device="meta")
+    batch = gpt.make_batch(cfg, 8, device="meta")
+    for the_pin in (None, Pin(stages=2, microbatches=2), Pin(stages=2, microbatches=4)):
+        plan = pxform.auto(gpt.loss_fn, mesh=4, memory_budget="40GiB", hardware="a100-40gb",
+                           plan=the_pin).plan(params, batch, cfg)
+        if plan.microbatches == 1:
+            continue
+        data = {tuple(ax for ax, r in b.roles if r in ("dp", "sdp")) for b in plan.blocks}
+        assert len(data) == 1, plan.explain(per_block=True)
+        axes = next(iter(data))
+        want = repr(pxform.P(axes if len(axes) > 1 else axes[0])) if axes else "P()"
+        assert len(plan.batch_specs) == 2  # idx and targets
+        assert {spec for _, spec in plan.batch_specs} == {want}, plan.batch_specs

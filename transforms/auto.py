@@ -204,20 +204,24 @@ class Auto:
 
     def _in_specs(self, plan: Plan, args: tuple[Any, ...], inputs: tuple[Any, ...],
                   names: set[str]) -> tuple[Any, ...]:
-        """Per argument leaf, its spec: parameters per the plan, batch leaves split on the
-        batch dim over the data axes of the first block (the lowering converts for later
-        blocks with other axes). `inputs` are the graph's inputs, one per tensor leaf."""
+        """Per argument leaf, its spec: parameters per the plan, batch leaves as the first
+        block reading each wants them (`plan.batch_specs`: split over that block's data
+        axes; the search costs every block as receiving its batch inputs so). `inputs` are
+        the graph's inputs, one per tensor leaf."""
         from pxform.transforms.shard import _as_global, _is_dtensor
 
         full: Any = optree.tree_map(_as_global, args, is_leaf=_is_dtensor)  # type: ignore[arg-type]
         specs = dict(plan.param_specs)
+        batch_specs = dict(plan.batch_specs)
         first = plan.blocks[0] if plan.blocks else None
         data_axes = tuple(a for a, r in (first.roles if first else ()) if r in ("dp", "sdp"))
         batch_entry: Any = (data_axes if len(data_axes) > 1 else data_axes[0]) \
             if data_axes else None
         leaf_specs = []
         for v in inputs:
-            if v.name in names:
+            if v.name in batch_specs:  # as its first reader wants it
+                leaf_specs.append(_parse_spec(batch_specs[v.name]))
+            elif v.name in names:  # plans saved before batch_specs existed
                 entries: list[Any] = [None] * v.type.rank
                 entries[self.batch_dim] = batch_entry
                 leaf_specs.append(P(*entries))

@@ -33,6 +33,7 @@ from pxform.search.core import (
     Pin,
     SearchContext,
     block_strategies,
+    canonical,
     param_layouts,
     pareto,
     search_configs,
@@ -259,6 +260,13 @@ def _plan(c: Candidate, ctx: SearchContext, found: Sequence[Candidate], secs: fl
     for v in a.graph.inputs:
         if v.name in a.params:
             specs.setdefault(v.name, "P()")
+    batch: dict[str, str] = {}
+    for b in a.blocks:
+        for k in range(b.start, b.stop):
+            for v in a.graph.ops[k].inputs:
+                if v.name in a.batch_inputs and v.name not in batch:
+                    batch[v.name] = _spec_text(canonical(ctx, v.name, v.type.rank,
+                                                         c.options[b.index]))
     step = _simulated_step(c)
     points = tuple(FrontierPoint(p.step_time, p.peak_memory, p.config.text(),
                                  _summary(p.options)) for p in pareto(found))
@@ -266,7 +274,9 @@ def _plan(c: Candidate, ctx: SearchContext, found: Sequence[Candidate], secs: fl
                 cfg.stages, cfg.outer, cfg.inner, cfg.microbatches, "1f1b", blocks, stages,
                 step, c.peak_memory, tuple(sorted(tensor.items())),
                 tuple((v.name, specs[v.name]) for v in a.graph.inputs if v.name in specs),
-                points, secs, fingerprint(a))
+                points, secs, fingerprint(a),
+                batch_specs=tuple((v.name, batch[v.name]) for v in a.graph.inputs
+                                  if v.name in batch))
 
 
 SIMULATE_UP_TO = 2048

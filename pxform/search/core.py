@@ -392,12 +392,61 @@ def evaluate(ctx: SearchContext, config: Config, objective: str = "time"
              ) -> tuple[Candidate | None, list[Candidate]]:
     """The best plan of `config` under the budget (None if nothing fits), and the fastest
     plans at lower memory limits (for the frontier)."""
-    a = ctx.analysis
-    blocks = a.blocks
     table = block_costs(ctx, config)
     if table is None:
         return None, []
-    per_block, costs = table
+    best: Candidate | None = None
+    extra: list[Candidate] = []
+    for per_block, costs in _data_groups(ctx, config, *table):
+        cand, more = _evaluate(ctx, config, objective, per_block, costs)
+        extra += more
+        if cand is not None and (best is None or _key(cand, objective) < _key(best, objective)):
+            best = cand
+    return best, extra
+
+
+def _data_groups(ctx: SearchContext, config: Config, per_block: list[list[Option]],
+                 costs: list[list[OptionCost]]
+                 ) -> list[tuple[list[list[Option]], list[list[OptionCost]]]]:
+    """The option tables to search: with microbatches, one per set of data axes that every
+    block has options for. The microbatch axis is the innermost split of the batch
+    (`pxform.lower.mpmd`), so a batch value split over other data axes than the block
+    before it would have to be regrouped across microbatches, which no microbatch can
+    do: all blocks of a pipelined plan split the batch over the same data axes."""
+    sets = sorted({o.data_axes for opts in per_block for o in opts})
+    if config.microbatches == 1 or len(sets) <= 1:
+        return [(per_block, costs)]
+    key = ("groups", config)
+    hit = ctx._stages.get(key)
+    if hit is not None:
+        return hit
+    out = []
+    for axes in sets:
+        # blocks that shared an option list share the filtered one (stage caches key on it)
+        shared: dict[tuple[int, int], tuple[list[Option], list[OptionCost]]] = {}
+        group_opts: list[list[Option]] = []
+        group_costs: list[list[OptionCost]] = []
+        for opts, cs in zip(per_block, costs):
+            pair = shared.get((id(opts), id(cs)))
+            if pair is None:
+                keep = [j for j, o in enumerate(opts) if o.data_axes == axes]
+                pair = ([opts[j] for j in keep], [cs[j] for j in keep])
+                shared[id(opts), id(cs)] = pair
+            if not pair[0]:
+                break
+            group_opts.append(pair[0])
+            group_costs.append(pair[1])
+        else:
+            out.append((group_opts, group_costs))
+    ctx._stages[key] = out  # kept alive: stage caches key on the lists' ids
+    return out
+
+
+def _evaluate(ctx: SearchContext, config: Config, objective: str,
+              per_block: list[list[Option]], costs: list[list[OptionCost]]
+              ) -> tuple[Candidate | None, list[Candidate]]:
+    a = ctx.analysis
+    blocks = a.blocks
     p, m = config.stages, config.microbatches
     flights = one_f_one_b_in_flight(p, m)
     fastest = [min(c.step_time(m) for c in cs) for cs in costs]
