@@ -375,29 +375,39 @@ def block_costs(ctx: SearchContext, config: Config
     return out
 
 
-def lower_bound(ctx: SearchContext, config: Config) -> float:
+def lower_bound(ctx: SearchContext, config: Config,
+                costs: list[list[OptionCost]] | None = None) -> float:
     """No plan of `config` is faster than this: every block at its fastest option, the
     work T spread evenly over the p stages, and 1F1B's warm-up and drain: the closed form
     `(m - 1) x max stage + sum of stages` per microbatch is at least
-    `T (m - 1 + p) / (p m)`."""
-    table = block_costs(ctx, config)
-    if table is None:
-        return math.inf
+    `T (m - 1 + p) / (p m)`. `costs`: per block, the options to bound (default: all)."""
+    if costs is None:
+        table = block_costs(ctx, config)
+        if table is None:
+            return math.inf
+        costs = table[1]
     m, p = config.microbatches, config.stages
-    total = sum(min(c.step_time(m) for c in cs) for cs in table[1])
+    total = sum(min(c.step_time(m) for c in cs) for cs in costs)
     return total * (m - 1 + p) / (p * m) if p > 1 else total
 
 
-def evaluate(ctx: SearchContext, config: Config, objective: str = "time"
-             ) -> tuple[Candidate | None, list[Candidate]]:
+def evaluate(ctx: SearchContext, config: Config, objective: str = "time",
+             incumbent: float = math.inf) -> tuple[Candidate | None, list[Candidate]]:
     """The best plan of `config` under the budget (None if nothing fits), and the fastest
-    plans at lower memory limits (for the frontier)."""
+    plans at lower memory limits (for the frontier). Option groups (`_data_groups`) whose
+    lower bound cannot beat `incumbent` (the best step time so far) are skipped."""
     table = block_costs(ctx, config)
     if table is None:
         return None, []
     best: Candidate | None = None
     extra: list[Candidate] = []
-    for per_block, costs in _data_groups(ctx, config, *table):
+    groups = sorted(_data_groups(ctx, config, *table),
+                    key=lambda g: lower_bound(ctx, config, g[1]))
+    for per_block, costs in groups:
+        if objective == "time" and len(groups) > 1:
+            beat = min(incumbent, best.step_time if best is not None else math.inf)
+            if lower_bound(ctx, config, costs) >= beat:
+                continue
         cand, more = _evaluate(ctx, config, objective, per_block, costs)
         extra += more
         if cand is not None and (best is None or _key(cand, objective) < _key(best, objective)):
@@ -721,7 +731,8 @@ def search_configs(ctx: SearchContext, configs: Sequence[Config], objective: str
             if progress is not None:
                 progress(n + 1, len(configs))
             continue
-        cand, extra = evaluate(ctx, config, objective)
+        cand, extra = evaluate(ctx, config, objective,
+                               best.step_time if best is not None else math.inf)
         found.extend(extra)
         if cand is not None and (best is None or _key(cand, objective) < _key(best, objective)):
             best = cand
