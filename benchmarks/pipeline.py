@@ -124,7 +124,9 @@ def analyse(name: str, options: dict[str, Any], per_rank: list[dict[str, Any]], 
             "step_over_predicted": statistics.median(whole) / predicted.step_time,
             "bubble": bubble, "predicted_bubble": predicted.bubble_fraction,
             "p2p_ms": 1e3 * p2p,
-            "costs_ms": {k: [round(1e3 * x, 3) for x in v] if isinstance(v, list) else v
+            # the costs are tuples (per stage) or one number: milliseconds either way
+            "costs_ms": {k: [round(1e3 * x, 3) for x in v] if isinstance(v, (list, tuple))
+                         else round(1e3 * v, 3)
                          for k, v in (("F", costs.forward), ("B", costs.backward),
                                       ("W", costs.weight))}}
 

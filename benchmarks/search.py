@@ -32,7 +32,8 @@ can only help Megatron's figure) and with Megatron's uniform split (6 layers per
 the embedding with the first, the head with the last). A pinned plan that does not fit
 80 GiB is reported as such and evaluated again with an unbounded budget, so its step time
 and peak memory are still shown. Last, the search runs again with only the microbatch
-count pinned (192, then 96): it tries p, 2p and 4p microbatches per pipeline degree p, and
+count pinned (192, then 96): it tries p, 2p, 4p and 8p microbatches per pipeline degree p
+(and one sample per replica), and
 these rows show what that restriction costs at this scale.
 
     python benchmarks/search.py                      # all cases, writes benchmarks/results/
