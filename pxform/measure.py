@@ -28,10 +28,10 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-import optree
 import torch
 
 from pxform.errors import PxformError
+from pxform.memory import MemoryMeter, _tensors
 
 __all__ = ["Measured", "RankMeasure", "measure"]
 
@@ -96,7 +96,6 @@ def measure(step: Any, *args: Any, optimizer: torch.optim.Optimizer | None = Non
         >>> measured = pxform.measure(step, params, batch, optimizer=opt, steps=5)
         >>> measured.step_time_s, measured.peak_memory_bytes
     """
-    from pxform.memory import MemoryMeter
     from pxform.transforms.grad import value_and_grad
 
     if steps < 1 or warmup < 0:
@@ -120,7 +119,7 @@ def measure(step: Any, *args: Any, optimizer: torch.optim.Optimizer | None = Non
     if distributed:
         dist.barrier()
     with MemoryMeter(device) as meter:
-        meter.track([_local(t) for t in _leaves(args)])
+        meter.track(args)  # DTensors count by their local pieces
         result = run(*args)
     del result
     stats = meter.stats
@@ -140,24 +139,11 @@ def _name(fn: Any) -> str:
     return getattr(fn, "__name__", "fn")
 
 
-def _leaves(tree: Any) -> list[torch.Tensor]:
-    from torch.distributed.tensor import DTensor
-
-    leaves = optree.tree_leaves(tree, is_leaf=lambda x: isinstance(x, DTensor))  # type: ignore[arg-type]
-    return [x for x in leaves if isinstance(x, torch.Tensor)]
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
-
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
 def _device(args: Any) -> torch.device:
-    for t in _leaves(args):
-        local = _local(t)
-        if local.device.type == "cuda":
-            return local.device
+    """The CUDA device of the first CUDA tensor in `args` (DTensors opened), else the CPU."""
+    for t in _tensors(args):
+        if t.device.type == "cuda":
+            return t.device
     return torch.device("cpu")
 
 
@@ -173,14 +159,10 @@ def _state_bytes(optimizer: torch.optim.Optimizer | None) -> int:
         return 0
     seen: set[int] = set()
     total = 0
-    for state in optimizer.state.values():
-        for value in state.values():
-            if not isinstance(value, torch.Tensor):
-                continue
-            local = _local(value)
-            key = local.untyped_storage().data_ptr()
-            if key in seen and key != 0:
-                continue
-            seen.add(key)
-            total += local.numel() * local.element_size()
+    for local in _tensors(list(optimizer.state.values())):
+        key = local.untyped_storage().data_ptr()
+        if key in seen and key != 0:
+            continue
+        seen.add(key)
+        total += local.numel() * local.element_size()
     return total
