@@ -314,11 +314,7 @@ def main(argv: list[str] | None = None) -> int:
     backend = pick_backend(args.backend)
     dist.init_process_group(backend)
     try:
-        status = train(args, cuda=backend == "nccl")
-        # no rank closes its connections while a peer's last transfer is in flight (a gloo
-        # peer vanishing mid-transfer can abort the other at exit)
-        dist.barrier()
-        return status
+        return train(args, cuda=backend == "nccl")
     finally:
         dist.destroy_process_group()
 
