@@ -16,6 +16,9 @@ module starts one `World` and reuses it for every test:
 a module-level function), calls `fn(*args)` there with the default process group
 initialised (gloo over localhost TCP), and returns the results in rank order. An exception
 on any rank is re-raised here as `WorkerError` naming the rank, with its traceback.
+
+`torchrun(script, *args)` runs a script the way users launch it, under
+`python -m torch.distributed.run`, and kills torchrun *and its workers* on a timeout.
 """
 
 from __future__ import annotations
@@ -24,7 +27,10 @@ import contextlib
 import datetime
 import multiprocessing as mp
 import os
+import signal
 import socket
+import subprocess
+import sys
 import traceback
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -242,3 +248,45 @@ def specs(mesh: Any, rank: int) -> Any:
         return st.just(P())
     choice = st.one_of(st.none(), st.integers(0, rank - 1))
     return st.tuples(*[choice for _ in mesh.names]).map(build)
+
+
+def run_process(cmd: list[str], *, timeout: float, env: dict[str, str] | None = None,
+                cwd: str | os.PathLike[str] | None = None) -> subprocess.CompletedProcess[str]:
+    """Run `cmd` in a session of its own, capturing its output. On a timeout the whole
+    session is killed (a launcher's children too: killing only torchrun would leave its
+    workers running, maybe hung in a collective) and AssertionError says so with the
+    output's tail.
+
+    Example:
+        >>> run_process(["bash", "run.sh"], timeout=600).returncode
+        0
+    """
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          env=env, cwd=cwd, start_new_session=True) as proc:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, err = proc.communicate()
+            raise AssertionError(f"{' '.join(cmd)}: timed out after {timeout} s\n"
+                                 f"stdout:\n{out[-3000:]}\nstderr:\n{err[-3000:]}") from None
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def torchrun(script: str | os.PathLike[str], *args: str, ranks: int = 2, restarts: int = 0,
+             timeout: float = 240.0, env: dict[str, str] | None = None,
+             cwd: str | os.PathLike[str] | None = None) -> subprocess.CompletedProcess[str]:
+    """`torchrun --standalone --nproc-per-node ranks --max-restarts restarts script args`
+    (`--standalone` picks a free port, so runs may go side by side), one torch thread per
+    rank (the ranks share few cores), through `run_process`.
+
+    Example:
+        >>> r = torchrun("examples/train_gpt.py", "--size", "tiny", "--steps", "2")
+        >>> r.returncode, "loss" in r.stdout
+        (0, True)
+    """
+    full_env = dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           "--nproc-per-node", str(ranks), "--max-restarts", str(restarts), os.fspath(script),
+           *args]
+    return run_process(cmd, timeout=timeout, env=full_env, cwd=cwd)

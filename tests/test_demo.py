@@ -7,15 +7,15 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
+
+from pxform.testing import run_process
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_run_sh(tmp_path):
     env = dict(os.environ, CI="true", PXFORM_DEMO_OUT=str(tmp_path))
-    r = subprocess.run(["bash", os.path.join(ROOT, "run.sh")], capture_output=True,
-                       text=True, env=env, timeout=600, cwd=ROOT)
+    r = run_process(["bash", os.path.join(ROOT, "run.sh")], timeout=600, env=env, cwd=ROOT)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
     out = r.stdout
     # 1: the GPT-3 plan and its frontier, saved

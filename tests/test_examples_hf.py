@@ -10,11 +10,12 @@ from __future__ import annotations
 import os
 import re
 import subprocess
-import sys
 from typing import Any
 
 import pytest
 import torch
+
+from pxform.testing import torchrun
 
 pytest.importorskip("transformers")
 
@@ -23,14 +24,9 @@ SCRIPT = os.path.join(ROOT, "examples", "hf_models.py")
 STEPS = 3
 
 
-def _torchrun(*args: str, ranks: int = 2, timeout: float = 240) -> subprocess.CompletedProcess:
-    """Run the example under torchrun (`--standalone` picks a free port, so tests may run
-    side by side), one thread per rank on small CPU machines."""
-    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc-per-node={ranks}", SCRIPT, *args]
-    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout,
-                          cwd=ROOT)
+def _torchrun(*args: str) -> subprocess.CompletedProcess:
+    """Run the example under torchrun on 2 ranks (`pxform.testing.torchrun`)."""
+    return torchrun(SCRIPT, *args, env={"PYTHONPATH": ROOT}, cwd=ROOT)
 
 
 @pytest.mark.slow

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 import pxform
+from pxform.testing import torchrun
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
@@ -44,11 +45,10 @@ def _run(cmd: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
 
 @pytest.mark.slow
 def test_compose_by_hand_on_two_ranks_matches_one_process(tmp_path):
-    # --standalone: torchrun's rendezvous picks a free port itself
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           "--nproc-per-node", "2", str(EXAMPLES / "compose_by_hand.py"),
-           "--size", "tiny", "--steps", "2", "--check", "--dtype", "float64"]
-    out = _run(cmd, tmp_path).stdout
+    result = torchrun(EXAMPLES / "compose_by_hand.py", "--size", "tiny", "--steps", "2",
+                      "--check", "--dtype", "float64", timeout=TIMEOUT_S, cwd=tmp_path)
+    assert result.returncode == 0, f"stdout:\n{result.stdout}\nstderr:\n{result.stderr}"
+    out = result.stdout
     # what was composed, and what the library made of it
     assert "layer = pxform.recompute(gpt.block, policy='nothing')" in out
     assert "pxform.pipeline(loss, stages=2, microbatches=4, schedule='1f1b')" in out

@@ -7,41 +7,20 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
 
 import torch
 
+from pxform.testing import torchrun as run_torchrun
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "examples", "train_gpt.py")
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def torchrun(*args: str, ranks: int = 2, restarts: int = 0, timeout: float = 240
-             ) -> subprocess.CompletedProcess:
-    """`torchrun --nproc-per-node ranks [--max-restarts] examples/train_gpt.py args`."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
-           "--master-addr", "127.0.0.1", "--master-port", str(_port()),
-           "--max-restarts", str(restarts), SCRIPT, *args]
-    # a session of its own, so a timeout can kill the workers too, not only torchrun
-    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                          env=env, cwd=ROOT, start_new_session=True) as proc:
-        try:
-            out, err = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            out, err = proc.communicate()
-            raise AssertionError(f"timed out after {timeout} s:\n{out[-3000:]}\n"
-                                 f"{err[-3000:]}") from None
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+def torchrun(*args: str, restarts: int = 0) -> subprocess.CompletedProcess:
+    """`torchrun --nproc-per-node 2 [--max-restarts] examples/train_gpt.py args`."""
+    return run_torchrun(SCRIPT, *args, restarts=restarts, env={"PYTHONPATH": ROOT}, cwd=ROOT)
 
 
 def test_train_matches_one_process_and_reports_predictions(tmp_path):
