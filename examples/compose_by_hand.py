@@ -419,4 +419,5 @@ def check_first_step(args: argparse.Namespace, loss: torch.Tensor, grads: Any,
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # not sys.exit: see pxform.exit_worker (a gloo thread can abort a clean exit)
+    pxform.exit_worker(main())

@@ -371,4 +371,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # not sys.exit: see pxform.exit_worker (a gloo thread can abort a clean exit)
+    pxform.exit_worker(main())

@@ -327,4 +327,5 @@ def check(cfg: GPTConfig, args: argparse.Namespace, dtype: torch.dtype,
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # not sys.exit: see pxform.exit_worker (a gloo thread can abort a clean exit)
+    pxform.exit_worker(main())

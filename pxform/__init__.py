@@ -37,12 +37,13 @@ from pxform.transforms.grad import value_and_grad
 from pxform.transforms.pipeline import Pipelined, pipeline
 from pxform.transforms.recompute import Recomputed, checkpoint_name, recompute
 from pxform.transforms.shard import Sharded, gather, shard
+from pxform.worker import exit_worker
 
 __version__ = "0.1.0"
 
 __all__ = [
     "MemoryMeter", "MemoryReport", "MemoryStats", "memory_report", "measure", "Measured",
-    "PlanReport",
+    "PlanReport", "exit_worker",
     "AbstractMesh", "auto", "Auto", "check", "FrontierPoint", "hardware", "Pin", "Plan",
     "profile", "SearchError", "checkpoint_name", "coshard", "Cosharded", "gather", "Graph",
     "GraphCheckError", "Mesh", "module_fn", "Op", "OpInfo", "ops", "P", "pipeline", "Pipelined",

@@ -35,7 +35,7 @@ import time
 import traceback
 from collections import Counter
 from collections.abc import Callable, Sequence
-from typing import Any, TextIO
+from typing import Any, NoReturn, TextIO
 
 import pxform
 from pxform import calibrate
@@ -45,6 +45,7 @@ from pxform.hardware import hardware as get_hardware
 from pxform.plan import Plan
 from pxform.search import SearchError
 from pxform.units import format_bytes, parse_bytes
+from pxform.worker import exit_worker
 
 __all__ = ["build_parser", "frontier_table", "load_factory", "main", "write_plots"]
 
@@ -150,6 +151,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"pxform {args.command}: interrupted", file=sys.stderr)
         return 130
+
+
+def entry() -> NoReturn:
+    """The `pxform` executable and `python -m pxform`: `main()`, then `exit_worker` with its
+    code (not sys.exit: under torchrun a gloo thread can abort a clean exit; see
+    `pxform/worker.py`)."""
+    exit_worker(main())
 
 
 # ---------------------------------------------------------------------------- plan
