@@ -523,4 +523,4 @@ def plot_timeline(plan: Plan, path: str) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

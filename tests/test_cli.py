@@ -171,9 +171,9 @@ def test_progress_bar():
 
 def test_console_script_entry_point():
     scripts = {e.name: e.value for e in metadata.entry_points(group="console_scripts")}
-    assert scripts.get("pxform") == "pxform.cli:main"
+    assert scripts.get("pxform") == "pxform.cli:entry"
     script = Path(sys.executable).parent / "pxform"
-    command = [str(script)] if script.is_file() else [sys.executable, "-m", "pxform.cli"]
+    command = [str(script)] if script.is_file() else [sys.executable, "-m", "pxform"]
     result = subprocess.run([*command, "plan", TINY, *SMALL_RUN, "--quiet"], cwd=ROOT,
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
