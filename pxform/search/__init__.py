@@ -193,7 +193,8 @@ def _infeasible(a: Analysis, model: CostModel, devices: int, budget: int, batch:
     n = devices * 2
     while n <= devices * 64 and least is not None:
         ctx = SearchContext(a, model, float(budget), batch, pin)
-        cand, _, _ = search_configs(ctx, _configs(a, n, hw, batch, pin, fn), "memory")
+        cand, _, _ = search_configs(ctx, _configs(a, n, hw, batch, pin, fn), "memory",
+                                    first_fit=True)
         if cand is not None:
             fits = n
             break

@@ -391,6 +391,21 @@ def lower_bound(ctx: SearchContext, config: Config,
     return total * (m - 1 + p) / (p * m) if p > 1 else total
 
 
+def memory_lower_bound(ctx: SearchContext, config: Config) -> float:
+    """No plan of `config` needs less memory per device than this: every block at its
+    least-memory option with one microbatch in flight, spread evenly over the p stages (the
+    peak is the largest stage's), plus the smallest workspace any stage has
+    (`WORKSPACE_BLOCKS` x the least bytes any block option saves)."""
+    table = block_costs(ctx, config)
+    if table is None:
+        return math.inf
+    per_block, costs = table
+    total = sum(min(c.memory(1, o.recompute) for o, c in zip(opts, cs))
+                for opts, cs in zip(per_block, costs))
+    workspace = WORKSPACE_BLOCKS * min(c.saved for cs in costs for c in cs)
+    return total / config.stages + workspace
+
+
 def evaluate(ctx: SearchContext, config: Config, objective: str = "time",
              incumbent: float = math.inf) -> tuple[Candidate | None, list[Candidate]]:
     """The best plan of `config` under the budget (None if nothing fits), and the fastest
@@ -713,21 +728,26 @@ def _p2p_time(ctx: SearchContext, config: Config, idx: list[int]) -> float:
 
 
 def search_configs(ctx: SearchContext, configs: Sequence[Config], objective: str,
-                   progress: Callable[[int, int], None] | None = None
+                   progress: Callable[[int, int], None] | None = None, *,
+                   first_fit: bool = False
                    ) -> tuple[Candidate | None, list[Candidate], float]:
     """Evaluate every configuration; the best plan, every plan found (for the frontier),
-    and the seconds it took."""
+    and the seconds it took. `first_fit`: stop at the first plan that fits (to ask
+    whether any does)."""
     start = time.perf_counter()
     best: Candidate | None = None
     found: list[Candidate] = []
-    # branch and bound for time: the most promising configurations first, and none whose
-    # lower bound cannot beat the best plan so far
-    bounds = {c: lower_bound(ctx, c) for c in configs}
+    # branch and bound: the most promising configurations first, and none whose lower
+    # bound (step time, or peak memory for the memory objective) cannot beat the best
+    # plan so far. Memory ties are kept: step time breaks them.
+    if objective == "time":
+        bounds = {c: lower_bound(ctx, c) for c in configs}
+    else:
+        bounds = {c: memory_lower_bound(ctx, c) for c in configs}
     order = sorted(configs, key=lambda c: (bounds[c], c.stages, c.outer, c.microbatches))
-    if objective != "time":
-        order = list(configs)
     for n, config in enumerate(order):
-        if objective == "time" and best is not None and bounds[config] >= best.step_time:
+        if best is not None and (bounds[config] >= best.step_time if objective == "time"
+                                 else bounds[config] > best.peak_memory):
             if progress is not None:
                 progress(n + 1, len(configs))
             continue
@@ -738,6 +758,8 @@ def search_configs(ctx: SearchContext, configs: Sequence[Config], objective: str
             best = cand
         if progress is not None:
             progress(n + 1, len(configs))
+        if first_fit and best is not None:
+            break
     return best, found, time.perf_counter() - start
 
 
