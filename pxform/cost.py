@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -50,12 +50,6 @@ about 1.3x for data-parallel gradient all-reduce during backward on A100 nodes).
 
 BACKWARD_RATIO = 2.0
 """Backward FLOPs per forward FLOP: input gradient and weight gradient are one matmul each."""
-
-WORKSPACE_BLOCKS = 2
-"""Blocks' worth of saved activations alive on top of the in-flight ones during backward:
-the block being recomputed or differentiated, and the gradients flowing through it (the
-same constant as stage-aware recompute, `pxform.stage_recompute`)."""
-
 
 @dataclass(frozen=True)
 class CostModel:
@@ -136,17 +130,35 @@ def relayout_steps(relayout: Relayout) -> list[tuple[str, str, float]]:
     return out
 
 
-def saved_bytes_per_op(graph: Graph, start: int, stop: int, skip: set[str]) -> list[int]:
-    """Bytes each op of `graph.ops[start:stop]` saves for backward, measured by running
-    those ops on fake tensors under saved-tensor hooks (no memory, no device).
+@dataclass(frozen=True)
+class SavedBytes:
+    """What one op saves for backward, by whose tensor it is: per op input, per op output,
+    and `other` (intermediates of the op itself). The split lets a sharded op count each
+    saved tensor at its own layout's local size (a column-parallel matmul saves its whole
+    replicated input, not a shard of it)."""
+
+    inputs: tuple[int, ...]
+    outputs: tuple[int, ...]
+    other: int
+
+    @property
+    def total(self) -> int:
+        return sum(self.inputs) + sum(self.outputs) + self.other
+
+
+def saved_bytes_per_op(graph: Graph, start: int, stop: int, skip: set[str]
+                       ) -> list[SavedBytes]:
+    """Bytes each op of `graph.ops[start:stop]` saves for backward, by input and output,
+    measured by running those ops on fake tensors under saved-tensor hooks (no memory, no
+    device).
 
     Values read from outside the range are fake inputs that require grad when floating.
     A storage is counted once, for the first op that saves it; storages of values named in
     `skip` (parameters, batch inputs: stored anyway) are not counted.
 
     Example:
-        >>> saved_bytes_per_op(traced.graph, 0, len(traced.graph.ops), {"params.w"})
-        [0, 4096, ...]
+        >>> [s.total for s in saved_bytes_per_op(traced.graph, 0, 3, {"params.w"})]
+        [0, 4096, 4096]
     """
     ops = graph.ops[start:stop]
     mode = FakeTensorMode(allow_non_fake_inputs=True)
@@ -165,20 +177,37 @@ def saved_bytes_per_op(graph: Graph, start: int, stop: int, skip: set[str]) -> l
         tensors = [torch.empty(v.type.shape, dtype=v.type.dtype).requires_grad_(
                    v.type.dtype.is_floating_point) for v in inputs]
     skipped = {id(t.untyped_storage()) for v, t in zip(inputs, tensors) if v.name in skip}
+    # our own value -> tensor map (run_graph drops dead values; fake tensors cost nothing)
+    env: dict[str, torch.Tensor] = {v.name: t for v, t in zip(inputs, tensors)}
     seen: dict[int, object] = {}  # storage id -> storage (kept alive so ids stay unique)
-    pending: list[int] = []
-    saved: list[int] = []
+    pending: list[tuple[int, int]] = []  # (storage id, bytes) saved by the running op
+    saved: list[SavedBytes] = []
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         storage = t.untyped_storage()
         key = id(storage)
         if key not in seen and key not in skipped:
             seen[key] = storage
-            pending.append(storage.nbytes())
+            pending.append((key, storage.nbytes()))
         return t
 
-    def on_op(op: object, args: object, results: object) -> None:
-        saved.append(sum(pending))
+    def storage_id(t: Any) -> int | None:
+        return id(t.untyped_storage()) if isinstance(t, torch.Tensor) else None
+
+    def on_op(op: Any, args: object, results: list[torch.Tensor]) -> None:
+        for v, r in zip(op.outputs, results):
+            env[v.name] = r
+        ins = [storage_id(env.get(v.name)) for v in op.inputs]
+        outs = [storage_id(r) for r in results][:len(op.outputs)]
+        by_in, by_out, other = [0] * len(ins), [0] * len(op.outputs), 0
+        for key, nbytes in pending:
+            if key in ins:
+                by_in[ins.index(key)] += nbytes
+            elif key in outs:
+                by_out[outs.index(key)] += nbytes
+            else:
+                other += nbytes
+        saved.append(SavedBytes(tuple(by_in), tuple(by_out), other))
         pending.clear()
 
     with mode, torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):

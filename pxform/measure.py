@@ -9,7 +9,9 @@ gathers per rank
   update is not part of it), each call after a barrier, the median over `steps` calls
   after `warmup` untimed ones;
 * the peak memory: one more call under `pxform.MemoryMeter` with the arguments as
-  baseline (parameters, batch: this rank's local pieces), plus the bytes of the
+  baseline (parameters, batch: this rank's local pieces; for a pipelined `pxform.auto`
+  plan only those `step.holds`, its stages' own: the copies of other stages' parameters a
+  rank may keep are never read, and the plan does not need them), plus the bytes of the
   optimizer's state on this rank (Adam's two moments), which live between steps and which
   a plan counts in its 16 bytes per parameter. The metered call is not timed (the meter's
   dispatch mode slows every op).
@@ -118,8 +120,9 @@ def measure(step: Any, *args: Any, optimizer: torch.optim.Optimizer | None = Non
         del result
     if distributed:
         dist.barrier()
+    tracked = _held(step, args)
     with MemoryMeter(device) as meter:
-        meter.track(args)  # DTensors count by their local pieces
+        meter.track(tracked)  # DTensors count by their local pieces
         result = run(*args)
     del result
     stats = meter.stats
@@ -166,3 +169,18 @@ def _state_bytes(optimizer: torch.optim.Optimizer | None) -> int:
         seen.add(key)
         total += local.numel() * local.element_size()
     return total
+
+
+def _held(step: Any, args: tuple[Any, ...]) -> list[Any]:
+    """The leaves of `args` this rank computes with: for `pxform.auto` those its
+    `holds` names (a pipeline stage's own), otherwise all."""
+    import optree
+
+    from pxform.transforms.auto import Auto
+    from pxform.transforms.shard import _is_dtensor
+
+    leaves = optree.tree_leaves(args, is_leaf=_is_dtensor, none_is_leaf=True)  # type: ignore[arg-type]
+    if not isinstance(step, Auto):
+        return leaves
+    flags = optree.tree_leaves(step.holds(*args), none_is_leaf=True)  # type: ignore[arg-type]
+    return [leaf for leaf, held in zip(leaves, flags, strict=True) if held]

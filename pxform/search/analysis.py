@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from pxform.cost import saved_bytes_per_op
+from pxform.cost import SavedBytes, saved_bytes_per_op
 from pxform.cuts import _signature, graph_blocks, strip_markers
 from pxform.errors import PxformError
 from pxform.ir import Graph, Value
@@ -60,7 +60,8 @@ class Analysis:
     op_flops: tuple[int, ...]
     op_bytes: tuple[int, ...]            # bytes an op reads and writes (inputs + outputs)
     op_batch: tuple[bool, ...]
-    op_saved: tuple[int, ...]            # bytes saved for backward at the traced batch
+    op_saved: tuple[SavedBytes, ...]     # saved for backward at the traced batch,
+                                         # by input and output (unsharded)
     data_strategies: tuple[Strategy, ...]  # per op, on a one-axis mesh DATA
     data_layouts: dict[str, Layout]      # value -> layout under data parallelism
     traced_batch: int
@@ -114,9 +115,9 @@ def analyse(graph: Graph, batch_inputs: set[str], batch_dim: int = 0,
     # kinds: same ops on the same shapes
     ids: dict[tuple, int] = {}
     kind_of = [ids.setdefault(_signature(graph.ops[a:b]), len(ids)) for a, b, _ in blocks]
-    saved = [0] * len(graph.ops)
+    saved: list[SavedBytes] = [SavedBytes((), (), 0)] * len(graph.ops)
     skip = set(batch) | set(params)
-    done: dict[int, list[int]] = {}
+    done: dict[int, list[SavedBytes]] = {}
     for (a, b, _), k in zip(blocks, kind_of):
         if k not in done:
             done[k] = saved_bytes_per_op(graph, a, b, skip)

@@ -90,6 +90,9 @@ class WalkCost:
     kept_bytes: float     # what a recomputed block keeps: its inputs from earlier blocks
     param_bytes: float    # local bytes (+ gradients and optimizer state) of the
                           # parameters the block holds
+    grad_bytes: float     # of which their gradients
+    transient_bytes: float  # the block's largest op's inputs and outputs: about what its
+                            # backward holds at once (output and input gradients)
 
 
 def _floating(v: Value) -> bool:
@@ -98,6 +101,14 @@ def _floating(v: Value) -> bool:
 
 def _ways(strategy: Strategy, axes: Mapping[str, tuple[int, int]]) -> int:
     return math.prod(axes[a][0] for a, c in strategy.choices if c[0] == "split")
+
+
+def _local_fraction(v: Value, layout: Layout, cache: RelayoutCache) -> float:
+    """The share of `v` one device holds when laid out as `layout`."""
+    whole = math.prod(v.type.shape)
+    if not whole:
+        return 1.0
+    return math.prod(layout.local_shape(v.type.shape, cache.mesh)) / whole
 
 
 def input_times(v: Value, i: int, s: Strategy, have: Layout, cache: RelayoutCache,
@@ -126,7 +137,7 @@ def walk(a: Analysis, block: BlockInfo, strats: list[Strategy], outside: Mapping
     axes = cache.axes
     layouts: dict[str, Layout] = {}
     done: set[tuple[str, Layout]] = set()
-    fwd_compute = fwd_comm = bwd_comm = grad_comm = saved = 0.0
+    fwd_compute = fwd_comm = bwd_comm = grad_comm = saved = transient = 0.0
     graph = a.graph
     values = {}
     # parameter gradients go to buckets (`pxform.runtime.buckets`): one collective per
@@ -139,7 +150,20 @@ def walk(a: Analysis, block: BlockInfo, strats: list[Strategy], outside: Mapping
         dtype = op.outputs[0].type.dtype if op.outputs else op.inputs[0].type.dtype
         fwd_compute += model.compute_time(a.op_flops[k] * sc / ways, dtype,
                                           a.op_bytes[k] * sc / ways)
-        saved += a.op_saved[k] * sc / ways
+        # each saved tensor at its own layout's local size; the op's intermediates as its
+        # split (`ways`)
+        kept_by = a.op_saved[k]
+        for v, lay, nbytes in zip(op.inputs, s.inputs, kept_by.inputs):
+            if nbytes:
+                saved += nbytes * sc * _local_fraction(v, lay, cache)
+        for v, lay, nbytes in zip(op.outputs, s.outputs, kept_by.outputs):
+            if nbytes:
+                saved += nbytes * sc * _local_fraction(v, lay, cache)
+        saved += kept_by.other * sc / ways
+        transient = max(transient, sum(
+            v.type.nbytes * (sc if v.name not in a.params else 1.0)
+            * _local_fraction(v, lay, cache)
+            for v, lay in (*zip(op.inputs, s.inputs), *zip(op.outputs, s.outputs))))
         for i, v in enumerate(op.inputs):
             values[v.name] = v
             have = layouts.get(v.name) or params.get(v.name) or outside.get(v.name)
@@ -151,6 +175,11 @@ def walk(a: Analysis, block: BlockInfo, strats: list[Strategy], outside: Mapping
                                    sc if v.name in batch_values else 1.0, first)
             fwd_comm += fwd
             if v.name in a.params:
+                if first and have != s.inputs[i] and _floating(v):
+                    # gathered at use (ZeRO-3): the runtime's autograd saves the gathered
+                    # copy for backward (parameters are not in `op_saved`: stored anyway)
+                    need = math.prod(s.inputs[i].local_shape(v.type.shape, cache.mesh))
+                    saved += need * v.type.dtype.itemsize
                 if bwd > 0:
                     for kind, axis, sent in cache.steps(v, consumer_gradient_layout(s, i),
                                                         gradient_layout(have)):
@@ -178,13 +207,15 @@ def walk(a: Analysis, block: BlockInfo, strats: list[Strategy], outside: Mapping
         lay = outside.get(name, Layout.replicated(v.type.rank))
         local = math.prod(lay.local_shape(v.type.shape, cache.mesh))
         kept += local * v.type.dtype.itemsize * (scale if name in batch_values else 1.0)
-    pbytes = 0.0
+    pbytes = gbytes = 0.0
     for name in block.params:
         v = vals[name]
         lay = params.get(name, Layout.replicated(v.type.rank))
         local = math.prod(lay.local_shape(v.type.shape, cache.mesh))
         pbytes += local * model.state_bytes_per_param(v.type.dtype)
-    return WalkCost(fwd_compute, fwd_comm, bwd_comm, grad_comm, saved, kept, pbytes)
+        gbytes += local * v.type.dtype.itemsize
+    return WalkCost(fwd_compute, fwd_comm, bwd_comm, grad_comm, saved, kept, pbytes, gbytes,
+                    transient)
 
 
 # ---------------------------------------------------------------- tensor-axis beam search

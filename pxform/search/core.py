@@ -18,8 +18,10 @@ Per block option, per microbatch (`blockcost.walk`):
     locally, as DDP's no_sync and Megatron do)
 
 and per device memory: parameter + gradient + optimizer bytes, plus the microbatches in
-flight x (bytes saved for backward, or only the block's inputs when recomputed), plus a
-workspace of 2 blocks' saved bytes.
+flight x (bytes saved for backward, or only the block's inputs when recomputed), with
+gradients counted only as they replace freed activations when every microbatch is in
+flight before the first backward (`OptionCost.memory`), plus a workspace: the largest op's
+inputs and outputs, and a recomputed block's activations (`OptionCost.workspace`).
 """
 
 from __future__ import annotations
@@ -34,7 +36,6 @@ import numpy as np
 
 from pxform.cost import (
     BACKWARD_RATIO,
-    WORKSPACE_BLOCKS,
     CostModel,
     one_f_one_b_in_flight,
     one_f_one_b_time,
@@ -236,7 +237,7 @@ def walk_cost(ctx: SearchContext, block: BlockInfo, config: Config, option: Opti
 
 def _fields(w: WalkCost) -> tuple[float, ...]:
     return (w.fwd_compute, w.fwd_comm, w.bwd_comm, w.grad_comm, w.saved_bytes, w.kept_bytes,
-            w.param_bytes)
+            w.param_bytes, w.grad_bytes, w.transient_bytes)
 
 
 def _walk_at(ctx: SearchContext, block: BlockInfo, config: Config, option: Option,
@@ -276,13 +277,32 @@ class OptionCost:
     step_extra: float   # per step: data-parallel gradient all-reduce beyond what overlaps
     saved: float
     kept: float
-    params: float
+    params: float       # parameters, their gradients and optimizer state
+    grads: float        # of which the gradients
+    transient: float    # the largest op's inputs and outputs (`WalkCost.transient_bytes`)
 
     def step_time(self, m: int) -> float:
         return m * (self.forward + self.backward) + self.step_extra
 
-    def memory(self, in_flight: int, recompute: bool) -> float:
-        return self.params + in_flight * (self.kept if recompute else self.saved)
+    def memory(self, in_flight: int, recompute: bool, microbatches: int) -> float:
+        """The block's bytes at its stage's peak, without the workspace.
+
+        When every microbatch is in flight before the stage's first backward (`in_flight >=
+        microbatches`: no pipeline and one microbatch, or an early 1F1B stage with few
+        microbatches), the peak comes during that backward, as the activations are freed
+        block by block and the gradients appear: it is at most (in_flight - 1) x act +
+        max(act, grads) summed over the blocks. Otherwise the gradients exist from the
+        first backward on, while the stage again holds `in_flight` microbatches."""
+        act = self.kept if recompute else self.saved
+        state = self.params - self.grads
+        if in_flight >= microbatches:
+            return state + (in_flight - 1) * act + max(act, self.grads)
+        return state + self.grads + in_flight * act
+
+    def workspace(self, recompute: bool) -> float:
+        """Bytes alive only while this block's backward runs: its largest op's inputs and
+        outputs (their gradients), and when recomputed its activations, made again."""
+        return self.transient + (self.saved if recompute else 0.0)
 
 
 def option_cost(ctx: SearchContext, block: BlockInfo, config: Config, option: Option
@@ -297,7 +317,8 @@ def option_cost(ctx: SearchContext, block: BlockInfo, config: Config, option: Op
     else:
         b = bc
         extra = model.overlap(bc, w.grad_comm) - bc
-    return OptionCost(f, b, extra, w.saved_bytes, w.kept_bytes, w.param_bytes)
+    return OptionCost(f, b, extra, w.saved_bytes, w.kept_bytes, w.param_bytes, w.grad_bytes,
+                      w.transient_bytes)
 
 
 def transition(ctx: SearchContext, prev: BlockInfo, config: Config, s: Option, s2: Option
@@ -394,15 +415,16 @@ def lower_bound(ctx: SearchContext, config: Config,
 def memory_lower_bound(ctx: SearchContext, config: Config) -> float:
     """No plan of `config` needs less memory per device than this: every block at its
     least-memory option with one microbatch in flight, spread evenly over the p stages (the
-    peak is the largest stage's), plus the smallest workspace any stage has
-    (`WORKSPACE_BLOCKS` x the least bytes any block option saves)."""
+    peak is the largest stage's), plus the smallest workspace any block option has."""
     table = block_costs(ctx, config)
     if table is None:
         return math.inf
     per_block, costs = table
-    total = sum(min(c.memory(1, o.recompute) for o, c in zip(opts, cs))
+    m = config.microbatches
+    total = sum(min(c.memory(1, o.recompute, m) for o, c in zip(opts, cs))
                 for opts, cs in zip(per_block, costs))
-    workspace = WORKSPACE_BLOCKS * min(c.saved for cs in costs for c in cs)
+    workspace = min(c.workspace(o.recompute) for opts, cs in zip(per_block, costs)
+                    for o, c in zip(opts, cs))
     return total / config.stages + workspace
 
 
@@ -622,7 +644,7 @@ def _stage_frontier(ctx: SearchContext, config: Config, idx: list[int],
     a = ctx.analysis
     m = config.microbatches
     times = [np.array([c.step_time(m) for c in costs[k]]) for k in idx]
-    mems = [np.array([c.memory(flight, o.recompute) for c, o in zip(costs[k], per_block[k])])
+    mems = [np.array([c.memory(flight, o.recompute, m) for c, o in zip(costs[k], per_block[k])])
             for k in idx]
     trans_time: list[np.ndarray | None] = [None]
     for j in range(1, len(idx)):
@@ -638,7 +660,8 @@ def _stage_frontier(ctx: SearchContext, config: Config, idx: list[int],
             ctx._trans[key] = mat
         trans_time.append(mat)
     budget = ctx.budget
-    workspace = WORKSPACE_BLOCKS * max(min(c.saved for c in costs[k]) for k in idx)
+    workspace = max(min(c.workspace(o.recompute) for c, o in zip(costs[k], per_block[k]))
+                    for k in idx)
     for _ in range(3):
         limit = budget - workspace
         if limit <= 0:
@@ -650,7 +673,8 @@ def _stage_frontier(ctx: SearchContext, config: Config, idx: list[int],
         out = []
         worst = workspace
         for pt in pts:
-            ws = WORKSPACE_BLOCKS * max(costs[k][c].saved for k, c in zip(idx, pt.choices))
+            ws = max(costs[k][c].workspace(per_block[k][c].recompute)
+                     for k, c in zip(idx, pt.choices))
             worst = max(worst, ws)
             if pt.memory + ws <= budget:
                 out.append((pt, pt.memory + ws))
@@ -685,7 +709,7 @@ def _assemble(ctx: SearchContext, config: Config, part: tuple[int, ...],
             oc = costs[k][c]
             chosen[k] = o
             block_time[k] = oc.step_time(m)
-            block_mem[k] = oc.memory(flights[s], o.recompute)
+            block_mem[k] = oc.memory(flights[s], o.recompute, m)
             f += oc.forward
             b += oc.backward
             extra += oc.step_extra
