@@ -28,6 +28,7 @@ emits them.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -105,10 +106,15 @@ def _ways(strategy: Strategy, axes: Mapping[str, tuple[int, int]]) -> int:
 
 def _local_fraction(v: Value, layout: Layout, cache: RelayoutCache) -> float:
     """The share of `v` one device holds when laid out as `layout`."""
-    whole = math.prod(v.type.shape)
+    return _fraction(tuple(v.type.shape), layout, cache.mesh)
+
+
+@functools.lru_cache(maxsize=65536)
+def _fraction(shape: tuple[int, ...], layout: Layout, mesh: AbstractMesh) -> float:
+    whole = math.prod(shape)
     if not whole:
         return 1.0
-    return math.prod(layout.local_shape(v.type.shape, cache.mesh)) / whole
+    return math.prod(layout.local_shape(shape, mesh)) / whole
 
 
 def input_times(v: Value, i: int, s: Strategy, have: Layout, cache: RelayoutCache,
