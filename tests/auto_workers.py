@@ -134,4 +134,33 @@ def run_training_api(the_pin: Pin) -> dict:
             "mismatched": mismatched, "ranks": [(r.rank, r.stage) for r in report.ranks],
             "state": [r.state_bytes for r in measured.ranks],
             "peaks": [r.peak_memory_bytes for r in measured.ranks],
-            "times": [r.step_time_s for r in measured.ranks], "text": str(report)}
+            "times": [r.step_time_s for r in measured.ranks], "text": str(report),
+            "memory_errors": [r.memory_error for r in report.ranks]}
+
+
+def run_memory_accuracy(the_pin: Pin) -> list[float]:
+    """GPT "small" (float32, global batch 16), the pinned plan distributed, one AdamW step
+    so the optimizer's state exists, then `measure` and `plan.report`: each rank's signed
+    memory error, predicted over metered."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    torch.manual_seed(0)
+    cfg = gpt.GPT_CONFIGS["small"]
+    params = gpt.init_params(cfg)
+    batch = gpt.make_batch(cfg, 16)
+    step = pxform.auto(gpt.loss_fn, mesh=dist.get_world_size(), memory_budget="40GiB",
+                       hardware="a100-40gb", plan=the_pin)
+    plan = step.plan(params, batch, cfg)
+    dparams = step.distribute(params, batch, cfg)[0]
+    held = optree.tree_leaves(step.holds(dparams, batch, cfg)[0])
+    is_leaf = lambda x: isinstance(x, DTensor)  # noqa: E731
+    owned = [p for p, h in zip(optree.tree_leaves(dparams, is_leaf=is_leaf), held) if h]
+    opt = torch.optim.AdamW(owned, lr=1e-3)
+    for p in owned:
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    for p in owned:
+        p.grad = None
+    measured = pxform.measure(step, dparams, batch, cfg, optimizer=opt, steps=1, warmup=0)
+    return [r.memory_error for r in plan.report(measured).ranks]

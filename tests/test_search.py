@@ -420,3 +420,39 @@ def test_the_memory_bound_prunes_without_changing_the_least_memory_plan(monkeypa
     assert pruned_count < len(evaluated)
     assert pruned.peak_memory_bytes == exhaustive.peak_memory_bytes
     assert pin_of(pruned) == pin_of(exhaustive)
+
+
+def test_saved_bytes_are_attributed_to_the_tensor_saved():
+    """A sharded op counts each saved tensor at its own layout: so the fake-tensor run must
+    say whose tensor each saved storage is (a linear saves its input x; relu its output;
+    the weight, a parameter, is stored anyway and not counted)."""
+    from pxform.cost import SavedBytes, saved_bytes_per_op
+
+    def fn(w, x):
+        return F.linear(x, w).relu().sum()
+
+    w, x = torch.randn(8, 4), torch.randn(16, 4)
+    graph = pxform.trace(fn, w, x).graph
+    saved = saved_bytes_per_op(graph, 0, len(graph.ops), {"w"})
+    assert [str(op.target) for op in graph.ops] == ["aten.linear.default",
+                                                    "aten.relu.default", "aten.sum.default"]
+    assert [v.name for v in graph.ops[0].inputs] == ["x", "w"]
+    assert saved[0] == SavedBytes(inputs=(16 * 4 * 4, 0), outputs=(0,), other=0)
+    assert saved[1] == SavedBytes(inputs=(0,), outputs=(16 * 8 * 4,), other=0)
+    assert saved[2].total == 0
+
+
+def test_block_memory_counts_gradients_as_they_replace_activations():
+    """`OptionCost.memory`: with every microbatch in flight before the first backward the
+    block counts max(activations, gradients) on top of weights and optimizer state;
+    otherwise gradients and the in-flight activations together. The workspace adds the
+    block's activations when it is recomputed."""
+    from pxform.search.core import OptionCost
+
+    c = OptionCost(forward=0.0, backward=0.0, step_extra=0.0, saved=100.0, kept=10.0,
+                   params=160.0, grads=40.0, transient=5.0)
+    assert c.memory(1, False, 1) == 120 + 100           # one microbatch: no pipeline
+    assert c.memory(2, False, 2) == 120 + 100 + 100     # an early stage, all in flight
+    assert c.memory(1, False, 4) == 160 + 100           # accumulating over microbatches
+    assert c.memory(1, True, 1) == 120 + 40             # recomputed: gradients dominate
+    assert (c.workspace(False), c.workspace(True)) == (5.0, 105.0)
