@@ -116,17 +116,18 @@ def test_what_training_loops_rely_on(world2, stages):
 
 
 # The memory model against the meter (`docs/benchmarks/accuracy.md`): GPT "small" on 2
-# ranks. Data parallel, ZeRO-3 and recompute are within the 5 % goal (the model
-# before the meter check was off by +14 % to +32 % on these); tensor parallelism and
-# pipelines still miss runtime buffers the model does not count (-7 % to -14 %), so they
-# are held to 15 % here, to catch a change for the worse.
+# ranks. Data parallel, ZeRO-3, recompute and a 2-stage pipeline are within the 5 %
+# goal (the model before the meter check was off by +14 % to +32 % on the first three and
+# short on the pipeline's last stage, which holds the tied embedding too); tensor
+# parallelism still misses runtime buffers the model does not count (-9 %), so it is held
+# to 15 % here, to catch a change for the worse.
 @pytest.mark.slow
 @pytest.mark.parametrize("name, the_pin, limit", [
     ("dp", W.pin(1, 2, 1, 1, (("outer", "dp"),), (False,) * 6), 0.05),
     ("zero3", W.pin(1, 2, 1, 1, (("outer", "sdp"),), (False,) * 6), 0.05),
     ("dp+recompute", W.pin(1, 2, 1, 1, (("outer", "dp"),), (True,) * 6), 0.05),
     ("tp", W.pin(1, 1, 2, 1, (("inner", "tp"),), (False,) * 6), 0.15),
-    ("pp2 m2", W.pin(2, 1, 1, 2, None), 0.15),
+    ("pp2 m2", W.pin(2, 1, 1, 2, None), 0.05),
 ], ids=["dp", "zero3", "dp+recompute", "tp", "pp2-m2"])
 def test_predicted_memory_matches_the_meter(world2, name, the_pin, limit):
     errors = world2.run(W.run_memory_accuracy, the_pin)

@@ -524,7 +524,7 @@ def _evaluate(ctx: SearchContext, config: Config, objective: str,
             idx = [k for k in range(len(blocks)) if part[k] == s]
             # stages with the same kinds, options and flight have the same frontier
             key = (config, tuple((a.blocks[k].kind, id(per_block[k])) for k in idx),
-                   flights[s])
+                   flights[s], _borrowed(ctx, idx, costs) if p > 1 else 0.0)
             pts = ctx._stages.get(key)
             if pts is None:
                 pts = _stage_frontier(ctx, config, idx, per_block, costs, flights[s])
@@ -636,6 +636,36 @@ def _shift(part: tuple[int, ...], stage: int, p: int) -> tuple[int, ...] | None:
     return tuple(out)
 
 
+def _borrowed(ctx: SearchContext, idx: list[int], costs: list[list[OptionCost]],
+              chosen: Sequence[OptionCost | None] | None = None) -> float:
+    """Bytes a pipeline stage holds for parameters an earlier stage's block owns (a tied
+    embedding read again by the head): their weights, gradients and optimizer state live on
+    every stage that reads them. Counted at the owner's share of its option's state bytes:
+    the chosen option's when `chosen` gives it, else the least over its options (what the
+    frontier DP can count before the owner's stage is chosen)."""
+    a = ctx.analysis
+    inside = set(idx)
+    owned = {name for k in idx for name in a.blocks[k].params}
+    reads = ctx._trans.get(("param reads", tuple(idx)))
+    if reads is None:
+        graph_params = a.params
+        reads = {v.name for k in idx
+                 for op in a.graph.ops[a.blocks[k].start:a.blocks[k].stop]
+                 for v in op.inputs if v.name in graph_params}
+        ctx._trans[("param reads", tuple(idx))] = reads
+    vals = a.values()
+    total = 0.0
+    for name in reads - owned:
+        o = next((j for j, b in enumerate(a.blocks) if name in b.params), None)
+        if o is None or o in inside:
+            continue
+        mine = vals[name].type.numel
+        share = mine / max(1, sum(vals[n].type.numel for n in a.blocks[o].params))
+        cost = chosen[o] if chosen is not None else None
+        total += share * (cost.params if cost is not None else min(c.params for c in costs[o]))
+    return total
+
+
 def _stage_frontier(ctx: SearchContext, config: Config, idx: list[int],
                     per_block: list[list[Option]], costs: list[list[OptionCost]],
                     flight: int) -> list[tuple[Point, float]]:
@@ -659,7 +689,8 @@ def _stage_frontier(ctx: SearchContext, config: Config, idx: list[int],
                     mat[r, c] = m * transition(ctx, a.blocks[prev], config, s, s2)
             ctx._trans[key] = mat
         trans_time.append(mat)
-    budget = ctx.budget
+    borrowed = _borrowed(ctx, idx, costs) if config.stages > 1 else 0.0
+    budget = ctx.budget - borrowed
     workspace = max(min(c.workspace(o.recompute) for c, o in zip(costs[k], per_block[k]))
                     for k in idx)
     for _ in range(3):
@@ -677,7 +708,7 @@ def _stage_frontier(ctx: SearchContext, config: Config, idx: list[int],
                      for k, c in zip(idx, pt.choices))
             worst = max(worst, ws)
             if pt.memory + ws <= budget:
-                out.append((pt, pt.memory + ws))
+                out.append((pt, pt.memory + ws + borrowed))
         if out or worst == workspace:
             return out
         workspace = worst
@@ -691,6 +722,7 @@ def _assemble(ctx: SearchContext, config: Config, part: tuple[int, ...],
     """A pipeline plan: per stage the frontier point that is best under `limit`."""
     m = config.microbatches
     chosen: list[Option | None] = [None] * len(part)
+    chosen_cost: list[OptionCost | None] = [None] * len(part)
     block_time = [0.0] * len(part)
     block_mem = [0.0] * len(part)
     stages = []
@@ -708,12 +740,19 @@ def _assemble(ctx: SearchContext, config: Config, part: tuple[int, ...],
             o = per_block[k][c]
             oc = costs[k][c]
             chosen[k] = o
+            chosen_cost[k] = oc
             block_time[k] = oc.step_time(m)
             block_mem[k] = oc.memory(flights[s], o.recompute, m)
             f += oc.forward
             b += oc.backward
             extra += oc.step_extra
             pbytes += oc.params
+        if config.stages > 1:  # the owner's chosen option, not the least the DP assumed
+            exact = _borrowed(ctx, idx, costs, chosen_cost)
+            mem += exact - _borrowed(ctx, idx, costs)
+            pbytes += exact
+            if mem > limit:
+                return None
         # transitions are in the point's time; spread them over forward and backward
         trans = (pt.time - sum(costs[k][c].step_time(m) for k, c in zip(idx, pt.choices))) / m
         p2p = _p2p(ctx, config, idx) if config.stages > 1 else 0.0
