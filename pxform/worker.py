@@ -31,6 +31,8 @@ def exit_worker(code: int = 0) -> NoReturn:
     its `atexit` handlers and flushing stdout and stderr; skips Python's interpreter teardown
     (see the module docstring for the gloo abort it avoids). Call it last, with `main()`'s
     result, in scripts run under torchrun; an exception before it still exits the usual way.
+    Close your own files first: without the teardown, objects are not finalized (`__del__`
+    does not run, other open files' buffers are not flushed).
 
     Example:
         >>> if __name__ == "__main__":          # doctest: +SKIP
