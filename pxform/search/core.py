@@ -643,27 +643,37 @@ def _borrowed(ctx: SearchContext, idx: list[int], costs: list[list[OptionCost]],
     every stage that reads them. Counted at the owner's share of its option's state bytes:
     the chosen option's when `chosen` gives it, else the least over its options (what the
     frontier DP can count before the owner's stage is chosen)."""
-    a = ctx.analysis
-    inside = set(idx)
-    owned = {name for k in idx for name in a.blocks[k].params}
-    reads = ctx._trans.get(("param reads", tuple(idx)))
-    if reads is None:
-        graph_params = a.params
-        reads = {v.name for k in idx
-                 for op in a.graph.ops[a.blocks[k].start:a.blocks[k].stop]
-                 for v in op.inputs if v.name in graph_params}
-        ctx._trans[("param reads", tuple(idx))] = reads
-    vals = a.values()
     total = 0.0
-    for name in reads - owned:
-        o = next((j for j, b in enumerate(a.blocks) if name in b.params), None)
-        if o is None or o in inside:
-            continue
-        mine = vals[name].type.numel
-        share = mine / max(1, sum(vals[n].type.numel for n in a.blocks[o].params))
+    for o, share in _borrowed_shares(ctx, idx):
         cost = chosen[o] if chosen is not None else None
         total += share * (cost.params if cost is not None else min(c.params for c in costs[o]))
     return total
+
+
+def _borrowed_shares(ctx: SearchContext, idx: list[int]) -> tuple[tuple[int, float], ...]:
+    """Per parameter the stage `idx` reads but an outside block owns: the owner's index and
+    the parameter's share of the owner's elements. Depends on the blocks only: computed
+    once per stage (the search asks for every partition and frontier level)."""
+    key = ("borrowed", tuple(idx))
+    hit = ctx._trans.get(key)
+    if hit is not None:
+        return hit
+    a = ctx.analysis
+    inside = set(idx)
+    owned = {name for k in idx for name in a.blocks[k].params}
+    owner = {name: j for j, b in enumerate(a.blocks) for name in b.params}
+    reads = {v.name for k in idx for op in a.graph.ops[a.blocks[k].start:a.blocks[k].stop]
+             for v in op.inputs if v.name in a.params}
+    vals = a.values()
+    out = []
+    for name in sorted(reads - owned):
+        o = owner.get(name)
+        if o is None or o in inside:
+            continue
+        whole = sum(vals[n].type.numel for n in a.blocks[o].params)
+        out.append((o, vals[name].type.numel / max(1, whole)))
+    ctx._trans[key] = shares = tuple(out)
+    return shares
 
 
 def _stage_frontier(ctx: SearchContext, config: Config, idx: list[int],
