@@ -230,7 +230,7 @@ def _need_matplotlib() -> None:
         import matplotlib.figure  # noqa: F401
     except ImportError:
         raise UsageError("--plots needs matplotlib, which is not installed.",
-                         "pip install pxform[plot] (or pip install matplotlib), or leave "
+                         "pip install 'pxform[plot]' (or pip install matplotlib), or leave "
                          "out --plots.") from None
 
 
@@ -447,7 +447,7 @@ def _figure(size: tuple[float, float]) -> Any:
     try:
         from matplotlib.figure import Figure
     except ImportError as missing:
-        raise ImportError("pxform plan --plots needs matplotlib: pip install pxform[plot] "
+        raise ImportError("pxform plan --plots needs matplotlib: pip install 'pxform[plot]' "
                           "(or pip install matplotlib)") from missing
     return Figure(figsize=size)
 

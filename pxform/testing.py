@@ -197,6 +197,15 @@ def fake_world(num_ranks: int, rank: int = 0) -> Iterator[None]:
 # ---------------------------------------------------------------- hypothesis strategies
 # Built on first use, so pxform.testing imports without hypothesis installed.
 
+def _strategies() -> Any:
+    try:
+        from hypothesis import strategies
+    except ImportError as missing:
+        raise ImportError("pxform.testing's hypothesis strategies need hypothesis: "
+                          "pip install 'pxform[test]' (or pip install hypothesis)") from missing
+    return strategies
+
+
 def meshes(num_devices: int, max_axes: int = 3, names: tuple[str, ...] = ("a", "b", "c")
            ) -> Any:
     """Hypothesis strategy: `AbstractMesh`es of 1 to `max_axes` axes whose sizes multiply to
@@ -206,8 +215,7 @@ def meshes(num_devices: int, max_axes: int = 3, names: tuple[str, ...] = ("a", "
         >>> @given(mesh=meshes(4))
         ... def test_something(mesh): ...
     """
-    from hypothesis import strategies as st
-
+    st = _strategies()
     from pxform.mesh import AbstractMesh
 
     def factorings(n: int, k: int) -> list[tuple[int, ...]]:
@@ -224,8 +232,7 @@ def meshes(num_devices: int, max_axes: int = 3, names: tuple[str, ...] = ("a", "
 def divisible_shapes(mesh: Any, rank: int, max_multiple: int = 2) -> Any:
     """Hypothesis strategy: shapes of `rank` dims, each a multiple of the mesh's size, so
     that every spec over the mesh divides them."""
-    from hypothesis import strategies as st
-
+    st = _strategies()
     return st.tuples(*[st.integers(1, max_multiple).map(lambda k: k * mesh.size)
                        for _ in range(rank)])
 
@@ -233,8 +240,7 @@ def divisible_shapes(mesh: Any, rank: int, max_multiple: int = 2) -> Any:
 def specs(mesh: Any, rank: int) -> Any:
     """Hypothesis strategy: `P` specs for a tensor of `rank` dims over `mesh`: each axis
     splits one dim or none; several axes on one dim appear in mesh order."""
-    from hypothesis import strategies as st
-
+    st = _strategies()
     from pxform.spec import P
 
     def build(where: tuple[int | None, ...]) -> P:

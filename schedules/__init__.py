@@ -18,7 +18,7 @@ schedule and reports deadlocks with a step-by-rank grid; `simulate` times it aga
     validate, grid            check a schedule; print it as a marked grid
     simulate, Costs           time a schedule -> Timeline (events, bubble, peak activations)
     Timeline, Event           what simulate returns
-    plot                      draw a Timeline (needs matplotlib: pip install pxform[plot])
+    plot                      draw a Timeline (needs matplotlib: pip install 'pxform[plot]')
     to_text, from_text        "rank 0: 0F0 0F1 - 0B0" lines
     to_csv, from_csv          one CSV row per rank
 

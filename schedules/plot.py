@@ -3,7 +3,7 @@ papers: a row per rank (rank 0 on top), a box per compute action from its start 
 coloured by kind, the microbatch number inside. With several stages per rank (interleaved,
 nF1B) later chunks are drawn lighter.
 
-matplotlib is an optional dependency (`pip install pxform[plot]`); it is imported only when
+matplotlib is an optional dependency (`pip install 'pxform[plot]'`); it is imported only when
 `plot` is called, and only its object API is used (no pyplot state, no display needed).
 """
 
@@ -43,9 +43,9 @@ def plot(timeline: Timeline, path: str | os.PathLike[str], title: str | None = N
                          f"{ext or '(none)'!r}; use one of {', '.join(_FORMATS)}")
     try:
         from matplotlib.figure import Figure
-        from matplotlib.patches import Patch
+        from matplotlib.patches import Patch, Rectangle
     except ImportError as missing:
-        raise ImportError("pxform.schedules.plot needs matplotlib: pip install pxform[plot] "
+        raise ImportError("pxform.schedules.plot needs matplotlib: pip install 'pxform[plot]' "
                           "(or pip install matplotlib)") from missing
 
     ranks = max(timeline.ranks, 1)
@@ -61,7 +61,8 @@ def plot(timeline: Timeline, path: str | os.PathLike[str], title: str | None = N
         kind, chunk = e.action.kind, e.action.stage // ranks
         colour = _lighter(_COLOURS[kind], 0.45 * chunk / max(chunks - 1, 1))
         y = ranks - 1 - e.rank
-        ax.add_patch(_box(e.start, y, e.duration, colour))
+        ax.add_patch(Rectangle((e.start, y), e.duration, 0.8, facecolor=colour,
+                               edgecolor="white", linewidth=0.6))
         box_points = e.duration * points_per_unit
         label = str(e.action.microbatch)
         size = min(9.0, box_points / (0.62 * len(label) + 0.4))
@@ -84,8 +85,3 @@ def plot(timeline: Timeline, path: str | os.PathLike[str], title: str | None = N
     fig.tight_layout()
     fig.savefig(os.fspath(path), dpi=120)
 
-
-def _box(x: float, y: float, w: float, colour: tuple[float, float, float]) -> Any:
-    from matplotlib.patches import Rectangle
-
-    return Rectangle((x, y), w, 0.8, facecolor=colour, edgecolor="white", linewidth=0.6)
