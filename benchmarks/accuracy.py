@@ -1,7 +1,7 @@
 """Predicted vs measured step time and peak memory over a set of plans, on gloo ranks.
 
 `--ranks` processes (a `pxform.testing.World`, one torch thread each) first measure the
-machine with `pxform.calibrate` (matmul FLOP/s, gloo collectives), then, for each case,
+machine with `pxform.runtime.calibrate` (matmul FLOP/s, gloo collectives), then, for each case,
 plan the example GPT with `pxform.auto` against that profile (searched, or pinned to one
 strategy: data parallel, ZeRO-3, tensor parallel, pipelines, recompute), lay the
 parameters out per the plan, take one AdamW step (so Adam's state exists), and run
@@ -75,7 +75,7 @@ def rank_main(config: str, batch_size: int, steps: int, warmup: int, quick: bool
     import torch.distributed as dist
 
     import pxform
-    from pxform.calibrate import calibrate
+    from pxform.runtime.calibrate import calibrate
 
     world = dist.get_world_size()
     cfg = gpt.GPT_CONFIGS[config]
@@ -146,7 +146,8 @@ def main() -> None:
     import accuracy  # this module by name, so that ranks can unpickle rank_main
     import gpt
 
-    from pxform.testing import World
+    from pxform.core.units import format_table
+    from pxform.tools.testing import World
 
     sizes = (2**10, 2**14, 2**18, 2**20, 2**22)
     cfg = gpt.GPT_CONFIGS[args.config]
@@ -156,17 +157,14 @@ def main() -> None:
     r0 = per_rank[0]
     print(f"GPT {args.config} ({cfg.num_params() / 1e6:.2f} M params), global batch "
           f"{args.batch} x {cfg.seq_len} tokens, float32, {args.ranks} gloo ranks x "
-          f"{r0['threads']} thread; profile measured by pxform.calibrate in "
+          f"{r0['threads']} thread; profile measured by pxform.runtime.calibrate in "
           f"{r0['calibrate_s']:.1f} s; median of {args.steps} steps per case")
     head = ("case", "plan", "time pred", "measured", "error", "memory error")
     table = [head] + [(r["case"], r["config"].replace(" schedule=1f1b", ""),
                        f"{r['predicted_time_s'] * 1e3:.1f} ms",
                        f"{r['measured_time_s'] * 1e3:.1f} ms", f"{r['time_error']:+.1%}",
                        f"{r['memory_error']:+.1%}") for r in r0["rows"]]
-    widths = [max(len(row[i]) for row in table) for i in range(len(head))]
-    for row in table:
-        print("  " + "  ".join(c.ljust(w) if i < 2 else c.rjust(w)
-                               for i, (c, w) in enumerate(zip(row, widths))))
+    print("\n".join(format_table(table, align="llrrrr", indent="  ")))
     time_errors = [abs(r["time_error"]) for r in r0["rows"]]
     mem_errors = [abs(r["memory_error"]) for r in r0["rows"]]
     met_t = sum(e <= GOAL_TIME for e in time_errors)

@@ -101,7 +101,7 @@ def main() -> None:
     import dp_vs_ddp  # this module by name, so that ranks can unpickle rank_main
     import gpt
 
-    from pxform.testing import World
+    from pxform.tools.testing import World
 
     cfg = gpt.GPT_CONFIGS[args.config]
     with World(args.ranks) as world:

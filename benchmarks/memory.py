@@ -141,7 +141,7 @@ def main() -> None:
     p = harness.parser(__doc__, batch=16, reps=5, steps=2)
     p.add_argument("--max-ranks", type=int, default=2, help="also run on 2 ranks with TP")
     args = harness.parse(p)
-    from pxform.testing import World
+    from pxform.tools.testing import World
 
     result: dict[str, Any] = {"config": args.config, "batch": args.batch, "runs": {}}
     for ranks in sorted({1, args.max_ranks}):

@@ -135,7 +135,7 @@ def main() -> None:
     p = harness.parser(__doc__, batch=16, reps=7, steps=1, ranks=True)
     p.add_argument("--microbatches", type=int, default=8)
     args = harness.parse(p)
-    from pxform.testing import World
+    from pxform.tools.testing import World
 
     reps = 2 if args.quick else args.reps
     with World(args.ranks) as world:

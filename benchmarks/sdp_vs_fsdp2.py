@@ -120,7 +120,7 @@ def main() -> None:
     import gpt
     import sdp_vs_fsdp2  # this module by name, so that ranks can unpickle rank_main
 
-    from pxform.testing import World
+    from pxform.tools.testing import World
 
     cfg = gpt.GPT_CONFIGS[args.config]
     with World(args.ranks) as world:

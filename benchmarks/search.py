@@ -236,7 +236,7 @@ def main() -> None:
     if unknown:
         p.error(f"unknown case(s) {unknown}; choose from {list(CASES)}")
     harness.add_paths()
-    from pxform.units import format_bytes
+    from pxform.core.units import format_bytes
 
     warm_up()
     rows: list[dict[str, Any]] = []

@@ -187,6 +187,8 @@ def program_summary(program: Any) -> list[str]:
     1 move nothing and are left out)."""
     from collections import Counter
 
+    from pxform.runtime.graph_module import module_of
+
     def counted(names: list[str]) -> str:
         return ", ".join(f"{n} x {c}" for c, n in Counter(names).items()) or "none"
 
@@ -197,7 +199,7 @@ def program_summary(program: Any) -> list[str]:
     for st in program.stages:
         prog = st.program
         ops = sum(1 for i in prog.instrs if hasattr(i, "op"))
-        regions = sum(1 for name, _ in st.graph_module.named_children()
+        regions = sum(1 for name, _ in module_of(st).named_children()
                       if name.startswith("recompute"))
         out += [
             f"stage {st.stage} on {prog.mesh}: {ops} ops, {regions} recompute region(s); "

@@ -7,9 +7,9 @@ device's memory. This script does that for a few clusters and prints, per case: 
 configuration (`plan.config_text()`), a summary of `plan.explain()` (block strategies,
 stages), the predicted step time, peak memory per device, samples/s and model FLOPs
 utilisation, how long the search took, and the time/memory frontier
-(`pxform.cli.frontier_table`). Into `--out DIR/<case>/` it writes the plan as JSON
+(`pxform.tools.cli.frontier_table`). Into `--out DIR/<case>/` it writes the plan as JSON
 (`plan.save`, load it with `pxform.Plan.load`), the full `explain()` text, and the
-frontier and 1F1B timeline pictures (`pxform.cli.write_plots`, the pictures of
+frontier and 1F1B timeline pictures (`pxform.tools.cli.write_plots`, the pictures of
 `pxform plan --plots`; skipped with a message when matplotlib is missing).
 
 Models (`examples/gpt.py`, GPT-3 paper shapes, tied embeddings, learned positions):
@@ -74,8 +74,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import gpt  # noqa: E402
 
 import pxform  # noqa: E402
-from pxform.cli import frontier_table, write_plots  # noqa: E402
-from pxform.units import format_bytes  # noqa: E402
+from pxform.core.units import format_bytes  # noqa: E402
+from pxform.tools.cli import frontier_table, write_plots  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -254,7 +254,7 @@ def have_matplotlib() -> bool:
 
 
 class Pictures:
-    """Draws each plan's pictures with `pxform.cli.write_plots`, in a second process when
+    """Draws each plan's pictures with `pxform.tools.cli.write_plots`, in a second process when
     there are several cases: a timeline of hundreds of microbatches takes seconds to draw,
     and planning the next case meanwhile uses the other core."""
 

@@ -1,6 +1,6 @@
 """`python -m pxform ...` (and `torchrun ... -m pxform calibrate ...`): the `pxform`
-command (`pxform/cli.py`)."""
+command (`pxform/tools/cli.py`)."""
 
-from pxform.cli import entry
+from pxform.tools.cli import entry
 
 entry()

@@ -1,4 +1,5 @@
-"""Pipeline schedules as data, installed as `pxform.schedules`.
+"""Floor 2, schedules: pipeline schedules as data, installed as `pxform.schedules`. May
+import core only (the search costs schedules, the runtime executes them).
 
 A schedule is `{rank: [Action | None]}`: what each pipeline rank runs, in order (`None` is an
 idle slot). Generators are pure functions `(stages, microbatches, **options) -> Schedule`

@@ -13,7 +13,7 @@ Receives go right before their consumer and not earlier: anything the rank can d
 
 from __future__ import annotations
 
-from pxform.errors import ScheduleError
+from pxform.core.errors import ScheduleError
 from pxform.schedules.actions import Action, Schedule
 from pxform.schedules.rules import receive_before, send_after
 from pxform.schedules.validate import check

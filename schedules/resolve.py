@@ -19,7 +19,7 @@ from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import Any
 
-from pxform.errors import ScheduleError
+from pxform.core.errors import ScheduleError
 from pxform.schedules.actions import Schedule
 from pxform.schedules.gpipe import gpipe
 from pxform.schedules.interleaved import interleaved

@@ -21,7 +21,7 @@ import csv
 import io
 import re
 
-from pxform.errors import ScheduleError
+from pxform.core.errors import ScheduleError
 from pxform.schedules.actions import Action, Schedule
 
 _IDLE = "-"

@@ -27,7 +27,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import TypeAlias
 
-from pxform.errors import ScheduleError
+from pxform.core.errors import ScheduleError
 from pxform.schedules.actions import Action, Schedule
 from pxform.schedules.rules import Shape, expected_comm, needs, positions, shape_of
 

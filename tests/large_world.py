@@ -13,7 +13,8 @@ def lower_gpt_1024(rank: int) -> dict:
 
     import pxform
     from pxform.lower.spmd import CallInstr, ConvertInstr
-    from pxform.testing import fake_world
+    from pxform.runtime.graph_module import module_of
+    from pxform.tools.testing import fake_world
 
     cfg = gpt.GPTConfig(vocab_size=50304, seq_len=2048, num_layers=2, num_heads=32,
                         d_model=2048)
@@ -47,5 +48,5 @@ def lower_gpt_1024(rank: int) -> dict:
             "ops": sum(isinstance(i, CallInstr) for i in program.instrs),
             "converts": sum(isinstance(i, ConvertInstr) for i in program.instrs),
             "loss": str(program.outputs[0].type),
-            "module_nodes": len(program.graph_module.graph.nodes),
+            "module_nodes": len(module_of(program).graph.nodes),
         }

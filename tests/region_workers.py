@@ -139,6 +139,8 @@ def tp_specs(params):
 def run_sharded(variants, axes, batch_axis=None, tp=False):
     """value_and_grad of each variant under `pxform.shard` on `axes`, against the
     single-process plain GPT; also the collectives the recomputed program runs."""
+    from pxform.runtime.graph_module import module_of
+
     cfg, params, batch = setup()
     ref_loss, ref_grads = pxform.value_and_grad(make_loss("plain", cfg))(params, batch)
     mesh = pxform.Mesh(axes)
@@ -150,7 +152,7 @@ def run_sharded(variants, axes, batch_axis=None, tp=False):
         loss, grads = pxform.value_and_grad(step)(params, batch)
         out[v] = errors(loss, grads, ref_loss, ref_grads)
         program = step.lower(params, batch)
-        out[v]["recompute_modules"] = sum(1 for n, _ in program.graph_module.named_children()
+        out[v]["recompute_modules"] = sum(1 for n, _ in module_of(program).named_children()
                                           if n.startswith("recompute_"))
     return out
 

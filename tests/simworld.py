@@ -9,8 +9,8 @@ import math
 
 import torch
 
-from pxform.layout import Layout, Step
-from pxform.mesh import AbstractMesh
+from pxform.core.layout import Layout, Step
+from pxform.core.mesh import AbstractMesh
 
 Coord = tuple[int, ...]
 

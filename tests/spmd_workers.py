@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from pxform.layout import Layout
-from pxform.spec import P
+from pxform.core.layout import Layout
+from pxform.core.spec import P
 
 
 def mlp_loss(params, batch):
@@ -30,9 +30,10 @@ def run_lowered(fn, args, axes_sizes, specs):
     import optree
 
     import pxform
-    from pxform.lower.spmd import gradient_layout, lower, propagate
-    from pxform.mesh import Mesh
+    from pxform.lower.spmd import lower
+    from pxform.passes.propagate import gradient_layout, propagate
     from pxform.runtime.collectives import AxisGroups, local_shard
+    from pxform.runtime.mesh import Mesh
     from pxform.runtime.program import execute
 
     mesh = Mesh(axes_sizes)
@@ -252,10 +253,10 @@ def dropout_error():
 def bucket_packing():
     """GradBuckets packs gradients of different shapes for each collective kind and gives
     what running each gradient's steps alone gives (on every rank)."""
-    from pxform.layout import Step
-    from pxform.mesh import Mesh
+    from pxform.core.layout import Step
     from pxform.runtime.buckets import GradBuckets
     from pxform.runtime.collectives import AxisGroups, run_steps
+    from pxform.runtime.mesh import Mesh
 
     mesh = Mesh({"dp": 2})
     axes = AxisGroups({"dp": mesh.group("dp")}, mesh.coordinate(), {"dp": 2})

@@ -12,7 +12,7 @@ from __future__ import annotations
 import auto_workers as W
 import pytest
 
-from pxform.testing import World
+from pxform.tools.testing import World
 
 TOL = 1e-12
 

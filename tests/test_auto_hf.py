@@ -9,7 +9,7 @@ import hf_workers as H
 import pytest
 
 from pxform.search import Pin
-from pxform.testing import World
+from pxform.tools.testing import World
 
 pytest.importorskip("transformers")
 

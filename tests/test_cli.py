@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 import pxform
-from pxform import calibrate
-from pxform.cli import _ProgressBar, build_parser, main
+from pxform.runtime import calibrate
+from pxform.tools.cli import _ProgressBar, build_parser, main
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = "examples.factories:gpt_tiny"
@@ -171,7 +171,7 @@ def test_progress_bar():
 
 def test_console_script_entry_point():
     scripts = {e.name: e.value for e in metadata.entry_points(group="console_scripts")}
-    assert scripts.get("pxform") == "pxform.cli:entry"
+    assert scripts.get("pxform") == "pxform.tools.cli:entry"
     script = Path(sys.executable).parent / "pxform"
     command = [str(script)] if script.is_file() else [sys.executable, "-m", "pxform"]
     result = subprocess.run([*command, "plan", TINY, *SMALL_RUN, "--quiet"], cwd=ROOT,

@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 import re
 
-from pxform.testing import run_process
+from pxform.tools.testing import run_process
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from pxform.testing import torchrun
+from pxform.tools.testing import torchrun
 
 pytest.importorskip("transformers")
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import pxform
-from pxform.cuts import graph_blocks
+from pxform.passes.cuts import graph_blocks
 
 BATCH_KEYS = {"input_ids", "token_type_ids", "attention_mask", "labels"}
 

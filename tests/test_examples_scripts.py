@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import pxform
-from pxform.testing import torchrun
+from pxform.tools.testing import torchrun
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"

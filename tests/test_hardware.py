@@ -12,10 +12,10 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pxform.calibrate import add_arguments, calibrate, main, summary
-from pxform.hardware import PRESETS, CommTable, Hardware, Link, hardware
-from pxform.layout import AxisCost
-from pxform.testing import World
+from pxform.core.layout import AxisCost
+from pxform.cost.hardware import PRESETS, CommTable, Hardware, Link, hardware
+from pxform.runtime.calibrate import add_arguments, calibrate, main, summary
+from pxform.tools.testing import World
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")
 STEPS = {"all_reduce": lambda n: 2 * (n - 1), "all_gather": lambda n: n - 1,
@@ -318,7 +318,7 @@ def test_calibrate_without_a_process_group_measures_compute_only():
 
 
 def test_links_are_least_squares_fits_of_the_all_reduce_tables():
-    from pxform.calibrate import _fit_links
+    from pxform.runtime.calibrate import _fit_links
 
     alpha, bandwidth = 5e-6, 1e10
 
@@ -382,7 +382,7 @@ def test_roofline_and_per_op_time():
     profile without a bandwidth costs FLOPs alone (old profiles load unchanged)."""
     from dataclasses import replace
 
-    from pxform.cost import CostModel
+    from pxform.cost.model import CostModel
 
     hw = replace(hardware("a100-80gb"), memory_bandwidth=1e12, op_overhead_s=2e-6)
     model = CostModel(hw)

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import pxform
-from pxform.errors import GraphCheckError
-from pxform.ir import Op, TensorType, Value
+from pxform.core.errors import GraphCheckError
+from pxform.core.ir import Op, TensorType, Value
 
 
 def small_graph():
@@ -40,7 +40,7 @@ def test_ir_is_frozen_and_replace_returns_new_graph():
         g.ops = ()  # type: ignore[misc]
     g2 = g.replace(name="other")
     assert g2.name == "other" and g.name == "fn" and g2.ops is g.ops
-    assert pxform.ir.Op.__slots__  # slotted
+    assert pxform.core.ir.Op.__slots__  # slotted
 
 
 def test_check_accepts_traced_graph():

@@ -45,7 +45,7 @@ def _mlp_program():
 
 
 def test_check_accepts_lowered_programs_and_rejects_corrupted_ones():
-    from pxform.ir import TensorType
+    from pxform.core.ir import TensorType
     from pxform.lower.spmd import CallInstr, ConvertInstr
 
     program = _mlp_program()

@@ -12,9 +12,9 @@ from hypothesis import strategies as st
 from simworld import apply, assemble_check, distribute
 
 from pxform import P
-from pxform.errors import SpecError
-from pxform.layout import AxisCost, Layout, plan_relayout
-from pxform.mesh import AbstractMesh, check_spec
+from pxform.core.errors import SpecError
+from pxform.core.layout import AxisCost, Layout, plan_relayout
+from pxform.core.mesh import AbstractMesh, check_spec
 
 MESH = AbstractMesh({"dp": 2, "tp": 4})
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from pxform.memory import MemoryMeter, MemoryReport, MemoryStats, _human, memory_report
+from pxform.tools.memory import MemoryMeter, MemoryReport, MemoryStats, _human, memory_report
 
 N = 4096  # elements; one float32 activation is 4 * N = 16 KiB
 A = 4 * N
@@ -279,7 +279,7 @@ def _sharded_report() -> tuple[str, MemoryReport, MemoryReport]:
 
 
 def test_memory_report_gathers_every_rank():
-    from pxform.testing import World
+    from pxform.tools.testing import World
 
     with World(2) as world:
         results = world.run(_sharded_report)

@@ -13,8 +13,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import pxform
+from pxform.frontend.trace import run_graph
 from pxform.ops import rule_info
-from pxform.trace import run_graph
 
 dims = st.integers(1, 5)
 

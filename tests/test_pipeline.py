@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import pxform
-from pxform.cuts import balance
-from pxform.testing import World
+from pxform.passes.cuts import balance
+from pxform.tools.testing import World
 
 # ---------------------------------------------------------------- cuts, no processes
 
@@ -30,7 +30,7 @@ def _hf_graph(name, layers=3):
 @pytest.mark.parametrize("name, layer", [("gpt2", "transformer.h."), ("bert",
                                           "bert.encoder.layer."), ("llama", "model.layers.")])
 def test_graph_sharding_finds_one_block_per_layer_of_hf_models(name, layer):
-    from pxform.cuts import graph_blocks, stage_cuts
+    from pxform.passes.cuts import graph_blocks, stage_cuts
 
     graph, batch = _hf_graph(name)
     blocks = graph_blocks(graph, batch)

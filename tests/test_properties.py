@@ -10,7 +10,7 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from pxform.testing import World, meshes, specs
+from pxform.tools.testing import World, meshes, specs
 
 CASES_PER_BATCH = 26
 

@@ -18,9 +18,9 @@ import torch
 import torch.nn.functional as F
 
 import pxform
-from pxform.lower.regions import prepare
-from pxform.regions import RECOMPUTE, SAVE
-from pxform.testing import World
+from pxform.frontend.regions import RECOMPUTE, SAVE
+from pxform.passes.expand import prepare
+from pxform.tools.testing import World
 
 TOL = 1e-12
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import pxform
-from pxform.measure import Measured, RankMeasure
 from pxform.search import Pin
+from pxform.tools.measure import Measured, RankMeasure
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                 "examples"))

@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from pxform import schedules
-from pxform.errors import ScheduleError
+from pxform.core.errors import ScheduleError
 from pxform.schedules import (
     NAMES,
     Action,
@@ -451,5 +451,5 @@ def test_plot_writes_a_png(tmp_path):
 def test_plot_without_matplotlib_says_how_to_install(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
-    with pytest.raises(ImportError, match=r"pip install pxform\[plot\]"):
+    with pytest.raises(ImportError, match=r"pip install 'pxform\[plot\]'"):
         schedules.plot(simulate(gpipe(1, 1), Costs(1.0, 1.0)), tmp_path / "x.png")

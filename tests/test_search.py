@@ -16,9 +16,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import pxform
-from pxform.cuts import balance
+from pxform.passes.cuts import balance as linear_partition
 from pxform.search import Pin, pin_of
-from pxform.search.core import linear_partition
 from pxform.search.frontier import chain_frontier
 from pxform.search.space import Option
 
@@ -312,6 +311,34 @@ def test_frontier_dp_equals_brute_force(chain):
         assert any(p.time <= t and p.memory <= m for p in pts)
 
 
+def balance(costs, num_stages):
+    """The exact reference: dynamic programming over contiguous partitions (ties: the
+    earliest cuts), O(stages x items^2)."""
+    n = len(costs)
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+    inf = float("inf")
+    # best[k][i]: the least max cost of splitting items [0, i) into k groups
+    best = [[inf] * (n + 1) for _ in range(num_stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(num_stages + 1)]
+    best[0][0] = 0.0
+    for k in range(1, num_stages + 1):
+        for i in range(k, n + 1):
+            for j in range(k - 1, i):
+                value = max(best[k - 1][j], prefix[i] - prefix[j])
+                if value < best[k][i] - 1e-9 * max(1.0, abs(value)):
+                    best[k][i], cut[k][i] = value, j
+    stages = [0] * n
+    i = n
+    for k in range(num_stages, 0, -1):
+        j = cut[k][i]
+        for t in range(j, i):
+            stages[t] = k - 1
+        i = j
+    return tuple(stages)
+
+
 @given(st.lists(st.integers(1, 9), min_size=1, max_size=14), st.integers(1, 6))
 def test_linear_partition_matches_the_dp_balance(costs, parts):
     parts = min(parts, len(costs))
@@ -337,7 +364,7 @@ def test_plans_with_a_measured_profile(tmp_path):
     preset; its measured FLOP/s set the compute times."""
     import factories
 
-    from pxform.calibrate import calibrate
+    from pxform.runtime.calibrate import calibrate
 
     hw = calibrate(sizes=(1024,), repeats=1)
     path = tmp_path / "cpu.json"
@@ -399,7 +426,7 @@ def test_the_memory_bound_prunes_without_changing_the_least_memory_plan(monkeypa
     best plan so far (it made the infeasibility diagnosis for GPT-3 175B on 64 A100-40GB
     1.7x faster); the bound must hold for every plan it evaluates, and the plan must be the
     one the exhaustive search finds."""
-    import pxform.search.core as core
+    import pxform.search.partition as core
 
     evaluated: list[object] = []
     real_evaluate, real_bound = core.evaluate, core.memory_lower_bound
@@ -426,7 +453,7 @@ def test_saved_bytes_are_attributed_to_the_tensor_saved():
     """A sharded op counts each saved tensor at its own layout: so the fake-tensor run must
     say whose tensor each saved storage is (a linear saves its input x; relu its output;
     the weight, a parameter, is stored anyway and not counted)."""
-    from pxform.cost import SavedBytes, saved_bytes_per_op
+    from pxform.cost.model import SavedBytes, saved_bytes_per_op
 
     def fn(w, x):
         return F.linear(x, w).relu().sum()
@@ -447,7 +474,7 @@ def test_block_memory_counts_gradients_as_they_replace_activations():
     block counts max(activations, gradients) on top of weights and optimizer state;
     otherwise gradients and the in-flight activations together. The workspace adds the
     block's activations when it is recomputed."""
-    from pxform.search.core import OptionCost
+    from pxform.search.context import OptionCost
 
     c = OptionCost(forward=0.0, backward=0.0, step_extra=0.0, saved=100.0, kept=10.0,
                    params=160.0, grads=40.0, transient=5.0)

@@ -8,7 +8,7 @@ import pytest
 import spmd_workers as W
 
 from pxform import P
-from pxform.testing import World
+from pxform.tools.testing import World
 
 
 @pytest.fixture(scope="module")

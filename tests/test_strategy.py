@@ -14,10 +14,10 @@ from hypothesis import strategies as st
 from simworld import apply, coords, distribute
 
 import pxform
-from pxform.ir import DEVICE, Value, map_values
-from pxform.layout import Layout, plan_relayout
-from pxform.lower.local import local_call
-from pxform.mesh import AbstractMesh
+from pxform.core.ir import DEVICE, Value, map_values
+from pxform.core.layout import Layout, plan_relayout
+from pxform.core.mesh import AbstractMesh
+from pxform.ops.local import local_call
 from pxform.ops.strategy import strategies
 
 MESHES = [AbstractMesh({"x": 2}), AbstractMesh({"x": 4}), AbstractMesh({"x": 2, "y": 2}),
@@ -229,7 +229,7 @@ def every_strategy_of_every_op(fn, args, mesh):
     import optree
     from simworld import assemble_check
 
-    from pxform.trace import run_graph
+    from pxform.frontend.trace import run_graph
 
     traced = pxform.trace(fn, *args)
     leaves = [x for x in optree.tree_leaves((args, {})) if isinstance(x, torch.Tensor)]

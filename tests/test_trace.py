@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 import pxform
-from pxform.errors import SignatureMismatchError, TraceError, UnsupportedOpError
+from pxform.core.errors import SignatureMismatchError, TraceError, UnsupportedOpError
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "golden")
 
@@ -287,7 +287,7 @@ def test_returning_an_unflattenable_object_is_a_clear_error():
 
 
 def test_cache_key_depends_on_shapes_dtypes_and_static_leaves():
-    from pxform.trace import cache_key
+    from pxform.frontend.trace import cache_key
 
     x = torch.randn(2, 3)
     assert cache_key((x, 1), {}) == cache_key((torch.zeros(2, 3), 1), {})

@@ -12,7 +12,7 @@ import sys
 
 import torch
 
-from pxform.testing import torchrun as run_torchrun
+from pxform.tools.testing import torchrun as run_torchrun
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "examples", "train_gpt.py")

@@ -23,8 +23,8 @@ from pathlib import Path
 import pytest
 
 import pxform
-import pxform.worker
-from pxform.testing import run_process, torchrun
+import pxform.runtime.worker
+from pxform.tools.testing import run_process, torchrun
 
 TIMEOUT_S = 180
 
@@ -55,7 +55,7 @@ def _script(tmp_path: Path, exit_code: int, *, with_atexit: bool) -> Path:
     path = tmp_path / "race.py"
     path.write_text("import os\nRANK = int(os.environ.get('RANK', 0))\n"
                     f"EXIT_CODE = {exit_code}\nWITH_ATEXIT = {with_atexit}\n"
-                    f"WORKER_PATH = {str(Path(pxform.worker.__file__))!r}\n" + RACE)
+                    f"WORKER_PATH = {str(Path(pxform.runtime.worker.__file__))!r}\n" + RACE)
     return path
 
 

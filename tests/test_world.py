@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from pxform.testing import WorkerError, World
+from pxform.tools.testing import WorkerError, World
 
 
 @pytest.fixture(scope="module")

@@ -5,8 +5,11 @@ tensors and runs the search (`pxform.search`) against an abstract device count; 
 composes the transforms a user would write by hand, `pxform.shard` over
 `pxform.pipeline` when the plan has stages, on a mesh with the plan's axes (`pp`, `outer`,
 `inner`), with parameters laid out per the plan's specs and each op's strategy taken from
-the plan instead of greedy propagation (`PlanLowering`). So a plan runs on exactly the
-lowering and runtime every other program uses.
+the plan instead of greedy propagation (`pxform.lower.plan.PlanLowering`). So a plan runs on
+exactly the lowering and runtime every other program uses.
+
+A complete plan given with `plan=` (e.g. `Plan.load(path)`) runs as it is: nothing is
+searched, and neither the search nor the cost model is imported.
 
 Example:
     >>> @pxform.auto(mesh=pxform.Mesh.abstract(8), memory_budget="40GiB",
@@ -19,114 +22,64 @@ Example:
 
 from __future__ import annotations
 
-import ast
 import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import optree
 import torch
 
-from pxform.cost import CostModel
-from pxform.cuts import StageCuts
-from pxform.errors import PxformError
-from pxform.hardware import Hardware
-from pxform.hardware import hardware as get_hardware
-from pxform.ir import Graph
-from pxform.layout import Layout
-from pxform.lower.regions import prepare
-from pxform.mesh import AbstractMesh, Mesh
-from pxform.plan import Plan
-from pxform.search import Pin, fingerprint, pin_of, search
-from pxform.search.analysis import Analysis, analyse
-from pxform.search.core import SearchContext, block_strategies
-from pxform.search.space import Config, Option
-from pxform.spec import P
-from pxform.stage_recompute import tag_blocks
-from pxform.trace import cache_key, trace
-from pxform.units import parse_bytes
+from pxform.core.errors import PxformError
+from pxform.core.ir import Graph
+from pxform.core.mesh import AbstractMesh
+from pxform.core.spec import P
+from pxform.core.units import format_bytes, format_table, parse_bytes
+from pxform.frontend.trace import cache_key, trace
+from pxform.lower.plan import PlanLowering
+from pxform.passes.expand import prepare
+from pxform.runtime import world
+from pxform.runtime.boundary import global_stand_in, is_dtensor, leaf_arg_index
+from pxform.runtime.mesh import Mesh
+from pxform.search.plan import Plan
+from pxform.transforms.base import Executable, fn_name
+from pxform.transforms.pipeline import Pipelined
+from pxform.transforms.shard import Sharded
+
+if TYPE_CHECKING:  # the search and the cost model load only when a plan is searched
+    from pxform.cost.hardware import Hardware
+    from pxform.search.context import Pin
 
 
 @dataclass(frozen=True, eq=False)
-class PlanLowering:
-    """Lays a traced graph out per a plan: stage of every op, recompute regions, and each
-    op's strategy on the lowering mesh (the stage mesh, plus the pipeline's microbatch
-    axis, which acts as a data axis)."""
-
-    plan: Plan
-    batch_inputs: frozenset[str]
-    batch_dim: int
-    hardware: Hardware
-    fn: str
-    _cache: dict = field(default_factory=dict, repr=False)
-
-    def analysis(self, graph: Graph) -> Analysis:
-        key = id(graph)
-        hit = self._cache.get(key)
-        if hit is not None and hit[0] is graph:
-            return hit[1]
-        a = analyse(graph, set(self.batch_inputs), self.batch_dim, self.fn)
-        if fingerprint(a) != self.plan.fingerprint or len(a.blocks) != len(self.plan.blocks):
-            raise PxformError(
-                f"pxform.{self.fn}: the plan was made for other arguments or another function "
-                f"(plan fingerprint {self.plan.fingerprint}, {len(self.plan.blocks)} blocks; "
-                f"these arguments give {fingerprint(a)}, {len(a.blocks)} blocks).\n  Fix: "
-                f"call with arguments of the shapes and dtypes the plan was searched for, "
-                f"or search again (step.plan(*args)).")
-        self._cache[key] = (graph, a)
-        return a
-
-    def cuts(self, cuts: StageCuts) -> StageCuts:
-        a = self.analysis(cuts.graph)
-        op_stage = [0] * len(cuts.graph.ops)
-        for b, bp in zip(a.blocks, self.plan.blocks):
-            for k in range(b.start, b.stop):
-                op_stage[k] = bp.stage
-        return StageCuts(cuts.graph, tuple(op_stage), self.plan.stages, cuts.blocks, "plan")
-
-    def strategies(self, graph: Graph, mesh: AbstractMesh, layouts: Sequence[Layout]
-                   ) -> tuple[Graph, list[Any]]:
-        a = self.analysis(graph)
-        plan = self.plan
-        ctx = SearchContext(a, CostModel(self.hardware), float("inf"), plan.global_batch,
-                            pin_of(plan))
-        config = Config(plan.stages, plan.outer, plan.inner, plan.microbatches)
-        extra = {ax: "dp" for ax in mesh.names if ax not in ("outer", "inner")}
-        out: list[Any] = []
-        for b, bp in zip(a.blocks, plan.blocks):
-            option = Option(bp.roles, bp.recompute)
-            out.extend(block_strategies(ctx, b, config, option, mesh=mesh, extra=extra))
-        flags = [bp.recompute for bp in plan.blocks]
-        if any(flags):
-            graph = tag_blocks(graph, a.blocks, flags, self.fn)  # type: ignore[arg-type]
-        return graph, out
-
-
-@dataclass(frozen=True, eq=False)
-class Auto:
+class Auto(Executable):
     """A function transformed by `pxform.auto`."""
+
+    label: ClassVar[str] = "auto"
 
     fn: Any
     devices: int
-    memory_budget: int
+    memory_budget: int | None  # None with a given plan: nothing is searched
     objective: str
-    hardware: Hardware
+    hardware: Hardware | None  # None with a given plan
     batch_range: tuple[int, int] | None
     batch_argnums: tuple[int, ...] | None
     batch_dim: int
     pin: Pin | None
     optimizer: str
     progress: Callable[[int, int], None] | None = field(default=None, repr=False)
+    given: Plan | None = None  # a complete plan to run as it is
     _cache: dict = field(default_factory=dict, repr=False)
 
     @property
-    def __name__(self) -> str:
-        return getattr(self.fn, "__name__", "fn")
+    def __name__(self) -> str:  # the function's own: plans and messages say auto(name)
+        return fn_name(self.fn)
 
-    def __repr__(self) -> str:
-        return (f"pxform.auto({self.__name__}, devices={self.devices}, "
-                f"hardware={self.hardware.name!r}, objective={self.objective!r})")
+    def options_text(self) -> str:
+        hardware = self.hardware.name if self.hardware is not None else \
+            self.given.hardware if self.given is not None else None
+        return (f", devices={self.devices}, hardware={hardware!r}, "
+                f"objective={self.objective!r}")
 
     def _batch_argnums(self, n: int) -> tuple[int, ...]:
         if self.batch_argnums is not None:
@@ -135,61 +88,59 @@ class Auto:
 
     def _graph(self, args: tuple[Any, ...]) -> tuple[Graph, set[str], Any]:
         """The prepared graph, the names of its batch inputs, the global arguments."""
-        from pxform.transforms.shard import _as_global, _is_dtensor, _leaf_arg_index
-
-        full: Any = optree.tree_map(_as_global, args, is_leaf=_is_dtensor)  # type: ignore[arg-type]
+        full: Any = optree.tree_map(global_stand_in, args, is_leaf=is_dtensor)  # type: ignore[arg-type]
         traced = trace(self.fn, *full)
         graph = prepare(traced.graph)
         batch = set(self._batch_argnums(len(args)))
         leaves = optree.tree_leaves(full)  # type: ignore[arg-type]
-        arg_of = [n for n, leaf in zip(_leaf_arg_index(full), leaves)
+        arg_of = [n for n, leaf in zip(leaf_arg_index(full), leaves)
                   if isinstance(leaf, torch.Tensor)]
         names = {v.name for v, n in zip(graph.inputs, arg_of) if n in batch}
         return graph, names, full
 
     def plan(self, *args: Any) -> Plan:
         """The plan for these arguments: searched on fake tensors (no devices, no
-        processes), once per argument signature. Arguments may be on `meta`."""
+        processes), once per argument signature; or the plan given with `plan=`, checked
+        to fit these arguments. Arguments may be on `meta`."""
         return self._planned(args)[0]
 
     def _planned(self, args: tuple[Any, ...]) -> tuple[Plan, set[str], tuple[Any, ...]]:
         """(plan, names of the batch inputs, the graph's inputs), once per signature."""
-        from pxform.transforms.shard import _as_global, _is_dtensor
-
-        full: Any = optree.tree_map(_as_global, args, is_leaf=_is_dtensor)  # type: ignore[arg-type]
+        full: Any = optree.tree_map(global_stand_in, args, is_leaf=is_dtensor)  # type: ignore[arg-type]
         key = cache_key(full, {})
         if key not in self._cache:
             graph, names, _ = self._graph(args)
-            plan = search(graph, names, devices=self.devices, budget=self.memory_budget,
-                          hardware=self.hardware, objective=self.objective,
-                          batch_range=self.batch_range, pin=self.pin,
-                          batch_dim=self.batch_dim, optimizer=self.optimizer,
-                          fn=f"auto({self.__name__})", function=self.__name__,
-                          progress=self.progress)
+            if self.given is not None:
+                plan = self.given
+                self._lowering(plan).graph(graph)  # made for this graph, or an error
+            else:
+                from pxform.search import search
+
+                assert self.hardware is not None and self.memory_budget is not None
+                plan = search(graph, names, devices=self.devices, budget=self.memory_budget,
+                              hardware=self.hardware, objective=self.objective,
+                              batch_range=self.batch_range, pin=self.pin,
+                              batch_dim=self.batch_dim, optimizer=self.optimizer,
+                              fn=f"auto({self.__name__})", function=self.__name__,
+                              progress=self.progress)
             self._cache[key] = (plan, names, graph.inputs)
         return self._cache[key]
 
     def executable(self, *args: Any) -> Any:
         """The `pxform.shard` (over `pxform.pipeline` when the plan has stages) that runs
         the plan on this world."""
-        from pxform.transforms.pipeline import Pipelined
-        from pxform.transforms.shard import Sharded
-
         plan, names, inputs = self._planned(args)
         key = ("exe", id(plan))
         if key in self._cache:
             return self._cache[key]
-        import torch.distributed as dist
-
-        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-        if world != plan.devices:
+        ranks = world.size()
+        if ranks != plan.devices:
             raise PxformError(
                 f"pxform.auto({self.__name__}): the plan is for {plan.devices} devices but "
-                f"this world has {world} process(es).\n  Fix: launch with torchrun "
-                f"--nproc-per-node {plan.devices} (or plan for {world} devices: "
-                f"pxform.auto(..., mesh={world})).")
-        lowering = PlanLowering(plan, frozenset(names), self.batch_dim, self.hardware,
-                                f"auto({self.__name__})")
+                f"this world has {ranks} process(es).\n  Fix: launch with torchrun "
+                f"--nproc-per-node {plan.devices} (or plan for {ranks} devices: "
+                f"pxform.auto(..., mesh={ranks})).")
+        lowering = self._lowering(plan)
         specs = self._in_specs(plan, args, inputs, names)
         mesh = Mesh(dict(plan.mesh.axes))
         if plan.stages > 1:
@@ -202,17 +153,22 @@ class Auto:
         self._cache[key] = exe
         return exe
 
+    def _lowering(self, plan: Plan) -> PlanLowering:
+        """One `PlanLowering` per plan: it remembers the graphs it checked."""
+        key = ("lowering", id(plan))
+        if key not in self._cache:
+            self._cache[key] = PlanLowering(plan, f"auto({self.__name__})")
+        return self._cache[key]
+
     def _in_specs(self, plan: Plan, args: tuple[Any, ...], inputs: tuple[Any, ...],
                   names: set[str]) -> tuple[Any, ...]:
         """Per argument leaf, its spec: parameters per the plan, batch leaves as the first
-        block reading each wants them (`plan.batch_specs`: split over that block's data
-        axes; the search costs every block as receiving its batch inputs so). `inputs` are
-        the graph's inputs, one per tensor leaf."""
-        from pxform.transforms.shard import _as_global, _is_dtensor
-
-        full: Any = optree.tree_map(_as_global, args, is_leaf=_is_dtensor)  # type: ignore[arg-type]
-        specs = dict(plan.param_specs)
-        batch_specs = dict(plan.batch_specs)
+        block reading each wants them (`plan.batch_input_specs`: split over that block's
+        data axes; the search costs every block as receiving its batch inputs so). `inputs`
+        are the graph's inputs, one per tensor leaf."""
+        full: Any = optree.tree_map(global_stand_in, args, is_leaf=is_dtensor)  # type: ignore[arg-type]
+        specs = dict(plan.parameter_specs)
+        batch_specs = dict(plan.batch_input_specs)
         first = plan.blocks[0] if plan.blocks else None
         data_axes = tuple(a for a, r in (first.roles if first else ()) if r in ("dp", "sdp"))
         batch_entry: Any = (data_axes if len(data_axes) > 1 else data_axes[0]) \
@@ -220,13 +176,13 @@ class Auto:
         leaf_specs = []
         for v in inputs:
             if v.name in batch_specs:  # as its first reader wants it
-                leaf_specs.append(_parse_spec(batch_specs[v.name]))
-            elif v.name in names:  # plans saved before batch_specs existed
+                leaf_specs.append(batch_specs[v.name])
+            elif v.name in names:  # a batch input no op reads
                 entries: list[Any] = [None] * v.type.rank
                 entries[self.batch_dim] = batch_entry
                 leaf_specs.append(P(*entries))
             else:
-                leaf_specs.append(_parse_spec(specs.get(v.name, "P()")))
+                leaf_specs.append(specs.get(v.name, P()))
         it = iter(leaf_specs)
         out = []
         for a in full:
@@ -245,43 +201,27 @@ class Auto:
         Example:
             >>> held = step.holds(params, batch)[0]    # {"wte": True, "blocks": [...], ...}
         """
-        from pxform.transforms.pipeline import Pipelined
-        from pxform.transforms.shard import _is_dtensor
-
         exe = self.executable(*args)
-        reads = iter(exe.fn.holds(args, sharded=exe)) if isinstance(exe.fn, Pipelined) \
-            else None
+        reads = iter(exe.fn.holds(args, enclosing=exe.enclosing(args))) \
+            if isinstance(exe.fn, Pipelined) else None
 
         def held(x: Any) -> bool:  # one flag per tensor leaf, in leaf order
             return isinstance(x, torch.Tensor) and (reads is None or next(reads))
 
-        return tuple(optree.tree_map(held, a, is_leaf=_is_dtensor, none_is_leaf=True)
+        return tuple(optree.tree_map(held, a, is_leaf=is_dtensor, none_is_leaf=True)
                      for a in args)  # type: ignore[arg-type]
 
     def distribute(self, *args: Any) -> Any:
         """The arguments laid out per the plan, as DTensors on this world's mesh."""
         return self.executable(*args).distribute(*args)
 
-    def __call__(self, *args: Any) -> Any:
-        value, _ = self.run(args, ())
-        return value
-
     def run(self, args: tuple[Any, ...], grad_argnums: tuple[int, ...]) -> tuple[Any, Any]:
         """Plan (once), lower and run on this rank (what `value_and_grad` calls)."""
         return self.executable(*args).run(args, grad_argnums)
 
 
-def _parse_spec(text: str) -> P:
-    """`P(...)` from its repr, as plans store it (no eval: literals only)."""
-    if not (text.startswith("P(") and text.endswith(")")):
-        raise PxformError(f"pxform.auto: bad spec {text!r} in the plan; expected P(...).")
-    inner = text[2:-1].strip()
-    entries = ast.literal_eval(f"({inner},)") if inner else ()
-    return P(*entries)
-
-
 def auto(fn: Any = None, *, mesh: Any, memory_budget: Any = None, objective: str = "time",
-         hardware: Any = "h100-80gb", batch_range: tuple[int, int] | None = None,
+         hardware: Any = None, batch_range: tuple[int, int] | None = None,
          batch_argnums: int | tuple[int, ...] | None = None, batch_dim: int = 0,
          plan: Plan | Pin | None = None, optimizer: str = "adam",
          progress: Callable[[int, int], None] | None = None) -> Any:
@@ -294,11 +234,13 @@ def auto(fn: Any = None, *, mesh: Any, memory_budget: Any = None, objective: str
         memory_budget: bytes per device, or a string such as "80GiB" (default: the
             hardware's device memory).
         objective: "time", "memory" or "devices" (see `pxform.search.search`).
-        hardware: a preset name ("a100-40gb", "a100-80gb", "h100-80gb"), a path to a
-            profile written by `pxform calibrate`, or a `pxform.hardware.Hardware`.
+        hardware: a preset name ("a100-40gb", "a100-80gb", "h100-80gb", the default), a
+            path to a profile written by `pxform calibrate`, or a
+            `pxform.hardware.Hardware`.
         batch_range: (low, high) to also search the global batch size.
         batch_argnums: the arguments carrying the batch (default: all but the first).
-        plan: a `Plan` to pin every choice, or a `pxform.search.Pin` to pin some.
+        plan: a complete `Plan` (e.g. `pxform.Plan.load(path)`) to run as it is, with
+            nothing searched; or a `pxform.search.Pin` to search with some choices fixed.
         optimizer: "adam" or "sgd" (optimizer state in the memory count).
         progress: called as `progress(done, total)` after each configuration the search
             evaluates (`pxform plan` draws its progress bar with it).
@@ -314,16 +256,21 @@ def auto(fn: Any = None, *, mesh: Any, memory_budget: Any = None, objective: str
                                  batch_dim=batch_dim, plan=plan, optimizer=optimizer,
                                  progress=progress)
     devices = _device_count(mesh)
-    hw = get_hardware(hardware)
+    nums = (batch_argnums,) if isinstance(batch_argnums, int) else batch_argnums
+    if isinstance(plan, Plan):
+        if plan.devices != devices:
+            raise PxformError(f"pxform.auto({getattr(fn, '__name__', 'fn')}): the pinned plan "
+                              f"is for {plan.devices} devices but mesh= gives {devices}.\n  "
+                              f"Fix: pass mesh={plan.devices}, or search again without plan=.")
+        # runs as it is: no hardware profile, budget or search (nor their imports)
+        return Auto(fn, devices, None, objective, None, batch_range, nums, batch_dim, None,
+                    optimizer, progress, given=plan)
+    from pxform.cost.hardware import hardware as get_hardware
+
+    hw = get_hardware(hardware if hardware is not None else "h100-80gb")
     budget = hw.memory_bytes if memory_budget is None else \
         _budget(memory_budget, getattr(fn, "__name__", "fn"))
-    nums = (batch_argnums,) if isinstance(batch_argnums, int) else batch_argnums
-    pin = pin_of(plan) if isinstance(plan, Plan) else plan
-    if isinstance(plan, Plan) and plan.devices != devices:
-        raise PxformError(f"pxform.auto({getattr(fn, '__name__', 'fn')}): the pinned plan is "
-                          f"for {plan.devices} devices but mesh= gives {devices}.\n  Fix: pass "
-                          f"mesh={plan.devices}, or search again without plan=.")
-    return Auto(fn, devices, budget, objective, hw, batch_range, nums, batch_dim, pin,
+    return Auto(fn, devices, budget, objective, hw, batch_range, nums, batch_dim, plan,
                 optimizer, progress)
 
 
@@ -358,8 +305,6 @@ class Profile:
     plans: tuple[tuple[int, Plan | None, str], ...]  # (devices, plan or None, why not)
 
     def __str__(self) -> str:
-        from pxform.units import format_bytes
-
         rows = [("devices", "step time", "samples/s", "peak memory", "plan")]
         for n, plan, why in self.plans:
             if plan is None:
@@ -368,14 +313,13 @@ class Profile:
             rows.append((str(n), f"{plan.step_time_s:.4g} s",
                          f"{plan.global_batch / plan.step_time_s:.4g}",
                          format_bytes(int(plan.peak_memory_bytes)), plan.config_text()))
-        widths = [max(len(r[i]) for r in rows) for i in range(5)]
         lines = [f"profile of {self.function}: best plan per device count"]
-        lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+        lines += format_table(rows)
         return "\n".join(lines)
 
 
 def profile(fn: Any, *args: Any, devices: Sequence[int], memory_budget: Any = None,
-            hardware: Any = "h100-80gb", batch_argnums: int | tuple[int, ...] | None = None,
+            hardware: Any = None, batch_argnums: int | tuple[int, ...] | None = None,
             batch_dim: int = 0, optimizer: str = "adam") -> Profile:
     """The fastest plan for each device count in `devices` (None where nothing fits the
     budget), traced once.
@@ -384,7 +328,7 @@ def profile(fn: Any, *args: Any, devices: Sequence[int], memory_budget: Any = No
         >>> print(pxform.profile(loss_fn, params, batch, devices=[8, 16, 32],
         ...                      memory_budget="40GiB", hardware="a100-40gb"))
     """
-    from pxform.search import SearchError
+    from pxform.search import SearchError, search
 
     step = auto(fn, mesh=max(devices), memory_budget=memory_budget, hardware=hardware,
                 batch_argnums=batch_argnums, batch_dim=batch_dim, optimizer=optimizer)
@@ -392,6 +336,7 @@ def profile(fn: Any, *args: Any, devices: Sequence[int], memory_budget: Any = No
     out: list[tuple[int, Plan | None, str]] = []
     for n in devices:
         try:
+            assert step.memory_budget is not None
             plan = search(graph, names, devices=n, budget=step.memory_budget,
                           hardware=step.hardware, batch_dim=batch_dim, optimizer=optimizer,
                           fn=f"profile({step.__name__})", function=step.__name__)

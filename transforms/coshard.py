@@ -3,8 +3,8 @@ same devices, each piece recomputed in backward, so the region's peak activation
 drops to about one piece's.
 
 Like `recompute`, the transform only annotates the trace: each tensor argument is marked
-with its leaf index (`pxform.regions`), and every op inside carries a `CoshardTag`. The
-lowering (`pxform.lower.coshard`) splits the marked arguments along their dims, checks that
+with its leaf index (`pxform.frontend.regions`), and every op inside carries a `CoshardTag`. The
+lowering (`pxform.passes.coshard`) splits the marked arguments along their dims, checks that
 every op of the region can run on pieces with no communication (from the op rules: the same
 rules that shard ops over a mesh axis), writes one copy of the region per piece, and
 combines the pieces' results: concatenated where the output carries the split dim, summed
@@ -13,47 +13,37 @@ where the op reduced it (a contraction over a split hidden dim, a mean over a sp
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import optree
 import torch
 
-from pxform.regions import COSHARD, CoshardTag, RegionError, mark, next_region, tagging
-from pxform.trace import arg_names, is_tracing, path_text
-from pxform.transforms.recompute import run_eagerly
+from pxform.frontend.regions import COSHARD, CoshardTag, RegionError, mark, next_region, tagging
+from pxform.frontend.trace import arg_names, path_text
+from pxform.transforms.base import Region
 
 
 @dataclass(frozen=True, eq=False)
-class Cosharded:
-    """A function transformed by `pxform.coshard`."""
+class Cosharded(Region):
+    """`pxform.coshard(fn, chunks, dim)`: `fn` runs as `chunks` recomputed pieces, one after
+    another, each on a slice of the arguments along `dim`."""
+
+    label: ClassVar[str] = "coshard"
 
     fn: Any
     chunks: int
     dim: Any
     _cache: dict = field(default_factory=dict, repr=False)
 
-    @property
-    def __signature__(self) -> inspect.Signature | None:
-        """The wrapped function's, so traces name the arguments as the user did."""
-        try:
-            return inspect.signature(self.fn)
-        except (TypeError, ValueError):
-            return None
+    def options_text(self) -> str:
+        return f", chunks={self.chunks}, dim={self.dim!r}"
 
-    @property
-    def __name__(self) -> str:
-        return f"coshard({getattr(self.fn, '__name__', 'fn')})"
-
-    def __repr__(self) -> str:
-        return (f"pxform.coshard({getattr(self.fn, '__name__', 'fn')}, chunks={self.chunks}, "
-                f"dim={self.dim!r})")
-
-    def __call__(self, *args: Any) -> Any:
-        if not is_tracing():
-            return run_eagerly(self, args, {})
+    def traced_call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         where = f"pxform.{self.__name__}"
+        if kwargs:
+            raise RegionError(f"{where}: keyword arguments {sorted(kwargs)}; coshard splits "
+                              f"positional arguments only.\n  Fix: pass them positionally.")
         dims, paths = self._leaf_dims(args, where)
         tag = CoshardTag(next_region(), self.chunks, dims, paths,
                          getattr(self.fn, "__name__", "fn"))

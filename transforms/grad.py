@@ -14,7 +14,8 @@ from typing import Any
 import optree
 import torch
 
-from pxform.errors import PxformError
+from pxform.core.errors import PxformError
+from pxform.transforms.base import Executable
 
 
 def value_and_grad(fn: Callable[..., Any], argnums: int | tuple[int, ...] = 0,
@@ -31,10 +32,6 @@ def value_and_grad(fn: Callable[..., Any], argnums: int | tuple[int, ...] = 0,
         >>> grads["w1"].shape == params["w1"].shape
         True
     """
-    from pxform.transforms.auto import Auto
-    from pxform.transforms.pipeline import Pipelined
-    from pxform.transforms.shard import Sharded
-
     nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
     name = getattr(fn, "__name__", "fn")
 
@@ -43,7 +40,7 @@ def value_and_grad(fn: Callable[..., Any], argnums: int | tuple[int, ...] = 0,
             if not 0 <= n < len(args):
                 raise PxformError(f"pxform.value_and_grad({name}): argnums {nums} but the "
                                   f"function was called with {len(args)} arguments")
-        if isinstance(fn, (Sharded, Pipelined, Auto)):
+        if isinstance(fn, Executable):  # shard, pipeline, auto: they run per rank
             value, grads = fn.run(args, nums)
             if has_aux and not (isinstance(value, tuple) and len(value) == 2):
                 raise PxformError(f"pxform.value_and_grad({name}, has_aux=True): the function "

@@ -5,7 +5,7 @@
     print(step.cuts(params, batch))                            # which ops each stage holds
 
 Stages come from `pxform.stage_boundary(x)` markers in the model, or from graph sharding
-(`pxform.cuts`). The batch arguments (all positional arguments after the first, unless
+(`pxform.passes.cuts`). The batch arguments (all positional arguments after the first, unless
 `batch_argnums` says otherwise) are cut into `microbatches` along `batch_dim`. Each stage is
 lowered SPMD (`pxform.lower.mpmd`): alone, `pipeline` uses every rank along one axis;
 inside `pxform.shard(..., mesh=Mesh({"pp": 2, "dp": 2}))` each stage runs on the sub-mesh
@@ -23,14 +23,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import optree
 import torch
 
-from pxform.cuts import StageCuts, stage_cuts
-from pxform.errors import PipelineError
-from pxform.layout import Layout
+from pxform.core.errors import PipelineError
+from pxform.core.layout import Layout
+from pxform.core.mesh import AbstractMesh
+from pxform.core.units import parse_bytes
+from pxform.frontend.trace import Traced, cache_key, trace
 from pxform.lower.mpmd import (
     PipelineProgram,
     lower_pipeline,
@@ -38,19 +40,31 @@ from pxform.lower.mpmd import (
     split_batch,
     with_microbatches,
 )
-from pxform.lower.regions import prepare
-from pxform.lower.spmd import gradient_layout, propagate
-from pxform.mesh import AbstractMesh, Mesh
+from pxform.passes.cuts import StageCuts, stage_cuts, tag_blocks
+from pxform.passes.expand import prepare
+from pxform.runtime import world
+from pxform.runtime.boundary import (
+    global_stand_in,
+    is_dtensor,
+    mesh_axes,
+)
 from pxform.runtime.buckets import DEFAULT_BUCKET_MB
-from pxform.stage_recompute import RecomputePlan, block_memory, in_flight, tag_blocks
-from pxform.stage_recompute import plan as stage_plan
-from pxform.trace import Traced, cache_key, trace
-from pxform.units import parse_bytes
+from pxform.runtime.collectives import AxisGroups
+from pxform.runtime.mesh import Mesh
+from pxform.runtime.pipeline import PipelineGroup, run_pipeline
+from pxform.transforms.base import Enclosing, Nested
+from pxform.transforms.compile import op_strategies
+from pxform.transforms.specs import out_spec_layouts
+
+if TYPE_CHECKING:  # stage-aware recompute is a search: loaded only when asked for
+    from pxform.search.stage_recompute import RecomputePlan
 
 
 @dataclass(frozen=True, eq=False)
-class Pipelined:
+class Pipelined(Nested):
     """A function transformed by `pxform.pipeline`."""
+
+    label: ClassVar[str] = "pipeline"
 
     fn: Any
     stages: int
@@ -66,20 +80,16 @@ class Pipelined:
     planner: Any = None
     _cache: dict = field(default_factory=dict, repr=False)
 
-    @property
-    def __name__(self) -> str:
-        return f"pipeline({getattr(self.fn, '__name__', 'fn')})"
-
-    def __repr__(self) -> str:
-        return (f"pxform.pipeline({getattr(self.fn, '__name__', 'fn')}, stages={self.stages}, "
-                f"microbatches={self.microbatches}, schedule={self.schedule!r})")
+    def options_text(self) -> str:
+        return (f", stages={self.stages}, microbatches={self.microbatches}, "
+                f"schedule={self.schedule!r})")
 
     # ---------------------------------------------------------------- schedule
 
     def actions(self) -> dict[int, list[Any]]:
         """The validated schedule with its send/receive actions, per pipeline rank."""
         if "actions" not in self._cache:
-            from pxform import schedules
+            import pxform.schedules as schedules
 
             try:
                 compute = schedules.resolve(self.schedule, self.stages, self.microbatches,
@@ -113,11 +123,9 @@ class Pipelined:
     def _inputs(self, args: tuple[Any, ...]) -> tuple[list[int], list[Any]]:
         """Per tensor leaf (graph input), the positional argument it belongs to, and the
         leaves."""
-        from pxform.transforms.shard import _is_dtensor
-
         arg_of, leaves = [], []
         for n, a in enumerate(args):
-            for leaf in optree.tree_leaves(a, is_leaf=_is_dtensor):  # type: ignore[arg-type]
+            for leaf in optree.tree_leaves(a, is_leaf=is_dtensor):  # type: ignore[arg-type]
                 if isinstance(leaf, torch.Tensor):
                     arg_of.append(n)
                     leaves.append(leaf)
@@ -125,9 +133,7 @@ class Pipelined:
 
     def cuts(self, *args: Any) -> StageCuts:
         """Which ops (and modules) each stage holds; `print` it."""
-        from pxform.transforms.shard import _as_global, _is_dtensor
-
-        full: Any = optree.tree_map(_as_global, args, is_leaf=_is_dtensor)  # type: ignore[arg-type]
+        full: Any = optree.tree_map(global_stand_in, args, is_leaf=is_dtensor)  # type: ignore[arg-type]
         traced = trace(self.fn, *full)
         return self._cuts(traced, full)
 
@@ -140,20 +146,28 @@ class Pipelined:
         return stage_cuts(graph, self.num_stages, names, fn=self.__name__)
 
     def lower(self, *args: Any, mesh: AbstractMesh | None = None,
-              layouts: list[Layout] | None = None, sharded: Any = None) -> PipelineProgram:
+              layouts: list[Layout] | None = None,
+              enclosing: Enclosing | None = None) -> PipelineProgram:
         """The per-stage programs for these arguments (`.as_text()` prints them). `mesh` is
         the sub-mesh each stage runs on (None: one device per stage); `layouts` lay out
-        every tensor leaf on it (default replicated); `sharded` is an enclosing
-        `pxform.shard`, whose out_specs lay the outputs out."""
-        return self._compile(args, mesh, layouts, sharded)[0]
+        every tensor leaf on it (default replicated). Inside `pxform.shard`, `enclosing`
+        gives both (the enclosing mesh without this pipeline's axis) and the out_specs."""
+        if enclosing is not None:
+            mesh, layouts = self._sub_mesh(enclosing), list(enclosing.layouts)
+        return self._compile(args, mesh, layouts, enclosing)[0]
+
+    def _sub_mesh(self, enclosing: Enclosing) -> AbstractMesh | None:
+        """The enclosing mesh without this pipeline's axis: what each stage runs on."""
+        whole = enclosing.abstract_mesh
+        names = [a for a in whole.names if a != self.axis]
+        return AbstractMesh(tuple((a, whole.axis_size(a)) for a in names)) if names else None
 
     def _compile(self, args: tuple[Any, ...], mesh: AbstractMesh | None,
-                 layouts: list[Layout] | None, sharded: Any = None
+                 layouts: list[Layout] | None, enclosing: Enclosing | None = None
                  ) -> tuple[PipelineProgram, Traced]:
-        from pxform.transforms.shard import _as_global, _is_dtensor
 
-        full: Any = optree.tree_map(_as_global, args, is_leaf=_is_dtensor)  # type: ignore[arg-type]
-        out_specs = repr(sharded.out_specs) if sharded is not None else None
+        full: Any = optree.tree_map(global_stand_in, args, is_leaf=is_dtensor)  # type: ignore[arg-type]
+        out_specs = repr(enclosing.out_specs) if enclosing is not None else None
         key = (cache_key(full, {}), mesh, tuple(layouts or ()), out_specs)
         if key in self._cache:
             return self._cache[key]
@@ -181,13 +195,12 @@ class Pipelined:
             graph = tag_blocks(graph, cuts.blocks, [r for s in plan.stages
                                                     for r in s.recompute], self.__name__)
             self._cache[("plan", key)] = plan
-        if self.planner is not None:
-            graph, strategies = self.planner.strategies(graph, lowering_mesh, in_layouts)
-        else:
-            strategies = propagate(graph, lowering_mesh, in_layouts)
+        graph, strategies = op_strategies(graph, lowering_mesh, in_layouts, self.planner)
         # an enclosing shard's out_specs lay the outputs out on the sub-mesh
-        wanted = (sharded._output_layouts(traced) if sharded is not None and
-                  sharded.out_specs is not None else [None] * len(graph.outputs))
+        wanted = (out_spec_layouts(enclosing.out_specs, traced, enclosing.abstract_mesh,
+                                   enclosing.name)
+                  if enclosing is not None and enclosing.out_specs is not None
+                  else [None] * len(graph.outputs))
         outs = output_layouts(graph, lowering_mesh, in_layouts, strategies, wanted)
         split = {a.stage for acts in self.actions().values() for a in acts
                  if a is not None and a.kind == "W"}
@@ -204,15 +217,16 @@ class Pipelined:
         if self.recompute is None:
             raise PipelineError(f"pxform.{self.__name__}: no recompute= was given, so no "
                                 f"stage recomputes anything.")
-        from pxform.transforms.shard import _as_global, _is_dtensor
 
         self._compile(args, mesh, layouts)
-        full: Any = optree.tree_map(_as_global, args, is_leaf=_is_dtensor)  # type: ignore[arg-type]
+        full: Any = optree.tree_map(global_stand_in, args, is_leaf=is_dtensor)  # type: ignore[arg-type]
         key = (cache_key(full, {}), mesh, tuple(layouts or ()), None)
         return self._cache[("plan", key)]
 
     def _plan_recompute(self, cuts: StageCuts, batch_inputs: set[int], layouts: list[Layout],
                         mesh: AbstractMesh, leaves: list[Any]) -> RecomputePlan:
+        from pxform.search.stage_recompute import block_memory, choose_recompute, in_flight
+
         graph = cuts.graph
         block_stage = [cuts.op_stage[b.start] for b in cuts.blocks]
         n = cuts.num_stages
@@ -232,8 +246,9 @@ class Pipelined:
                 param_bytes[s] += local
         flights = in_flight(self.actions(), n)
         if isinstance(self.recompute, str) and self.recompute == "all":
-            return stage_plan(memory, block_stage, param_bytes, flights, self.memory_budget,
-                              fixed=[len(cuts.blocks)] * n, fn=self.__name__)
+            return choose_recompute(memory, block_stage, param_bytes, flights, self.memory_budget,
+                              fixed=[len(cuts.blocks)] * n, fn=self.__name__,
+                              microbatches=self.microbatches)
         if isinstance(self.recompute, str):
             if self.recompute != "stage_aware":
                 raise PipelineError(
@@ -244,15 +259,15 @@ class Pipelined:
                     f"pxform.{self.__name__}: recompute='stage_aware' chooses the blocks to "
                     f"recompute under a memory budget, and none was given.\n  Fix: pass "
                     f"memory_budget= (bytes, or a string such as '16GiB').")
-            return stage_plan(memory, block_stage, param_bytes, flights, self.memory_budget,
-                              fn=self.__name__)
+            return choose_recompute(memory, block_stage, param_bytes, flights, self.memory_budget,
+                              fn=self.__name__, microbatches=self.microbatches)
         fixed = list(self.recompute)
         if len(fixed) != n or not all(isinstance(c, int) and c >= 0 for c in fixed):
             raise PipelineError(
                 f"pxform.{self.__name__}: recompute={self.recompute!r} must give a number of "
                 f"blocks (>= 0) for each of the {n} stages.")
-        return stage_plan(memory, block_stage, param_bytes, flights, self.memory_budget,
-                          fixed=fixed, fn=self.__name__)
+        return choose_recompute(memory, block_stage, param_bytes, flights, self.memory_budget,
+                          fixed=fixed, fn=self.__name__, microbatches=self.microbatches)
 
     def _check_batch(self, traced: Traced, j: int, leaf: torch.Tensor, layout: Layout,
                      mesh: AbstractMesh) -> None:
@@ -277,76 +292,36 @@ class Pipelined:
 
     # ---------------------------------------------------------------- running
 
-    def __call__(self, *args: Any) -> Any:
-        value, _ = self.run(args, ())
-        return value
-
     def run(self, args: tuple[Any, ...], grad_argnums: tuple[int, ...],
-            sharded: Any = None) -> tuple[Any, Any]:
+            enclosing: Enclosing | None = None) -> tuple[Any, Any]:
         """Run this rank's part; with `grad_argnums`, also return gradients (see module
-        doc). `sharded` is the enclosing `pxform.shard` (its mesh has the pipeline axis)."""
-        from pxform.runtime.collectives import AxisGroups
-        from pxform.runtime.pipeline import run as run_actions
-        from pxform.transforms.shard import (
-            _is_dtensor,
-            _local_input,
-            _regroup_grads,
-            _to_dtensor,
-            _wrap_output,
-            mesh_axes,
-        )
-
-        mesh, place, axes, sub = self._placement(sharded)
-        layouts = sharded._input_layouts(args) if sharded is not None else None
-        program, traced = self._compile(args, sub, layouts, sharded)
+        doc). `enclosing` comes from an enclosing `pxform.shard` (its mesh has the pipeline
+        axis)."""
+        mesh, place, axes, sub = self._placement(enclosing)
+        layouts = list(enclosing.layouts) if enclosing is not None else None
+        program, traced = self._compile(args, sub, layouts, enclosing)
         arg_of, leaves = self._inputs(args)
-        reads = self._reads(program, place)
-        base = layouts or [Layout.replicated(t.dim()) for t in leaves]
-        full_axes = mesh_axes(mesh) if mesh is not None else AxisGroups({}, {}, {})
-        local = [(_local_input(leaf, layout, full_axes, mesh.abstract) if mesh is not None
-                  else leaf) if j in reads else None
-                 for j, (leaf, layout) in enumerate(zip(leaves, base))]
         batch_args = set(self._batch_argnums(len(args)))
         batch_dims = {j: self.batch_dim for j, n in enumerate(arg_of) if n in batch_args}
-        want = [n in grad_argnums for n in arg_of]
         actions = self.actions()[place.rank]
-        split = {a.stage for acts in self.actions().values() for a in acts
-                 if a is not None and a.kind == "W"}
         if grad_argnums:
             self._check_trainable(program)
-        bucket_mb = sharded.bucket_mb if sharded is not None else DEFAULT_BUCKET_MB
-        with torch.set_grad_enabled(bool(grad_argnums) or torch.is_grad_enabled()):
-            result = run_actions(program, actions if grad_argnums else
-                                 [a for a in actions if a is not None and a.kind in
-                                  ("F", "SF", "RF")],
-                                 place, axes, local, batch_dims, want, int(bucket_mb * 2**20),
-                                 split)
-        grads = self._share_grads(program, place, result.grads, want, base, sub, leaves)
-        values = []
-        for o, v in zip(result.outputs, program.outputs):
-            values.append(_wrap_output(o, _without_mb(v), mesh) if mesh is not None else o)
-        value = optree.tree_unflatten(traced.out_tree, values)
-        if not grad_argnums:
-            return value, None
-        flat: list[Any] = []
-        for j, layout in enumerate(base):
-            g = grads.get(j)
-            if g is None or not want[j]:
-                flat.append(None)
-                continue
-            grad_layout = gradient_layout(layout)
-            # DTensor arguments get DTensor gradients with their placements (see shard.py)
-            wrap = mesh is not None and (grad_layout.used_axes() or _is_dtensor(leaves[j]))
-            flat.append(_to_dtensor(g, grad_layout, mesh) if wrap else g)
-        return value, _regroup_grads(args, grad_argnums, flat)
+        else:  # forward sweeps only
+            actions = [a for a in actions if a is not None and a.kind in ("F", "SF", "RF")]
+        split = {a.stage for acts in self.actions().values() for a in acts
+                 if a is not None and a.kind == "W"}
+        return run_pipeline(
+            program, traced.out_tree, actions, split, args, grad_argnums, arg_of, leaves,
+            layouts or [Layout.replicated(t.dim()) for t in leaves], batch_dims, place, axes,
+            mesh, sub, enclosing.bucket_mb if enclosing is not None else DEFAULT_BUCKET_MB)
 
-    def holds(self, args: tuple[Any, ...], sharded: Any = None) -> list[bool]:
+    def holds(self, args: tuple[Any, ...], enclosing: Enclosing | None = None) -> list[bool]:
         """Per tensor leaf of `args`, whether this rank's stages read it: the leaves it
         computes with and gets gradients for (a tied weight is held by every stage that
         reads it). Lowers (cached) on the first call."""
-        _, place, _, sub = self._placement(sharded)
-        layouts = sharded._input_layouts(args) if sharded is not None else None
-        program, _ = self._compile(args, sub, layouts, sharded)
+        _, place, _, sub = self._placement(enclosing)
+        layouts = list(enclosing.layouts) if enclosing is not None else None
+        program, _ = self._compile(args, sub, layouts, enclosing)
         reads = self._reads(program, place)
         return [j in reads for j in range(len(self._inputs(args)[1]))]
 
@@ -370,37 +345,33 @@ class Pipelined:
                     f"under torch.no_grad() and cut them into the first stages, or use a "
                     f"schedule that trains every stage.")
 
-    def _placement(self, sharded: Any) -> tuple[Any, Any, Any, AbstractMesh | None]:
+    def _placement(self, enclosing: Enclosing | None
+                   ) -> tuple[Any, Any, Any, AbstractMesh | None]:
         """(bound mesh or None, this rank's PipelineGroup, sub-mesh AxisGroups, sub-mesh)."""
-        import torch.distributed as dist
-
-        from pxform.runtime.collectives import AxisGroups
-        from pxform.runtime.pipeline import PipelineGroup
-        from pxform.transforms.shard import mesh_axes
-
-        if sharded is None:
-            if not dist.is_available() or not dist.is_initialized():
+        if enclosing is None:
+            if not world.initialized():
                 if self.stages == 1:
                     return None, PipelineGroup(0, 1), AxisGroups({}, {}, {}), None
                 raise PipelineError(
                     f"pxform.{self.__name__}: {self.stages} stages need {self.stages} ranks, "
                     f"but torch.distributed is not initialised.\n  Fix: run under torchrun "
                     f"--nproc-per-node {self.stages}, or use .lower()/.cuts() to inspect.")
-            world = dist.get_world_size()
-            if world != self.stages:
-                raise PipelineError(
-                    f"pxform.{self.__name__}: {self.stages} stages but the world has {world} "
-                    f"ranks; alone, a pipeline uses every rank along {self.axis!r}.\n  Fix: "
-                    f"launch {self.stages} processes, or wrap it in pxform.shard with a mesh "
-                    f"such as Mesh({{{self.axis!r}: {self.stages}, 'dp': "
-                    f"{max(1, world // self.stages)}}}).")
+            ranks = world.size()
+            mesh_text = f"Mesh({{{self.axis!r}: {self.stages}, 'dp': " \
+                        f"{max(1, ranks // self.stages)}}})"
+            if ranks != self.stages:
+                raise PipelineError(f"pxform.{self.__name__}: {self.stages} stages but the "
+                                    f"world has {ranks} ranks; alone, a pipeline uses every "
+                                    f"rank along {self.axis!r}.\n  Fix: launch {self.stages} "
+                                    f"processes, or wrap it in pxform.shard with a mesh such "
+                                    f"as {mesh_text}.")
             if "world" not in self._cache:
-                self._cache["world"] = Mesh({self.axis: world})
+                self._cache["world"] = Mesh({self.axis: ranks})
             mesh = self._cache["world"]
             place = PipelineGroup(mesh.coordinate()[self.axis], self.stages,
                                   mesh.group(self.axis))
             return None, place, AxisGroups({}, {}, {}), None
-        mesh = sharded._bound_mesh("call")
+        mesh = enclosing.bound_mesh("call")
         if self.axis not in mesh.names or mesh.axis_size(self.axis) != self.stages:
             raise PipelineError(
                 f"pxform.{self.__name__}: the enclosing shard's mesh {mesh} needs an axis "
@@ -413,46 +384,6 @@ class Pipelined:
         sub = AbstractMesh(tuple((a, mesh.axis_size(a)) for a in names)) if names else None
         place = PipelineGroup(full.index[self.axis], self.stages, full.groups[self.axis])
         return mesh, place, axes, sub
-
-    def _share_grads(self, program: PipelineProgram, place: Any, grads: dict[int, Any],
-                     want: list[bool], layouts: list[Layout], sub: AbstractMesh | None,
-                     leaves: list[Any]) -> dict[int, Any]:
-        """Sum the gradients of inputs read on several pipeline ranks (tied weights)."""
-        import torch.distributed as dist
-
-        if place.size == 1:
-            return grads
-        owners: dict[int, set[int]] = {}
-        for st in program.stages:
-            for j in st.graph_inputs:
-                owners.setdefault(j, set()).add(st.stage % place.size)
-        for j in sorted(owners):
-            if len(owners[j]) < 2 or not want[j] or not leaves[j].dtype.is_floating_point:
-                continue
-            g = grads.get(j)
-            if g is None:
-                shape = layouts[j].local_shape(tuple(leaves[j].shape), sub) if sub else \
-                    tuple(leaves[j].shape)
-                g = torch.zeros(shape, dtype=leaves[j].dtype)
-            g = g.contiguous()
-            dist.all_reduce(g, group=place.group)
-            if place.rank in owners[j]:
-                grads[j] = g
-        return grads
-
-
-def _without_mb(v: Any) -> Any:
-    """The output value's type without the microbatch axis (combined by the runtime)."""
-    from pxform.ir import TensorType, Value
-    from pxform.lower.mpmd import MB
-    from pxform.lower.spmd import layout_of, typed_layout
-
-    if not isinstance(v, Value):
-        return v
-    layout = layout_of(v.type)
-    dims = tuple(tuple(a for a in axes if a != MB) for axes in layout.dims)
-    t = typed_layout(TensorType(v.type.shape, v.type.dtype), Layout(dims, layout.partial - {MB}))
-    return Value(v.name, t)
 
 
 def pipeline(fn: Any, *, stages: int, microbatches: int, schedule: Any = "1f1b",

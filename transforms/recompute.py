@@ -11,43 +11,40 @@ run the same way on this process, so the single-process reference uses the same 
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import optree
 import torch
 
-from pxform.regions import RECOMPUTE, Policy, RecomputeTag, make_policy, mark, next_region, tagging
-from pxform.trace import is_tracing
+from pxform.frontend.regions import (
+    RECOMPUTE,
+    Policy,
+    RecomputeTag,
+    make_policy,
+    mark,
+    next_region,
+    tagging,
+)
+from pxform.frontend.trace import is_tracing
+from pxform.transforms.base import Region
 
 
 @dataclass(frozen=True, eq=False)
-class Recomputed:
-    """A function transformed by `pxform.recompute`."""
+class Recomputed(Region):
+    """`pxform.recompute(fn, policy)`: the activations `fn` makes are dropped after forward
+    and made again in backward, but for those `policy` saves."""
+
+    label: ClassVar[str] = "recompute"
 
     fn: Any
     policy: Policy
     _cache: dict = field(default_factory=dict, repr=False)
 
-    @property
-    def __signature__(self) -> inspect.Signature | None:
-        """The wrapped function's, so traces name the arguments as the user did."""
-        try:
-            return inspect.signature(self.fn)
-        except (TypeError, ValueError):
-            return None
+    def options_text(self) -> str:
+        return f", policy={self.policy}"
 
-    @property
-    def __name__(self) -> str:
-        return f"recompute({getattr(self.fn, '__name__', 'fn')})"
-
-    def __repr__(self) -> str:
-        return f"pxform.recompute({getattr(self.fn, '__name__', 'fn')}, policy={self.policy})"
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if not is_tracing():
-            return run_eagerly(self, args, kwargs)
+    def traced_call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         tag = RecomputeTag(next_region(), self.policy, getattr(self.fn, "__name__", "fn"))
         with tagging(RECOMPUTE, tag, f"pxform.{self.__name__}"):
             return self.fn(*args, **kwargs)
@@ -99,30 +96,3 @@ def checkpoint_name(x: Any, name: str) -> Any:
         return x
     return optree.tree_map(lambda t: mark(t, "name:" + name) if isinstance(t, torch.Tensor)
                            else t, x)
-
-
-def run_eagerly(transformed: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """Run a region transform on real tensors on this process: trace it (once per
-    signature), lower it for one device, and run the program with autograd."""
-    from pxform.layout import Layout
-    from pxform.lower.regions import prepare
-    from pxform.lower.spmd import lower, propagate
-    from pxform.mesh import AbstractMesh
-    from pxform.runtime.collectives import AxisGroups
-    from pxform.runtime.program import execute
-    from pxform.trace import cache_key, trace
-
-    key = cache_key(args, kwargs)
-    cache = transformed._cache
-    if key not in cache:
-        traced = trace(transformed, *args, **kwargs)
-        graph = prepare(traced.graph)
-        mesh = AbstractMesh({"local": 1})  # one device: every conversion moves nothing
-        layouts = [Layout.replicated(v.type.rank) for v in graph.inputs]
-        strategies = propagate(graph, mesh, layouts)
-        program = lower(graph, mesh, layouts, strategies, [None] * len(graph.outputs))
-        cache[key] = (traced, program)
-    traced, program = cache[key]
-    tensors = traced._check_args(args, kwargs)
-    outs = execute(program, tensors, AxisGroups({"local": None}, {"local": 0}, {"local": 1}))
-    return optree.tree_unflatten(traced.out_tree, outs)

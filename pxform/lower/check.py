@@ -15,13 +15,33 @@ larger than this machine (a 1,024-rank mesh) are checked here.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
-from pxform.errors import GraphCheckError
-from pxform.ir import DEVICE, TensorType
-from pxform.layout import Layout, SpecError, apply_step
-from pxform.lower.spmd import CallInstr, ConvertInstr, Program, layout_of
+from pxform.core.errors import GraphCheckError
+from pxform.core.ir import DEVICE, Graph, TensorType
+from pxform.core.layout import Layout, SpecError, apply_step
+from pxform.lower.spmd import CallInstr, ConvertInstr, Program
+from pxform.ops.check import check_graph
 from pxform.ops.strategy import strategies
+from pxform.passes.propagate import layout_of
+
+
+def check(graph: Any) -> None:
+    """Verify a traced `Graph` against the op rules (SSA form, every op's types as its rule
+    and torch say), or a lowered per-rank `Program` against its layouts and local shapes.
+
+    Raises:
+        GraphCheckError: naming the op, its position and what disagrees.
+
+    Example:
+        >>> pxform.check(pxform.trace(fn, *args).graph)   # silent when well formed
+        >>> pxform.check(step.lower(params, batch))        # a per-rank program
+    """
+    if isinstance(graph, Graph):
+        return check_graph(graph)
+    return check_program(graph)
 
 
 def check_program(program: Program) -> None:

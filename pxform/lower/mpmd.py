@@ -24,16 +24,17 @@ it. Values defined on a stage and read on a later one cross every boundary in be
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cached_property
 from typing import Any
 
-from pxform.errors import PipelineError
-from pxform.ir import Graph, Value
-from pxform.layout import Layout
-from pxform.lower.local import CountSpec
-from pxform.lower.spmd import CallInstr, ConvertInstr, Instr, Program, layout_of, lower
-from pxform.mesh import AbstractMesh
+from pxform.core.errors import PipelineError
+from pxform.core.ir import Graph, Value
+from pxform.core.layout import Layout
+from pxform.core.mesh import AbstractMesh
+from pxform.lower.spmd import CallInstr, ConvertInstr, Instr, Program, lower
+from pxform.ops import bind
+from pxform.ops.local import CountSpec
 from pxform.ops.strategy import Strategy
+from pxform.passes.propagate import layout_of
 
 MB = "mb"
 """The microbatch axis of the lowering mesh."""
@@ -74,14 +75,6 @@ class StageProgram:
 
     def local_shape(self, v: Value) -> tuple[int, ...]:
         return self.program.local_shape(v)
-
-    @cached_property
-    def graph_module(self) -> Any:
-        """The stage's per-rank fx GraphModule; parameter gradients are keyed by graph
-        input index."""
-        from pxform.runtime.graph_module import build
-
-        return build(self.program, self.graph_inputs)
 
 
 @dataclass(frozen=True)
@@ -336,8 +329,6 @@ def _weight_ops(instrs: tuple[Instr, ...], weights: set[str], values: dict[str, 
 
 def _count_prepasses(program: Program, num_graph_inputs: int, graph_inputs: list[int],
                      fn: str) -> tuple[CountPrepass, ...]:
-    from pxform.ops import bind
-
     out = []
     produced = {v.name: instr for instr in program.instrs for v in _defines(instr)}
     for instr in program.instrs:

@@ -16,30 +16,24 @@ the gradients autograd sums are all in one layout.
 
 from __future__ import annotations
 
-import math
 from collections import defaultdict
 from dataclasses import dataclass
-from functools import cached_property, lru_cache
 from typing import Any
 
-from pxform.ir import Graph, Op, TensorType, Value, map_values
-from pxform.layout import Layout, Relayout, plan_relayout
-from pxform.lower.local import LocalCall, local_call
-from pxform.mesh import AbstractMesh
-from pxform.ops.strategy import REPLICATE, Strategy
-
-
-def gradient_layout(layout: Layout) -> Layout:
-    """G(L): the layout gradients of a value laid out as L are kept in."""
-    return Layout(layout.dims)
-
-
-def consumer_gradient_layout(strategy: Strategy, index: int) -> Layout:
-    """C: the layout in which the op delivers the gradient of its input `index`."""
-    need = strategy.inputs[index]
-    partial = {axis for axis, choice in strategy.choices
-               if choice != REPLICATE and axis not in need.used_axes()}
-    return Layout(need.dims, frozenset(partial))
+from pxform.core.errors import UnsupportedOpError
+from pxform.core.ir import Graph, Op, TensorType, Value, map_values
+from pxform.core.layout import Layout, Relayout
+from pxform.core.mesh import AbstractMesh
+from pxform.ops import bind
+from pxform.ops.local import LocalCall, local_call
+from pxform.ops.strategy import Strategy
+from pxform.passes.propagate import (
+    consumer_gradient_layout,
+    gradient_layout,
+    layout_of,
+    relayout,
+    typed_layout,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,14 +89,6 @@ class Program:
     outputs: tuple[Any, ...]
     constants: tuple[Any, ...] = ()
 
-    @cached_property
-    def graph_module(self) -> Any:
-        """This program as a per-rank `torch.fx.GraphModule` (built on first use); it runs
-        inside `pxform.runtime.graph_module.bind(axes)`."""
-        from pxform.runtime.graph_module import build
-
-        return build(self)
-
     def local_shape(self, v: Value) -> tuple[int, ...]:
         layout = layout_of(v.type)
         return layout.local_shape(v.type.shape, self.mesh)
@@ -155,23 +141,6 @@ class Program:
         return "\n".join(lines)
 
 
-def typed_layout(t: TensorType, layout: Layout) -> TensorType:
-    return TensorType(t.shape, t.dtype, layout.to_spec(), layout.partial)
-
-
-def layout_of(t: TensorType) -> Layout:
-    from pxform.spec import P
-
-    spec = t.spec if isinstance(t.spec, P) else P()
-    return Layout.of(spec, len(t.shape), t.partial)
-
-
-@lru_cache(maxsize=65536)
-def _plan(shape: tuple[int, ...], itemsize: int, src: Layout, dst: Layout,
-          mesh: AbstractMesh) -> Relayout:
-    return plan_relayout(shape, itemsize, src, dst, mesh)
-
-
 def lower(graph: Graph, mesh: AbstractMesh, input_layouts: list[Layout],
           strategies: list[Strategy], output_layouts: list[Layout | None]) -> Program:
     """Lower `graph` to a per-rank program.
@@ -205,9 +174,9 @@ def lower(graph: Graph, mesh: AbstractMesh, input_layouts: list[Layout],
     def emit_convert(src: str, src_layout: Layout, dst_layout: Layout, grad_from: Layout,
                      grad_to: Layout) -> str:
         t = types[src]
-        fwd = _plan(t.shape, t.dtype.itemsize, src_layout, dst_layout, mesh)
+        fwd = relayout(t.shape, t.dtype.itemsize, src_layout, dst_layout, mesh)
         if t.dtype.is_floating_point or t.dtype.is_complex:
-            bwd = _plan(t.shape, t.dtype.itemsize, grad_from, grad_to, mesh)
+            bwd = relayout(t.shape, t.dtype.itemsize, grad_from, grad_to, mesh)
         else:  # integer values (token ids, positions) have no gradient
             bwd = Relayout(grad_from, grad_to, ())
         dst = Value(new_name(src), typed_layout(t, dst_layout))
@@ -266,16 +235,12 @@ def _check_random(graph: Graph, op: Op, strategy: Strategy, mesh: AbstractMesh) 
     from its own generator, so the replicas would silently differ."""
     if op.name not in _RANDOM:
         return
-    from pxform.ops import bind
-
     args = bind(op)
     if op.name.endswith("dropout") and (args.get("p") == 0 or args.get("train") is False):
         return  # drops nothing
     used = strategy.outputs[0].used_axes() if strategy.outputs else frozenset()
     replicated = [a for a in mesh.names if mesh.axis_size(a) > 1 and a not in used]
     if replicated:
-        from pxform.errors import UnsupportedOpError
-
         a = replicated[0]
         raise UnsupportedOpError(
             f"pxform.shard({graph.name}): {op} at {op.source or 'an unknown line'} draws "
@@ -286,55 +251,3 @@ def _check_random(graph: Graph, op: Op, strategy: Strategy, mesh: AbstractMesh) 
             f"parallel) so each rank draws for its own piece.")
 
 
-# ---------------------------------------------------------------- propagation
-
-def propagate(graph: Graph, mesh: AbstractMesh, input_layouts: list[Layout]) -> list[Strategy]:
-    """Choose a strategy per op, greedily in program order: the one needing the least
-    forward communication to bring its inputs into layout (planner's default costs); costs
-    within 1% are ties (bytes that small do not matter next to a collective's latency), and
-    ties go to strategies that keep inputs as they are, then to those that split less. So a
-    partial sum is all-reduced where it is (Megatron's g) rather than reduce-scattered into
-    a layout nothing asked for (sequence parallelism is asked for with specs, or chosen by
-    the search). Backward
-    communication is what the forward choice implies (DP's gradient all-reduce). The search
-    of a later issue replaces this."""
-    from pxform.ops.strategy import strategies as all_strategies
-
-    layouts: dict[str, Layout] = {v.name: lay for v, lay in zip(graph.inputs, input_layouts)}
-    for c in graph.constants:
-        layouts[c.value.name] = Layout.replicated(c.value.type.rank)
-    # layouts a value is already converted to for an earlier consumer: free to reuse
-    # (the lowering converts once per value and layout)
-    made: set[tuple[str, Layout]] = set()
-    chosen = []
-    for op in graph.ops:
-        best: tuple[float, int, float] | None = None
-        pick = None
-        for s in all_strategies(op, mesh):
-            comm = 0.0
-            moves = 0
-            for i, v in enumerate(op.inputs):
-                if (v.name, s.inputs[i]) in made:
-                    continue
-                t = v.type
-                fwd = _plan(t.shape, t.dtype.itemsize, layouts[v.name], s.inputs[i], mesh)
-                comm += fwd.cost
-                moves += len(fwd.steps)
-            ways = sum(math.log(mesh.axis_size(a)) for a, c in s.choices if c != REPLICATE)
-            key = (comm, moves, ways)
-            if best is None or _better(key, best):
-                best, pick = key, s
-        assert pick is not None  # "replicate everywhere" is always a strategy
-        chosen.append(pick)
-        made.update((v.name, need) for v, need in zip(op.inputs, pick.inputs))
-        for v, lay in zip(op.outputs, pick.outputs):
-            layouts[v.name] = lay
-    return chosen
-
-
-def _better(key: tuple[float, int, float], best: tuple[float, int, float]) -> bool:
-    cost, moves, ways = key
-    best_cost, best_moves, best_ways = best
-    if abs(cost - best_cost) > 0.01 * max(cost, best_cost):
-        return cost < best_cost
-    return (moves, ways) < (best_moves, best_ways)

@@ -1,7 +1,9 @@
-"""Op rules: the dim signature, FLOPs and view-ness of every supported aten op.
+"""Floor 3, ops: the dim signature, FLOPs and view-ness of every supported aten op; the
+sharding strategies they give (`strategy`), how an op runs on local shards (`local`), and
+the graph checker (`check`).
 
 One module per family; importing this package registers them all. Extend pxform with
-`register_rule` (see `pxform.ops.registry`).
+`register_rule` (see `pxform.ops.registry`). May import core and schedules.
 """
 
 from pxform.ops import (  # noqa: F401  (imported for their registrations)

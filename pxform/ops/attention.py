@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 
-from pxform.ir import Op
+from pxform.core.ir import Op
 from pxform.ops.registry import OpInfo, bind, overloads, pointwise_terms, register_rule
 from pxform.ops.signature import LabelMaker, Signature, Term
 

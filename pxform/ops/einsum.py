@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import math
 
-from pxform.errors import RuleError
-from pxform.ir import Op
+from pxform.core.errors import RuleError
+from pxform.core.ir import Op
 from pxform.ops.registry import (
     OpInfo,
     bind,

@@ -9,7 +9,7 @@ take their template's dims as unrelated `^` inputs. FLOPs: one per output elemen
 
 from __future__ import annotations
 
-from pxform.ir import Op
+from pxform.core.ir import Op
 from pxform.ops.registry import OpInfo, fresh_labels, overloads, register_rule
 from pxform.ops.signature import LabelMaker, Signature
 

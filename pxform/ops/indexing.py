@@ -8,7 +8,7 @@ per output element.
 
 from __future__ import annotations
 
-from pxform.ir import Op
+from pxform.core.ir import Op
 from pxform.ops.registry import OpInfo, bind, fresh_labels, norm_dim, overloads, register_rule
 from pxform.ops.signature import LabelMaker, Signature, Term
 

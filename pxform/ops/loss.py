@@ -9,7 +9,7 @@ element.
 
 from __future__ import annotations
 
-from pxform.ir import Op
+from pxform.core.ir import Op
 from pxform.ops.registry import OpInfo, bind, overloads, register_rule
 from pxform.ops.signature import LabelMaker, Signature, Term
 

@@ -7,7 +7,7 @@ softmax 5, log_softmax 5 (max, subtract, exp, sum, divide or log).
 
 from __future__ import annotations
 
-from pxform.ir import Op
+from pxform.core.ir import Op
 from pxform.ops.registry import OpInfo, bind, norm_dim, overloads, register_rule
 from pxform.ops.signature import LabelMaker, Signature
 

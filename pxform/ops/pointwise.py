@@ -7,7 +7,7 @@ that broadcasts is `1` (it can't be split, it is replicated). FLOPs: one per out
 
 from __future__ import annotations
 
-from pxform.ir import Op
+from pxform.core.ir import Op
 from pxform.ops.registry import (
     OpInfo,
     bind,

@@ -6,7 +6,7 @@ FLOPs: one per input element.
 
 from __future__ import annotations
 
-from pxform.ir import Op
+from pxform.core.ir import Op
 from pxform.ops.registry import (
     OpInfo,
     bind,

@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
-from pxform.errors import RuleError, UnsupportedOpError
-from pxform.ir import DEVICE, Op, TensorType, Value, map_values, op_name
+from pxform.core.errors import RuleError, UnsupportedOpError
+from pxform.core.ir import DEVICE, Op, TensorType, Value, map_values, op_name
 from pxform.ops.signature import LabelMaker, Signature
 
 aten = torch.ops.aten

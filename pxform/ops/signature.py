@@ -26,7 +26,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from pxform.errors import RuleError
+from pxform.core.errors import RuleError
 
 Term = tuple[str, ...]
 """One tensor dim: its labels, major to minor. `()` is a size-1 (broadcast) dim."""

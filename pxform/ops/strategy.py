@@ -22,9 +22,9 @@ import itertools
 import math
 from dataclasses import dataclass
 
-from pxform.ir import Op
-from pxform.layout import Layout
-from pxform.mesh import AbstractMesh
+from pxform.core.ir import Op
+from pxform.core.layout import Layout
+from pxform.core.mesh import AbstractMesh
 from pxform.ops.registry import rule_info
 from pxform.ops.signature import Signature
 
@@ -71,13 +71,15 @@ def strategies(op: Op | Signature, mesh: AbstractMesh) -> list[Strategy]:
     options += [("partial", group) for group in sig.linear]
     out = []
     for combo in itertools.product(options, repeat=len(mesh.names)):
-        strategy = _build(sig, mesh, combo)
+        strategy = build_strategy(sig, mesh, combo)
         if strategy is not None:
             out.append(strategy)
     return out
 
 
-def _build(sig: Signature, mesh: AbstractMesh, combo: tuple) -> Strategy | None:
+def build_strategy(sig: Signature, mesh: AbstractMesh, combo: tuple) -> Strategy | None:
+    """The strategy making choice `combo[i]` on mesh axis `i` (`REPLICATE`, `("split",
+    label)` or `("partial", group)`); None when a split does not divide its dim."""
     splits: dict[str, list[str]] = {}  # label -> axes splitting it, outer to inner
     for axis, choice in zip(mesh.names, combo):
         if choice[0] == "split":
@@ -116,3 +118,55 @@ def _added_into(sig: Signature, index: int, label: str) -> bool:
                 label in {lb for term in sig.inputs[j] for lb in term} for j in group):
             return True
     return False
+
+
+def strategy_for(op: Op, mesh: AbstractMesh, combo: tuple) -> Strategy:
+    """`op`'s strategy making choice `combo[i]` on mesh axis `i`; when that does not fit
+    (a split that does not divide), the strategy agreeing with `combo` on most axes (the
+    first such in `strategies` order, so the result is deterministic).
+
+    Example:
+        >>> strategy_for(linear_op, AbstractMesh({"dp": 2, "tp": 2}),
+        ...              (("split", "b"), ("split", "n")))
+    """
+    s = build_strategy(rule_info(op).signature, mesh, combo)
+    if s is not None:
+        return s
+    best: tuple[int, Strategy] | None = None
+    for cand in strategies(op, mesh):
+        score = sum(1 for (_, c), w in zip(cand.choices, combo) if c == w)
+        if best is None or score > best[0]:
+            best = (score, cand)
+    assert best is not None  # replicating everywhere always fits
+    return best[1]
+
+
+def choice_text(choice: tuple) -> str:
+    """A per-axis choice as plans store it: "r" (replicate), "s:<label>" (split the
+    label), "p:<i>,<j>" (partial through linear group <i>,<j>).
+
+    Example:
+        >>> choice_text(("split", "b")), choice_text(("partial", frozenset({0, 1})))
+        ('s:b', 'p:0,1')
+    """
+    if choice[0] == "split":
+        return f"s:{choice[1]}"
+    if choice[0] == "partial":
+        return "p:" + ",".join(str(i) for i in sorted(choice[1]))
+    return "r"
+
+
+def parse_choice(text: str) -> tuple:
+    """The choice `choice_text` wrote.
+
+    Raises:
+        ValueError: `text` is not a choice.
+    """
+    if text == "r":
+        return REPLICATE
+    kind, _, rest = text.partition(":")
+    if kind == "s" and rest:
+        return ("split", rest)
+    if kind == "p" and rest:
+        return ("partial", frozenset(int(i) for i in rest.split(",")))
+    raise ValueError(f"{text!r} is not a strategy choice (r, s:<label> or p:<i>,<j>)")

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import math
 
-from pxform.errors import RuleError
-from pxform.ir import Op, Value
+from pxform.core.errors import RuleError
+from pxform.core.ir import Op, Value
 from pxform.ops.registry import OpInfo, bind, fresh_labels, norm_dim, overloads, register_rule
 from pxform.ops.signature import LabelMaker, Signature, Term
 

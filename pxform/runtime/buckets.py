@@ -31,7 +31,7 @@ from typing import Protocol
 import torch
 import torch.distributed._functional_collectives as fc
 
-from pxform.layout import Step
+from pxform.core.layout import Step
 from pxform.runtime.collectives import AxisGroups, run_step
 
 DEFAULT_BUCKET_MB = 25.0

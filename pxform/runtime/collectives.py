@@ -2,7 +2,7 @@
 between layouts (DESIGN.md §7).
 
 `run_steps` executes a `Relayout`'s steps with torch.distributed functional collectives,
-one process group per mesh axis. `Convert` is the conversion rule: forward runs the steps
+one process group per mesh axis. `ConvertFunction` is the conversion rule: forward runs the steps
 from the producer's layout L to the layout R the consumer needs; backward runs the steps
 from the gradient's layout C (set by the consumer's strategy) to the value's canonical
 gradient layout G(L). Megatron's f and g, data parallelism's gradient all-reduce, ZeRO-3's
@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.distributed._functional_collectives as fc
 
-from pxform.layout import Step
+from pxform.core.layout import Step
 
 
 @dataclass(frozen=True)
@@ -93,7 +93,7 @@ def run_steps(x: torch.Tensor, steps: Sequence[Step], axes: AxisGroups) -> torch
     return x
 
 
-class Convert(torch.autograd.Function):
+class ConvertFunction(torch.autograd.Function):
     """Forward: `forward_steps` (L -> R). Backward: `backward_steps` (C -> G(L))."""
 
     @staticmethod
@@ -117,7 +117,7 @@ def convert(x: torch.Tensor, forward_steps: tuple[Step, ...], backward_steps: tu
     """Apply the conversion rule to one local tensor (autograd-aware when x needs grad)."""
     if not (x.requires_grad and torch.is_grad_enabled()):
         return run_steps(x, forward_steps, axes)
-    return Convert.apply(x, forward_steps, backward_steps, axes)
+    return ConvertFunction.apply(x, forward_steps, backward_steps, axes)
 
 
 def all_reduce_sum(x: torch.Tensor, axes: Sequence[str], groups: AxisGroups) -> torch.Tensor:

@@ -9,7 +9,7 @@ every collective:
     ...
     mean_1 = self.convert_7(mean)      # Convert(fwd: all_reduce(dp) | bwd: identity)
 
-The module is built once per program, without process groups: it runs inside `bind(axes,
+The module is built once per program, without process groups: it runs inside `with_groups(axes,
 buckets)`, which tells the conversions this rank's groups and where to send parameter
 gradients (`GradBuckets`). So a program lowered for a fake or abstract mesh can be built and
 printed as well.
@@ -27,11 +27,13 @@ from typing import Any
 import torch
 import torch.fx
 
-from pxform.ir import DEVICE, Value
-from pxform.layout import Step
-from pxform.lower.local import CountSpec
+from pxform.core.ir import DEVICE, Value
+from pxform.core.layout import Step
+from pxform.frontend.regions import RECOMPUTE, SAVE, RecomputeTag
+from pxform.lower.mpmd import StageProgram
 from pxform.lower.spmd import CallInstr, ConvertInstr, Instr, Program
-from pxform.regions import RECOMPUTE, SAVE, RecomputeTag
+from pxform.ops import bind as bind_args
+from pxform.ops.local import CountSpec
 from pxform.runtime import collectives
 from pxform.runtime.buckets import GradSink
 from pxform.runtime.collectives import AxisGroups, all_reduce_sum, convert
@@ -41,7 +43,7 @@ _ACTIVE: contextvars.ContextVar[tuple[AxisGroups, GradSink | None] | None] = \
 
 
 @contextlib.contextmanager
-def bind(axes: AxisGroups, buckets: GradSink | None = None) -> Iterator[None]:
+def with_groups(axes: AxisGroups, buckets: GradSink | None = None) -> Iterator[None]:
     """Run program modules on this rank's process groups (and gradient buckets)."""
     token = _ACTIVE.set((axes, buckets))
     try:
@@ -76,8 +78,9 @@ def regions_off() -> Iterator[None]:
 def _active() -> tuple[AxisGroups, GradSink | None]:
     active = _ACTIVE.get()
     if active is None:
-        raise RuntimeError("pxform: a program module ran outside pxform.runtime.bind(...); "
-                           "call it through pxform.shard or runtime.execute")
+        raise RuntimeError("pxform: a program module ran outside "
+                           "pxform.runtime.graph_module.with_groups(...); call it through "
+                           "pxform.shard or pxform.runtime.program.execute")
     return active
 
 
@@ -120,7 +123,7 @@ class _BucketedConvert(torch.autograd.Function):
         ctx.buckets, ctx.param = buckets, param
         if not _RECOMPUTING.get():  # announced once, by the first forward
             buckets.expect(backward_steps, x)
-        return collectives.Convert.forward(ctx, x, forward_steps, backward_steps, axes)
+        return collectives.ConvertFunction.forward(ctx, x, forward_steps, backward_steps, axes)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
@@ -134,7 +137,7 @@ class Recompute(torch.nn.Module):
     non-reentrant checkpoint), so its activations are dropped after forward and recomputed
     when backward needs them. Ops the policy saves run inside `saved_call`, and a selective
     checkpoint policy keeps every tensor they produce. The recompute re-enters the
-    process groups and buckets the forward ran with (backward runs outside `bind`), and
+    process groups and buckets the forward ran with (backward runs outside `with_groups`), and
     collectives inside the region run again."""
 
     def __init__(self, body: torch.fx.GraphModule, saves: bool, label: str) -> None:
@@ -250,6 +253,22 @@ def _single_tensor(target: Any) -> bool:
     schema = getattr(target, "_schema", None)
     return schema is not None and len(schema.returns) == 1 and \
         str(schema.returns[0].type) == "Tensor"
+
+
+def module_of(program: Program | StageProgram) -> torch.fx.GraphModule:
+    """`program` (an SPMD program, or one pipeline stage's, whose parameter gradients are
+    keyed by graph input index) as its per-rank fx GraphModule, built on first use and
+    kept with the program (programs are immutable; lowering caches them per signature).
+
+    Example:
+        >>> print(module_of(step.lower(params, batch)).code)
+    """
+    module = program.__dict__.get("_graph_module")
+    if module is None:
+        module = (build(program.program, program.graph_inputs)
+                  if isinstance(program, StageProgram) else build(program))
+        program.__dict__["_graph_module"] = module  # frozen dataclass: no __setattr__
+    return module
 
 
 def build(program: Program, input_ids: Sequence[int] | None = None) -> torch.fx.GraphModule:
@@ -420,8 +439,6 @@ def _defines(instr: Instr) -> list[str]:
 def _bound_inputs(instr: CallInstr) -> dict[str, str]:
     """The op's tensor arguments by schema name (`self`, `target`, `weight`) -> the local
     value the call reads for them."""
-    from pxform.ops import bind as bind_args
-
     return {k: instr.local_input(v) for k, v in bind_args(instr.op).items()
             if isinstance(v, Value)}
 

@@ -27,13 +27,27 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import optree
 import torch
 import torch.distributed as dist
 
+from pxform.core.ir import TensorType, Value
+from pxform.core.layout import Layout
+from pxform.core.mesh import AbstractMesh
 from pxform.lower.mpmd import MB, PipelineProgram, StageProgram
+from pxform.passes.propagate import gradient_layout, layout_of, typed_layout
+from pxform.runtime.boundary import (
+    is_dtensor,
+    local_input,
+    mesh_axes,
+    regroup_grads,
+    to_dtensor,
+    wrap_output,
+)
 from pxform.runtime.buckets import GradAccumulator
 from pxform.runtime.collectives import AxisGroups, Microbatches, all_reduce_sum
-from pxform.runtime.graph_module import bind, local_count, regions_off
+from pxform.runtime.graph_module import local_count, module_of, regions_off, with_groups
+from pxform.runtime.mesh import Mesh
 from pxform.schedules.actions import Action
 
 _RECORD: contextvars.ContextVar[list[tuple[Action, float, float]] | None] = \
@@ -127,8 +141,8 @@ def run(program: PipelineProgram, actions: Sequence[Action | None], place: Pipel
         for pre in st.counts:  # counts over all microbatches, before any backward
             total = torch.zeros((), dtype=torch.float64)
             for i in range(m):
-                with bind(per_mb[i]), torch.no_grad():
-                    got = pre.program.graph_module(*[graph_input(j, i)
+                with with_groups(per_mb[i]), torch.no_grad():
+                    got = module_of(pre.program)(*[graph_input(j, i)
                                                      for j in pre.graph_inputs])
                 total = total + local_count(got[0], got[1] if len(got) > 1 else None,
                                             pre.spec)
@@ -165,8 +179,8 @@ def run(program: PipelineProgram, actions: Sequence[Action | None], place: Pipel
         later = grad and (s, i) in early
         if later:
             sl.rng = _rng_state(args)
-        with bind(per_mb[i], accumulator), torch.set_grad_enabled(grad and not later):
-            sl.outputs = tuple(st.graph_module(*args))
+        with with_groups(per_mb[i], accumulator), torch.set_grad_enabled(grad and not later):
+            sl.outputs = tuple(module_of(st)(*args))
         num_sends = len(st.sends)
         if st.num_outputs:
             finals[i] = tuple(o.detach() if isinstance(o, torch.Tensor) else o
@@ -222,16 +236,16 @@ def run(program: PipelineProgram, actions: Sequence[Action | None], place: Pipel
         if sl.rng is None:
             raise RuntimeError(f"pxform pipeline: {s}R{i} ran before {s}F{i}")
         args = [graph_input(j, i) for j in st.graph_inputs] + sl.leaves
-        with bind(per_mb[i], accumulator), torch.enable_grad(), regions_off(), \
+        with with_groups(per_mb[i], accumulator), torch.enable_grad(), regions_off(), \
                 _restored_rng(sl.rng):
-            sl.outputs = tuple(st.graph_module(*args))
+            sl.outputs = tuple(module_of(st)(*args))
         sl.rng = None
 
     def weights(s: int, i: int) -> None:
         st, sl = stage(s), slot(s, i)
         dys = iter(sl.weight_grads)
         offset = len(st.sends) + st.num_outputs
-        with bind(per_mb[i], accumulator):
+        with with_groups(per_mb[i], accumulator):
             for num_out, num_w in st.weight_ops:
                 ys = sl.outputs[offset:offset + num_out]
                 ws = sl.outputs[offset + num_out:offset + num_out + num_w]
@@ -368,8 +382,6 @@ def _combine(program: PipelineProgram, finals: list[tuple[Any, ...]],
     num_sends = len(last.sends)
     values = last.program.outputs[num_sends:num_sends + last.num_outputs]
     for k, (mode, value) in enumerate(zip(program.output_modes, values)):
-        from pxform.ir import Value
-
         if not isinstance(value, Value):
             out.append(value)
             continue
@@ -391,3 +403,85 @@ def _combine(program: PipelineProgram, finals: list[tuple[Any, ...]],
             dist.broadcast(result, src=place.peer(owner), group=place.group)
         out.append(result)
     return out
+
+
+def share_grads(program: PipelineProgram, place: PipelineGroup, grads: dict[int, Any],
+                want: list[bool], layouts: list[Layout], sub: AbstractMesh | None,
+                leaves: list[Any]) -> dict[int, Any]:
+    """Sum, over the pipeline ranks that read it, the gradient of every input read on
+    several of them (a tied weight); a rank that reads it keeps the sum. Every pipeline
+    rank takes part in every such sum, in the same order (inputs by index), zeros where it
+    has no gradient of its own."""
+    if place.size == 1:
+        return grads
+    owners: dict[int, set[int]] = {}
+    for st in program.stages:
+        for j in st.graph_inputs:
+            owners.setdefault(j, set()).add(st.stage % place.size)
+    for j in sorted(owners):
+        if len(owners[j]) < 2 or not want[j] or not leaves[j].dtype.is_floating_point:
+            continue
+        g = grads.get(j)
+        if g is None:
+            shape = layouts[j].local_shape(tuple(leaves[j].shape), sub) if sub else \
+                tuple(leaves[j].shape)
+            g = torch.zeros(shape, dtype=leaves[j].dtype)
+        g = g.contiguous()
+        dist.all_reduce(g, group=place.group)
+        if place.rank in owners[j]:
+            grads[j] = g
+    return grads
+
+
+def run_pipeline(program: PipelineProgram, out_tree: Any, actions: Sequence[Action | None],
+                 weight_stages: set[int], args: tuple[Any, ...], grad_argnums: tuple[int, ...],
+                 arg_of: Sequence[int], leaves: Sequence[Any], layouts: Sequence[Layout],
+                 batch_dims: dict[int, int], place: PipelineGroup, axes: AxisGroups,
+                 mesh: Mesh | None, sub: AbstractMesh | None, bucket_mb: float
+                 ) -> tuple[Any, Any]:
+    """Run this pipeline rank's `actions` on its pieces of `args`, as `pxform.pipeline`
+    does (`pxform.value_and_grad` semantics): the value, and with `grad_argnums` the
+    gradients laid out like the arguments. `leaves` are the arguments' tensor leaves
+    (`arg_of`: which argument each is) and `layouts` theirs on the whole `mesh` (None: a
+    pipeline alone, one device per stage); only the leaves this rank's stages read are
+    sliced. Gradients of leaves read on several ranks (tied weights) are summed over the
+    pipeline (`share_grads`); DTensor arguments and sharded layouts get DTensor gradients.
+    """
+    reads = {j for st in program.stages if st.stage % place.size == place.rank
+             for j in st.graph_inputs}
+    full_axes = mesh_axes(mesh) if mesh is not None else AxisGroups({}, {}, {})
+    local = [(local_input(leaf, layout, full_axes, mesh.abstract) if mesh is not None
+              else leaf) if j in reads else None
+             for j, (leaf, layout) in enumerate(zip(leaves, layouts))]
+    want = [n in grad_argnums for n in arg_of]
+    with torch.set_grad_enabled(bool(grad_argnums) or torch.is_grad_enabled()):
+        result = run(program, actions, place, axes, local, batch_dims, want,
+                     int(bucket_mb * 2**20), weight_stages)
+    grads = share_grads(program, place, result.grads, want, list(layouts), sub, list(leaves))
+    values = [wrap_output(o, _without_mb(v), mesh) if mesh is not None else o
+              for o, v in zip(result.outputs, program.outputs)]
+    value = optree.tree_unflatten(out_tree, values)
+    if not grad_argnums:
+        return value, None
+    flat: list[Any] = []
+    for j, layout in enumerate(layouts):
+        g = grads.get(j)
+        if g is None or not want[j]:
+            flat.append(None)
+            continue
+        grad_layout = gradient_layout(layout)
+        # DTensor arguments get DTensor gradients with their placements (as run_spmd)
+        if mesh is not None and (grad_layout.used_axes() or is_dtensor(leaves[j])):
+            g = to_dtensor(g, grad_layout, mesh)
+        flat.append(g)
+    return value, regroup_grads(args, grad_argnums, flat)
+
+
+def _without_mb(v: Any) -> Any:
+    """The output value's type without the microbatch axis (combined by the runtime)."""
+    if not isinstance(v, Value):
+        return v
+    layout = layout_of(v.type)
+    dims = tuple(tuple(a for a in axes if a != MB) for axes in layout.dims)
+    t = typed_layout(TensorType(v.type.shape, v.type.dtype), Layout(dims, layout.partial - {MB}))
+    return Value(v.name, t)

@@ -1,25 +1,119 @@
-"""Running a lowered `Program` on this rank's local tensors, with autograd.
+"""Running a lowered `Program` on this rank, with autograd.
 
-The program runs as its fx GraphModule (`Program.graph_module`, built once per program)
-inside `bind(axes, buckets)`.
+`execute` evaluates a program on local tensors: its fx GraphModule (`module_of(program)`,
+built once per program) inside `with_groups(axes, buckets)`. `run_spmd` is what `pxform.shard`
+runs: the arguments' local pieces in, the outputs and gradients out as the API gives them
+(DTensors where sharded), parameter gradients reduced in buckets during backward.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
+import optree
 import torch
 
+from pxform.core.errors import SpecError
+from pxform.core.layout import Layout
 from pxform.lower.spmd import Program
-from pxform.runtime.buckets import GradSink
+from pxform.passes.propagate import gradient_layout
+from pxform.runtime.boundary import (
+    is_dtensor,
+    leaf_arg_index,
+    local_input,
+    regroup_grads,
+    to_dtensor,
+    wrap_output,
+)
+from pxform.runtime.buckets import BucketStats, GradBuckets, GradSink
 from pxform.runtime.collectives import AxisGroups
-from pxform.runtime.graph_module import bind
+from pxform.runtime.graph_module import module_of, with_groups
+from pxform.runtime.mesh import Mesh
 
 
 def execute(program: Program, inputs: Sequence[torch.Tensor], axes: AxisGroups,
             buckets: GradSink | None = None) -> list[Any]:
     """Evaluate `program` on local input shards; returns local outputs. With `buckets`,
     gradients of inputs that need a collective are left to `buckets.finish()`."""
-    with bind(axes, buckets):
-        return list(program.graph_module(*inputs))
+    with with_groups(axes, buckets):
+        return list(module_of(program)(*inputs))
+
+
+@dataclass(frozen=True)
+class SpmdResult:
+    """What `run_spmd` returns: the value (outputs as the function returns them, DTensors
+    where sharded), the gradients (None without `grad_argnums`) and what the gradient
+    buckets did."""
+
+    value: Any
+    grads: Any
+    bucket_stats: BucketStats | None
+
+
+def run_spmd(program: Program, out_tree: Any, layouts: Sequence[Layout], args: tuple[Any, ...],
+             grad_argnums: tuple[int, ...], mesh: Mesh, axes: AxisGroups, bucket_mb: float,
+             name: str) -> SpmdResult:
+    """Run `program` on this rank's pieces of `args` (full tensors are sliced, DTensors
+    redistributed to `layouts`); with `grad_argnums`, also the gradients of the scalar first
+    output with respect to those arguments, laid out like them: DTensors for DTensor
+    arguments and for sharded layouts, so `p.grad = g` and torch.optim work directly.
+    Parameter-gradient collectives run in buckets of `bucket_mb` MiB during backward.
+
+    Example:
+        >>> result = run_spmd(program, traced.out_tree, layouts, (params, batch), (0,),
+        ...                   mesh, mesh_axes(mesh), 25.0, "shard(loss_fn)")
+    """
+    leaves, _ = optree.tree_flatten(args, is_leaf=is_dtensor)  # type: ignore[arg-type]
+    arg_of_leaf = leaf_arg_index(args)
+    local: list[torch.Tensor] = []
+    wants: list[bool] = []
+    tensor_leaves = [(lf, a) for lf, a in zip(leaves, arg_of_leaf)
+                     if isinstance(lf, torch.Tensor)]
+    for (leaf, arg_index), layout in zip(tensor_leaves, layouts):
+        t = local_input(leaf, layout, axes, mesh.abstract)
+        want = arg_index in grad_argnums and t.dtype.is_floating_point
+        t = t.detach().requires_grad_(want)
+        local.append(t)
+        wants.append(want)
+    # parameter-gradient collectives go to buckets, launched during backward
+    buckets = GradBuckets(axes, int(bucket_mb * 2**20)) if grad_argnums else None
+    with torch.set_grad_enabled(bool(grad_argnums) or torch.is_grad_enabled()):
+        outs = execute(program, local, axes, buckets)
+    if not grad_argnums:
+        value = optree.tree_unflatten(out_tree, [
+            wrap_output(o, v, mesh) for o, v in zip(outs, program.outputs)])
+        return SpmdResult(value, None, None)
+    # value_and_grad returns values, not graphs: detached, as on a plain function
+    value = optree.tree_unflatten(out_tree, [
+        wrap_output(o.detach() if isinstance(o, torch.Tensor) else o, v, mesh)
+        for o, v in zip(outs, program.outputs)])
+    loss = outs[0]
+    if not (isinstance(loss, torch.Tensor) and loss.dim() == 0):
+        raise SpecError(f"pxform.value_and_grad({name}): the function must return "
+                        f"a scalar tensor (its first output), got {type(loss).__name__}")
+    needed = [t for t, w in zip(local, wants) if w]
+    # a value that does not depend on the arguments has zero gradients
+    grads: Any = (torch.autograd.grad(loss, needed, allow_unused=True)
+                  if needed and loss.requires_grad else [None] * len(needed))
+    assert buckets is not None
+    reduced = buckets.finish()  # every bucketed collective has completed here
+    grad_iter = iter(grads)
+    wrapped: list[Any] = []
+    given = [is_dtensor(leaf) for leaf, _ in tensor_leaves]
+    for index, (t, w, layout) in enumerate(zip(local, wants, layouts)):
+        if not w:
+            wrapped.append(None)
+            continue
+        g = next(grad_iter)
+        if index in reduced:
+            g = reduced[index] if g is None else g + reduced[index]
+        g = torch.zeros_like(t) if g is None else g
+        grad_layout = gradient_layout(layout)
+        # like the arguments: DTensors (as `distribute` makes them) get DTensors with
+        # the same placements, so `p.grad = g` and torch.optim work on them directly;
+        # of full tensors, replicated ones get full tensors, sharded ones DTensors
+        wrapped.append(to_dtensor(g, grad_layout, mesh)
+                       if given[index] or grad_layout.used_axes() else g)
+    return SpmdResult(value, regroup_grads(args, grad_argnums, wrapped), buckets.stats)

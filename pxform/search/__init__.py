@@ -1,321 +1,48 @@
-"""The auto-search (DESIGN.md §6): graph -> `Plan`.
+"""Floor 7, search: graph -> `Plan`, the auto-search (DESIGN.md §6).
 
     analysis   blocks from graph sharding, kinds, per-op FLOPs and saved bytes (`analysis`)
     space      pipeline degree x stage mesh x microbatches; per block, axis roles x recompute
     blockcost  op-level strategies under a role (tensor axis: beam search), their costs
     frontier   per stage, DP over the block chain keeping the (time, memory) frontier
-    core       configurations, stage partition, pipeline step time, the best plan
+    context    what a search knows and caches (`SearchContext`), pinned choices (`Pin`)
+    options    option costing: a block's time and memory under each option
+    bounds     lower bounds on time and memory, for branch and bound
+    stages     a stage's frontier over its blocks, and a plan assembled from the stages
+    partition  per configuration, stage cuts balanced and moved; configurations in turn
+    solve      `search(graph, ...)`: the whole search, and the `Plan` it returns
+    plan       the `Plan` value: every choice, saved as versioned JSON
+    report     a plan's predictions beside measured figures
+    stage_recompute  Merak's stage-aware recompute for `pipeline(recompute="stage_aware")`
 
-`search` is deterministic: the same graph, hardware and settings give the same plan.
+May import core, schedules, ops, frontend, passes and cost. The names below load on first
+use, so `pxform.search.plan` (the `Plan` value, which lowering reads) imports without the
+search or the cost model.
 
 Example:
+    >>> from pxform.search import search
     >>> plan = search(graph, {"batch.x"}, devices=8, budget=40 * 2**30,
     ...               hardware=pxform.hardware.hardware("a100-40gb"))
-    >>> print(plan.explain())
 """
 
 from __future__ import annotations
 
-import hashlib
-import math
-from collections import Counter
-from collections.abc import Callable, Sequence
+import importlib
+from typing import TYPE_CHECKING, Any
 
-from pxform.cost import CostModel
-from pxform.errors import PxformError
-from pxform.hardware import Hardware
-from pxform.ir import Graph
-from pxform.layout import Layout
-from pxform.plan import BlockPlan, FrontierPoint, Plan, StagePlan
-from pxform.search.analysis import Analysis, analyse
-from pxform.search.core import (
-    Candidate,
-    Pin,
-    SearchContext,
-    block_strategies,
-    canonical,
-    param_layouts,
-    pareto,
-    search_configs,
-)
-from pxform.search.space import Config, Option, configs
-from pxform.units import format_bytes
+_EXPORTS = {"OBJECTIVES": "solve", "SearchError": "solve", "configs": "solve",
+            "pin_of": "solve", "search": "solve", "Pin": "context"}
 
-OBJECTIVES = ("time", "memory", "devices")
+__all__ = ["OBJECTIVES", "Pin", "SearchError", "configs", "pin_of", "search"]
 
 
-class SearchError(PxformError):
-    """No plan satisfies the budget and constraints."""
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'pxform.search' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"pxform.search.{_EXPORTS[name]}"), name)
+    globals()[name] = value
+    return value
 
 
-def search(graph: Graph, batch_inputs: set[str], *, devices: int, budget: int,
-           hardware: Hardware, objective: str = "time", global_batch: int | None = None,
-           batch_range: tuple[int, int] | None = None, pin: Pin | None = None,
-           batch_dim: int = 0, optimizer: str = "adam", fn: str = "auto",
-           function: str | None = None,
-           progress: Callable[[int, int], None] | None = None) -> Plan:
-    """The best plan for `graph` on `devices` devices of `hardware` within `budget` bytes
-    per device (module doc).
-
-    Args:
-        batch_inputs: names of the graph inputs carrying the batch (dim `batch_dim`).
-        objective: "time" (fastest within the budget), "memory" (least memory),
-            "devices" (fewest devices, powers of two up to `devices`, that fit).
-        global_batch: the batch size to plan for (default: the traced one).
-        batch_range: (low, high): also search the batch size, powers of two times `low`
-            up to `high`, for the most samples per second.
-        pin: choices fixed in advance (a plan passed back, or user constraints).
-        fn: how messages name the caller ("auto(loss_fn)"); function: the plan's name
-            for the user's function (default `fn`).
-
-    Raises:
-        SearchError: nothing fits; the message states the least memory per device any
-            plan needs and a device count that fits the budget.
-    """
-    if objective not in OBJECTIVES:
-        raise SearchError(f"pxform.{fn}: objective={objective!r}; use one of {OBJECTIVES}.")
-    analysis = analyse(graph, batch_inputs, batch_dim, fn)
-    model = CostModel(hardware, optimizer)
-    pin = pin or Pin()
-    for name, what in (("block_options", "block options"), ("block_stage", "block stages")):
-        given = getattr(pin, name)
-        if given is not None and len(given) != len(analysis.blocks):
-            raise SearchError(
-                f"pxform.{fn}: the pin gives {len(given)} {what} but the "
-                f"function has {len(analysis.blocks)} blocks "
-                f"({', '.join(b.label for b in analysis.blocks[:4])}"
-                f"{', ...' if len(analysis.blocks) > 4 else ''}).\n  Fix: give one per "
-                f"block, or pin a plan searched for these arguments.")
-    traced = analysis.traced_batch
-    batches = [global_batch or traced]
-    if batch_range is not None:
-        lo, hi = batch_range
-        if not (isinstance(lo, int) and isinstance(hi, int) and 1 <= lo <= hi):
-            raise SearchError(f"pxform.{fn}: batch_range={batch_range!r}; give (low, high) "
-                              f"with 1 <= low <= high.")
-        batches = []
-        b = lo
-        while b <= hi:
-            batches.append(b)
-            b *= 2
-    counts = [devices]
-    if objective == "devices":
-        counts = sorted({*powers_of_two_upto(devices), devices})
-    best: tuple[Candidate, SearchContext, list[Candidate], float] | None = None
-    for n in counts:
-        for batch in batches:
-            ctx = SearchContext(analysis, model, float(budget), batch, pin)
-            cands = _configs(analysis, n, hardware, batch, pin, fn)
-            goal = "memory" if objective == "memory" else "time"
-            cand, found, secs = search_configs(ctx, cands, goal, progress)
-            if cand is None:
-                continue
-            if best is None or _better(cand, best[0], objective, batch_range is not None):
-                best = (cand, ctx, found, secs)
-        if best is not None and objective == "devices":
-            break
-    if best is None:
-        raise _infeasible(analysis, model, devices, budget, batches[0], pin, hardware, fn)
-    cand, ctx, found, secs = best
-    return _plan(cand, ctx, found, secs, function or fn, hardware, budget, objective)
-
-
-def powers_of_two_upto(n: int) -> list[int]:
-    out, k = [], 1
-    while k <= n:
-        out.append(k)
-        k *= 2
-    return out
-
-
-def _better(a: Candidate, b: Candidate, objective: str, per_sample: bool) -> bool:
-    if objective == "memory":
-        return (a.peak_memory, a.step_time) < (b.peak_memory, b.step_time)
-    if objective == "devices" and a.config.devices != b.config.devices:
-        return a.config.devices < b.config.devices
-    if per_sample:
-        ta = a.step_time / a.batch
-        tb = b.step_time / b.batch
-        return ta < tb
-    return a.step_time < b.step_time
-
-
-def _configs(a: Analysis, devices: int, hw: Hardware, batch: int, pin: Pin, fn: str
-             ) -> list[Config]:
-    stages = pin.stages
-    if a.marked:
-        marked = len(a.marked) + 1
-        if stages is not None and stages != marked:
-            raise SearchError(
-                f"pxform.{fn}: the function marks {marked} pipeline stages with "
-                f"pxform.stage_boundary, but the pinned plan has stages={stages}.\n  Fix: "
-                f"remove the markers or pin stages={marked}.")
-        stages = marked
-    if stages is not None and devices % stages:
-        raise SearchError(f"pxform.{fn}: {stages} pipeline stages do not divide {devices} "
-                          f"devices.\n  Fix: use a device count that is a multiple of "
-                          f"{stages}.")
-    if a.whole_batch is not None and ((stages or 1) > 1 or (pin.microbatches or 1) > 1):
-        raise SearchError(
-            f"pxform.{fn}: a pipeline cuts the batch into microbatches, but this function "
-            f"needs the whole batch at once: {a.whole_batch}.\n  Fix: compute that value "
-            f"per example (masks from each row's own data), or plan without a pipeline "
-            f"(no stage_boundary markers, stages and microbatches 1).")
-    out = configs(devices, hw.devices_per_node, len(a.blocks), batch, stages,
-                  pin.microbatches, microbatching=a.whole_batch is None)
-    if pin.outer is not None:
-        out = [c for c in out if c.outer == pin.outer]
-    if pin.inner is not None:
-        out = [c for c in out if c.inner == pin.inner]
-    return out
-
-
-def _infeasible(a: Analysis, model: CostModel, devices: int, budget: int, batch: int,
-                pin: Pin, hw: Hardware, fn: str) -> SearchError:
-    """The error for a budget nothing fits: the least memory any plan needs here, and the
-    smallest device count (doubling, up to 64x) whose best plan fits."""
-    ctx = SearchContext(a, model, math.inf, batch, pin)
-    cands = _configs(a, devices, hw, batch, pin, fn)
-    least, _, _ = search_configs(ctx, cands, "memory")
-    if least is None:
-        pinned = ", ".join(f"{f}={getattr(pin, f)}" for f in ("stages", "outer", "inner",
-                                                                 "microbatches")
-                           if getattr(pin, f) is not None)
-        return SearchError(
-            f"pxform.{fn}: no plan exists on {devices} devices ({hw.name}) for global batch "
-            f"{batch} at any memory budget: every configuration leaves some block without a "
-            f"valid option (a microbatch's samples must split evenly over the data-parallel "
-            f"axes, and pinned per-block options must exist on the configuration's mesh)"
-            f"{'; pinned: ' + pinned if pinned else ''}.\n  Fix: pin fewer choices, or use a "
-            f"batch and microbatch count that the devices divide.")
-    need = format_bytes(_round_up(least.peak_memory)) if least is not None else "unknown"
-    fits = None
-    n = devices * 2
-    while n <= devices * 64 and least is not None:
-        ctx = SearchContext(a, model, float(budget), batch, pin)
-        cand, _, _ = search_configs(ctx, _configs(a, n, hw, batch, pin, fn), "memory",
-                                    first_fit=True)
-        if cand is not None:
-            fits = n
-            break
-        n *= 2
-    where = (f"{fits} devices fit it" if fits else
-             f"no device count up to {devices * 64} fits it")
-    return SearchError(
-        f"pxform.{fn}: no plan fits {format_bytes(budget)} per device on {devices} devices "
-        f"({hw.name}) for global batch {batch}: the least memory any plan needs there is "
-        f"{need} per device (with ZeRO-3, tensor parallelism and recompute everywhere); "
-        f"{where}.\n  Fix: raise memory_budget (--memory on the command line) to at least "
-        f"{need}, use more devices, or a smaller batch.")
-
-
-def _round_up(n: float) -> int:
-    """`n` rounded up at its third significant digit of its binary unit, so that the
-    printed minimum is never below what is needed (1.0004 GiB prints as 1.01 GiB)."""
-    unit = 1
-    while n >= 1024 * unit and unit < 2**40:
-        unit *= 1024
-    digits = 2 - int(math.floor(math.log10(max(n / unit, 1e-9))))
-    step = unit / 10**digits
-    return int(math.ceil(n / step) * step)
-
-
-def _spec_text(layout: Layout) -> str:
-    """`P(...)` text with trailing whole dims dropped: `P('inner')`, `P()`."""
-    from pxform.spec import P
-
-    entries = list(layout.to_spec().entries)
-    while entries and entries[-1] is None:
-        entries.pop()
-    return repr(P(*entries))
-
-
-def fingerprint(a: Analysis) -> str:
-    """A short hash of what a plan depends on: the blocks, their kinds, input types."""
-    text = repr(([(b.kind, b.stop - b.start) for b in a.blocks],
-                 [(v.name, str(v.type)) for v in a.graph.inputs]))
-    return hashlib.sha1(text.encode()).hexdigest()[:16]
-
-
-def _plan(c: Candidate, ctx: SearchContext, found: Sequence[Candidate], secs: float, fn: str,
-          hw: Hardware, budget: int, objective: str) -> Plan:
-    a = ctx.analysis
-    cfg = c.config
-    blocks = tuple(BlockPlan(b.index, b.label, b.kind, c.block_stage[b.index],
-                             c.options[b.index].roles, c.options[b.index].recompute,
-                             c.block_time[b.index], c.block_memory[b.index])
-                   for b in a.blocks)
-    stages = tuple(StagePlan(s.stage, s.blocks, s.forward, s.backward, s.memory, s.in_flight,
-                             s.param_bytes) for s in c.stages)
-    tensor: dict[int, tuple] = {}
-    specs: dict[str, str] = {}
-    mesh = cfg.stage_mesh
-    for b in a.blocks:
-        o = c.options[b.index]
-        if o.tensor_axis and b.kind not in tensor:
-            picks = ctx.tensor_picks(b.kind, cfg)
-            tensor[b.kind] = tuple(_json_choice(s.choices[0][1]) for s in picks)
-        strats = block_strategies(ctx, b, cfg, o)
-        for name, lay in param_layouts(ctx, b, cfg, o, strats, mesh).items():
-            specs.setdefault(name, _spec_text(lay))
-    for v in a.graph.inputs:
-        if v.name in a.params:
-            specs.setdefault(v.name, "P()")
-    batch: dict[str, str] = {}
-    for b in a.blocks:
-        for k in range(b.start, b.stop):
-            for v in a.graph.ops[k].inputs:
-                if v.name in a.batch_inputs and v.name not in batch:
-                    batch[v.name] = _spec_text(canonical(ctx, v.name, v.type.rank,
-                                                         c.options[b.index]))
-    step = _simulated_step(c)
-    points = tuple(FrontierPoint(p.step_time, p.peak_memory, p.config.text(),
-                                 _summary(p.options)) for p in pareto(found))
-    return Plan(fn, cfg.devices, hw.name, int(budget), objective, ctx.global_batch,
-                cfg.stages, cfg.outer, cfg.inner, cfg.microbatches, "1f1b", blocks, stages,
-                step, c.peak_memory, tuple(sorted(tensor.items())),
-                tuple((v.name, specs[v.name]) for v in a.graph.inputs if v.name in specs),
-                points, secs, fingerprint(a),
-                batch_specs=tuple((v.name, batch[v.name]) for v in a.graph.inputs
-                                  if v.name in batch))
-
-
-SIMULATE_UP_TO = 2048
-"""Schedules with at most this many (stage, microbatch) pairs are simulated for the chosen
-plan's step time (`pxform.schedules.simulate`, exact for unequal stages); bigger ones keep
-1F1B's closed form, which the simulation equals when stages are equal (a 64 x 256 schedule
-takes 1.6 s to simulate on this machine)."""
-
-
-def _simulated_step(c: Candidate) -> float:
-    cfg = c.config
-    if cfg.stages == 1 or cfg.stages * cfg.microbatches > SIMULATE_UP_TO:
-        return c.step_time
-    from pxform.schedules import Costs, one_f_one_b, simulate
-
-    timeline = simulate(one_f_one_b(cfg.stages, cfg.microbatches),
-                        Costs(forward=[s.forward for s in c.stages],
-                              backward=[s.backward for s in c.stages]))
-    return timeline.step_time
-
-
-def _json_choice(choice: tuple) -> tuple:
-    if choice[0] == "partial":
-        return ("partial", tuple(sorted(choice[1])))
-    return tuple(choice)
-
-
-def _summary(options: Sequence[Option]) -> str:
-    counts = Counter(o.text() for o in options)
-    return ", ".join(f"{n}x {t}" for t, n in counts.most_common())
-
-
-def pin_of(plan: Plan) -> Pin:
-    """Every choice of `plan` as constraints for the search."""
-    return Pin(plan.stages, plan.outer, plan.inner, plan.microbatches,
-               tuple(Option(b.roles, b.recompute) for b in plan.blocks),
-               tuple(b.stage for b in plan.blocks),
-               {k: tuple(cs) for k, cs in plan.tensor_choices})
-
-
-__all__ = ["OBJECTIVES", "Pin", "SearchError", "configs", "fingerprint", "pin_of", "search"]
+if TYPE_CHECKING:
+    from pxform.search.context import Pin
+    from pxform.search.solve import OBJECTIVES, SearchError, configs, pin_of, search

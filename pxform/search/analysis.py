@@ -1,6 +1,6 @@
 """What the search needs to know about a traced graph, computed once.
 
-- **blocks** from graph sharding (`pxform.cuts.graph_blocks`, Merak): layers, plus the
+- **blocks** from graph sharding (`pxform.passes.cuts.graph_blocks`, Merak): layers, plus the
   embedding and head around them; stage boundaries the user marked are block boundaries;
 - **kinds**: blocks with the same ops on the same shapes share a kind and are solved once;
 - per op: FLOPs, whether it depends on the batch (its FLOPs, saved bytes and activation
@@ -22,15 +22,17 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from pxform.cost import SavedBytes, saved_bytes_per_op
-from pxform.cuts import _signature, graph_blocks, strip_markers
-from pxform.errors import PxformError
-from pxform.ir import Graph, Value
-from pxform.layout import Layout
-from pxform.lower.spmd import propagate
-from pxform.mesh import AbstractMesh
+from pxform.core.errors import PxformError
+from pxform.core.ir import Graph, Value
+from pxform.core.layout import Layout, plan_relayout
+from pxform.core.mesh import AbstractMesh
+from pxform.core.spec import P
+from pxform.cost.model import SavedBytes, saved_bytes_per_op
+from pxform.frontend.trace import last_uses
 from pxform.ops import rule_info
 from pxform.ops.strategy import Strategy
+from pxform.passes.cuts import block_signature, graph_blocks, module_label, strip_markers
+from pxform.passes.propagate import propagate
 
 DATA = "data"
 """The axis of the data-parallel reference propagation."""
@@ -114,7 +116,7 @@ def analyse(graph: Graph, batch_inputs: set[str], batch_dim: int = 0,
                      for op in graph.ops)
     # kinds: same ops on the same shapes
     ids: dict[tuple, int] = {}
-    kind_of = [ids.setdefault(_signature(graph.ops[a:b]), len(ids)) for a, b, _ in blocks]
+    kind_of = [ids.setdefault(block_signature(graph.ops[a:b]), len(ids)) for a, b, _ in blocks]
     saved: list[SavedBytes] = [SavedBytes((), (), 0)] * len(graph.ops)
     skip = set(batch) | set(params)
     done: dict[int, list[SavedBytes]] = {}
@@ -157,15 +159,11 @@ def _gathers_batch(v: Value, have: Layout, need: Layout, mesh: AbstractMesh) -> 
     the forward pass?"""
     if have == need or DATA not in have.used_axes() | have.partial:
         return False
-    from pxform.layout import plan_relayout
-
     steps = plan_relayout(v.type.shape, v.type.dtype.itemsize, have, need, mesh).steps
     return any(st.axis == DATA and st.kind not in ("slice", "zero") for st in steps)
 
 
 def _batch_spec(v: Value, batch_dim: int):  # type: ignore[no-untyped-def]
-    from pxform.spec import P
-
     return P(*([None] * batch_dim), DATA)
 
 
@@ -184,9 +182,6 @@ def _blocks(graph: Graph, batch: frozenset[str], marks: Sequence[int]
 
 def _block_infos(graph: Graph, blocks: Sequence[tuple[int, int, bool]], kind_of: Sequence[int],
                  params: frozenset[str], depends: set[str]) -> tuple[BlockInfo, ...]:
-    from pxform.cuts import _module_label
-    from pxform.trace import last_uses
-
     op_block = [0] * len(graph.ops)
     for k, (a, b, _) in enumerate(blocks):
         for i in range(a, b):
@@ -209,7 +204,7 @@ def _block_infos(graph: Graph, blocks: Sequence[tuple[int, int, bool]], kind_of:
                     reads[v.name] = None
         crossing = tuple(sorted(name for name, blk in defined_in.items()
                                 if blk <= k and last.get(name, -1) >= b and k < num - 1))
-        label = _module_label(graph.ops[a:b])
+        label = module_label(graph.ops[a:b])
         if not label:
             same = sum(1 for j in range(num) if kind_of[j] == kind_of[k]) > 1
             label = f"layer {layer}" if same else ("embed" if k == 0 else

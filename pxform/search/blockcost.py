@@ -34,13 +34,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from pxform.cost import BACKWARD_RATIO, CostModel, relayout_steps
-from pxform.ir import Value
-from pxform.layout import Layout, Relayout, plan_relayout
-from pxform.lower.spmd import consumer_gradient_layout, gradient_layout
-from pxform.mesh import AbstractMesh
-from pxform.ops.registry import rule_info
-from pxform.ops.strategy import REPLICATE, Strategy, _build, strategies
+from pxform.core.ir import Value
+from pxform.core.layout import Layout, Relayout, plan_relayout
+from pxform.core.mesh import AbstractMesh
+from pxform.cost.model import BACKWARD_RATIO, CostModel, relayout_steps
+from pxform.ops.strategy import REPLICATE, Strategy, strategies, strategy_for
+from pxform.passes.propagate import consumer_gradient_layout, gradient_layout
 from pxform.search.analysis import DATA, Analysis, BlockInfo
 
 BEAM_WIDTH = 8
@@ -60,7 +59,7 @@ class RelayoutCache:
     mesh: AbstractMesh
     _cache: dict = field(default_factory=dict)
 
-    def plan(self, v: Value, src: Layout, dst: Layout) -> Relayout:
+    def relayout(self, v: Value, src: Layout, dst: Layout) -> Relayout:
         key = (v.type.shape, v.type.dtype.itemsize, src, dst)
         r = self._cache.get(key)
         if r is None:
@@ -73,10 +72,10 @@ class RelayoutCache:
     def time(self, v: Value, src: Layout, dst: Layout, scale: float) -> float:
         if src == dst:
             return 0.0
-        return self.model.relayout_time(self.plan(v, src, dst), self.axes, scale)
+        return self.model.relayout_time(self.relayout(v, src, dst), self.axes, scale)
 
     def steps(self, v: Value, src: Layout, dst: Layout) -> list[tuple[str, str, float]]:
-        return [] if src == dst else relayout_steps(self.plan(v, src, dst))
+        return [] if src == dst else relayout_steps(self.relayout(v, src, dst))
 
 
 @dataclass(frozen=True)
@@ -354,17 +353,7 @@ def combine(a: Analysis, k: int, mesh: AbstractMesh, roles: Mapping[str, str],
     tensor_choice = tensor.choices[0][1] if tensor is not None else REPLICATE
     combo = tuple(tensor_choice if roles.get(ax) == "tp" else data_choice
                   for ax in mesh.names)
-    sig = rule_info(op).signature
-    s = _build(sig, mesh, combo)
-    if s is not None:
-        return s
-    best = None
-    for cand in strategies(op, mesh):
-        score = sum(1 for (_, c), w in zip(cand.choices, combo) if c == w)
-        if best is None or score > best[0]:
-            best = (score, cand)
-    assert best is not None
-    return best[1]
+    return strategy_for(op, mesh, combo)
 
 
 def data_layout(a: Analysis, name: str, rank: int, data_axes: tuple[str, ...]) -> Layout:

@@ -22,8 +22,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import cached_property
 
-from pxform.mesh import AbstractMesh
-from pxform.plan import strategy_text
+from pxform.core.mesh import AbstractMesh
+from pxform.search.plan import strategy_text
 
 OUTER = "outer"
 INNER = "inner"

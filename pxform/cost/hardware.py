@@ -1,0 +1,731 @@
+"""Device and link profiles: how fast a device computes and how long a collective takes.
+
+A `Hardware` profile is what pxform's cost model needs to compare parallel strategies:
+
+* compute: achievable FLOP/s per dtype (`flops_per_second`, `compute_time`);
+* communication: for each link level (0: devices in one node, 1: across nodes) a `Link` with
+  the alpha-beta numbers of the standard ring model (Thakur et al. 2005; the same model as
+  `pxform.core.layout`): one collective over `n` ranks takes
+
+      steps(kind, n) * latency + sent_bytes / bandwidth
+
+  where `sent_bytes` is what each rank sends (the ring volumes `pxform.core.layout` reports) and
+  `steps` is the number of ring steps: all_reduce 2(n-1), all_gather, reduce_scatter and
+  all_to_all n-1, p2p 1;
+* optionally measured `CommTable`s (written by `pxform.runtime.calibrate`), which replace the
+  alpha-beta formula for the kinds, levels and group sizes they cover.
+
+Profiles come from three places: the `PRESETS` (datasheet numbers, see the comments next to
+each constant), `pxform.runtime.calibrate.calibrate` (measured on the machine at hand) and
+JSON files written by `Hardware.save` (`pxform calibrate --out PATH`). `hardware(spec)`
+accepts any of them.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from pxform.core.layout import AxisCost
+
+__all__ = ["CommTable", "Hardware", "Link", "PRESETS", "hardware"]
+
+FORMAT = "pxform-hardware/1"
+
+# Collective kinds a profile knows, and the ring steps of each over `n` ranks (Thakur,
+# Rabenseifner and Gropp 2005, "Optimization of collective communication operations in
+# MPICH": a ring all-reduce is a reduce-scatter then an all-gather, n-1 steps each).
+COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")
+
+
+def ring_steps(kind: str, n: int) -> int:
+    """Steps of a ring collective of `kind` over `n` ranks (the alpha-beta model's latency
+    count).
+
+    Example:
+        >>> ring_steps("all_reduce", 8), ring_steps("all_gather", 8)
+        (14, 7)
+    """
+    if kind == "all_reduce":
+        return 2 * (n - 1)
+    if kind == "p2p":
+        return 1
+    return n - 1
+
+
+def _check_kind(kind: str, what: str) -> None:
+    if kind not in COLLECTIVE_KINDS:
+        raise ValueError(f"{what}: unknown collective kind {kind!r}; expected one of "
+                         f"{', '.join(COLLECTIVE_KINDS)}")
+
+
+def _number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+@dataclass(frozen=True)
+class Link:
+    """One level of interconnect, in the alpha-beta model.
+
+    Attributes:
+        name: "nvlink", "infiniband", "loopback", "intra-node" ...
+        latency_s: alpha, seconds per ring step of a collective.
+        bandwidth: 1/beta, bytes per second each rank sends (the ring "bus bandwidth" that
+            nccl-tests reports as busbw).
+        source: where the numbers come from (datasheet, nccl-tests, measured).
+
+    Example:
+        >>> link = Link("nvlink", 10e-6, 230e9, "nccl-tests busbw on DGX A100")
+        >>> round(4 * link.latency_s + 2**30 / link.bandwidth, 6)
+        0.004708
+    """
+
+    name: str
+    latency_s: float
+    bandwidth: float
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        if not _number(self.latency_s) or self.latency_s < 0:
+            raise ValueError(f"Link {self.name!r}: latency_s must be a finite number >= 0 "
+                             f"seconds, got {self.latency_s!r}")
+        if not _number(self.bandwidth) or self.bandwidth <= 0:
+            raise ValueError(f"Link {self.name!r}: bandwidth must be a finite number > 0 "
+                             f"bytes per second, got {self.bandwidth!r}")
+
+
+@dataclass(frozen=True)
+class CommTable:
+    """Measured times of one collective kind on one link level and group size.
+
+    `points` are (sent_bytes, seconds) pairs, sorted by bytes (they are sorted on
+    construction), with sent bytes > 0 and distinct and seconds > 0 and non-decreasing (a
+    larger message is never faster; `pxform.runtime.calibrate` takes a running maximum of its
+    medians to guarantee it). `time(sent)`:
+
+    * at a point: that point's time, exactly;
+    * between two points: linear interpolation in log(bytes)-log(seconds), i.e. a power law
+      through both points;
+    * above the largest point: linear in bytes, with the slope (seconds per byte) of the
+      last two points, or with the last point's own seconds per byte when there is only one
+      point or the last two have equal times;
+    * below the smallest point: the smallest point's time (small messages cost latency).
+
+    So `time` is continuous and non-decreasing in bytes.
+
+    Example:
+        >>> t = CommTable("all_reduce", 0, 8, ((1e3, 1e-5), (1e6, 1e-3)))
+        >>> t.time(1e3), round(t.time(1e9), 6), t.time(1.0)
+        (1e-05, 0.991, 1e-05)
+    """
+
+    kind: str  # all_reduce | all_gather | reduce_scatter | all_to_all | p2p
+    level: int  # link level (0: within a node, 1: across nodes)
+    group_size: int
+    points: tuple[tuple[float, float], ...]
+
+    def __post_init__(self) -> None:
+        what = f"CommTable({self.kind!r}, level {self.level}, group {self.group_size})"
+        _check_kind(self.kind, what)
+        if isinstance(self.level, bool) or not isinstance(self.level, int) or self.level < 0:
+            raise ValueError(f"{what}: level must be an int >= 0, got {self.level!r}")
+        if (isinstance(self.group_size, bool) or not isinstance(self.group_size, int)
+                or self.group_size < 2):
+            raise ValueError(f"{what}: group_size must be an int >= 2 (a group of one "
+                             f"sends nothing), got {self.group_size!r}")
+        try:
+            points = [(p[0], p[1]) for p in self.points if len(p) == 2]
+            ok = len(points) == len(self.points)
+        except (TypeError, IndexError):
+            ok = False
+        if not ok or not points:
+            raise ValueError(f"{what}: points must be a non-empty sequence of "
+                             f"(sent_bytes, seconds) pairs, got {self.points!r}")
+        for b, s in points:
+            if not (_number(b) and _number(s) and b > 0 and s > 0):
+                raise ValueError(f"{what}: point ({b!r}, {s!r}) must have sent_bytes > 0 "
+                                 f"and seconds > 0, both finite numbers")
+        points = sorted((float(b), float(s)) for b, s in points)
+        for (b0, s0), (b1, s1) in zip(points, points[1:]):
+            if b0 == b1:
+                raise ValueError(f"{what}: two points for {b0:g} sent bytes; keep one "
+                                 f"(e.g. the median)")
+            if s1 < s0:
+                raise ValueError(f"{what}: {b1:g} bytes take {s1:g} s but fewer bytes "
+                                 f"({b0:g}) take {s0:g} s; times must not decrease with "
+                                 f"size (take a running maximum of the measurements)")
+        object.__setattr__(self, "points", tuple(points))
+
+    def time(self, sent_bytes: float) -> float:
+        """Seconds for one collective in which each rank sends `sent_bytes`.
+
+        Example:
+            >>> round(CommTable("p2p", 0, 2, ((100.0, 1.0), (1e4, 100.0))).time(1000.0), 9)
+            10.0
+        """
+        xs = [b for b, _ in self.points]
+        ys = [s for _, s in self.points]
+        if sent_bytes <= xs[0]:
+            return ys[0]
+        if sent_bytes >= xs[-1]:
+            if len(xs) >= 2 and ys[-1] > ys[-2]:
+                slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
+            else:
+                slope = ys[-1] / xs[-1]
+            return ys[-1] + slope * (sent_bytes - xs[-1])
+        i = bisect.bisect_right(xs, sent_bytes) - 1
+        if xs[i] == sent_bytes:
+            return ys[i]
+        frac = (math.log(sent_bytes) - math.log(xs[i])) / (math.log(xs[i + 1]) -
+                                                          math.log(xs[i]))
+        t = math.exp(math.log(ys[i]) + frac * (math.log(ys[i + 1]) - math.log(ys[i])))
+        return min(max(t, ys[i]), ys[i + 1])  # rounding must not break monotonicity
+
+
+# dtype names used in `peak_flops` / `compute_flops`, and the aliases users write.
+_DTYPE_ALIASES = {
+    "bf16": "bf16", "bfloat16": "bf16",
+    "fp16": "fp16", "float16": "fp16", "half": "fp16",
+    "fp32": "fp32", "float32": "fp32", "float": "fp32",
+    "fp64": "fp64", "float64": "fp64", "double": "fp64",
+    "tf32": "tf32",
+}
+
+# Where to look when a profile has no number for a dtype: (name, factor) in order, fp32
+# always last. fp16 and bf16 run on the same tensor cores at the same rate on A100/H100, so
+# each stands in for the other. fp64 without a number: half the fp32 rate (twice the bytes
+# per SIMD lane; true of CPUs and of GPU vector units, e.g. H100 SXM 34 vs 67 TFLOP/s).
+_FALLBACKS: dict[str, tuple[tuple[str, float], ...]] = {
+    "bf16": (("bf16", 1.0), ("fp16", 1.0)),
+    "fp16": (("fp16", 1.0), ("bf16", 1.0)),
+    "fp64": (("fp64", 1.0), ("fp32", 0.5)),
+}
+
+
+def _dtype_name(dtype: torch.dtype | str) -> str:
+    text = str(dtype).lower().strip()
+    text = text.removeprefix("torch.")
+    return _DTYPE_ALIASES.get(text, text)
+
+
+def _pairs(value: Any, what: str) -> tuple[tuple[str, float], ...]:
+    items = value.items() if isinstance(value, Mapping) else value
+    try:
+        out = tuple((str(k), float(v)) for k, v in items)
+    except (TypeError, ValueError):
+        raise ValueError(f"{what}: expected (dtype name, FLOP/s) pairs, got {value!r}") from None
+    for k, v in out:
+        if not math.isfinite(v) or v <= 0:
+            raise ValueError(f"{what}: {k!r} must be a finite number > 0 FLOP/s, got {v!r}")
+    return out
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """A device type and its interconnect: compute rates, memory and link levels.
+
+    Attributes:
+        name: e.g. "a100-80gb" or the name given to `calibrate`.
+        devices_per_node: devices that share the fastest link (level 0).
+        memory_bytes: memory per device.
+        peak_flops: (dtype name, FLOP/s) pairs: datasheet peaks ("bf16", "fp16", "tf32",
+            "fp32", "fp64"). A dict is accepted and stored as pairs.
+        efficiency: achievable fraction of peak for large matmul-heavy work.
+        links: link per level: 0 within a node (fastest), 1 across nodes.
+        comm_tables: measured `CommTable`s (from calibrate); empty for presets.
+        compute_flops: measured achieved FLOP/s per dtype (from calibrate); where present
+            they override peak * efficiency.
+        memory_bandwidth: bytes/s an elementwise op streams through device memory (0:
+            unknown, and ops are costed by their FLOPs alone). Ops cost the longer of their
+            FLOPs at `flops_per_second` and their bytes (inputs and outputs) at this rate: a
+            roofline, so layer norms, activations and softmax cost something too.
+        op_overhead_s: seconds of host time every op costs on top (dispatch, autograd
+            bookkeeping, the runtime's interpreter). It is on the critical path where the
+            host runs the ops itself (CPUs), and what makes many small microbatches slow
+            there. 0 for the GPU presets: kernel launches overlap with the GPU's work.
+        source: where the numbers come from.
+
+    Example:
+        >>> hw = hardware("a100-80gb")
+        >>> hw.compute_time(156e12, torch.bfloat16)
+        1.0
+        >>> hw.level(8), hw.level(16)
+        (0, 1)
+    """
+
+    name: str
+    devices_per_node: int
+    memory_bytes: int
+    peak_flops: tuple[tuple[str, float], ...]
+    efficiency: float
+    links: tuple[Link, ...]
+    comm_tables: tuple[CommTable, ...] = ()
+    compute_flops: tuple[tuple[str, float], ...] = ()
+    source: str = ""
+    memory_bandwidth: float = 0.0
+    op_overhead_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        what = f"Hardware {self.name!r}"
+        if (isinstance(self.devices_per_node, bool) or not isinstance(self.devices_per_node, int)
+                or self.devices_per_node < 1):
+            raise ValueError(f"{what}: devices_per_node must be an int >= 1, got "
+                             f"{self.devices_per_node!r}")
+        if (isinstance(self.memory_bytes, bool) or not isinstance(self.memory_bytes, int)
+                or self.memory_bytes <= 0):
+            raise ValueError(f"{what}: memory_bytes must be an int > 0, got "
+                             f"{self.memory_bytes!r}")
+        if not _number(self.efficiency) or not 0 < self.efficiency <= 1:
+            raise ValueError(f"{what}: efficiency must be in (0, 1], got {self.efficiency!r}")
+        object.__setattr__(self, "peak_flops", _pairs(self.peak_flops, f"{what}: peak_flops"))
+        object.__setattr__(self, "compute_flops",
+                           _pairs(self.compute_flops, f"{what}: compute_flops"))
+        object.__setattr__(self, "links", tuple(self.links))
+        object.__setattr__(self, "comm_tables", tuple(self.comm_tables))
+        if not self.links or not all(isinstance(x, Link) for x in self.links):
+            raise ValueError(f"{what}: links must be a non-empty sequence of Link (level 0 "
+                             f"first), got {self.links!r}")
+        if not all(isinstance(t, CommTable) for t in self.comm_tables):
+            raise ValueError(f"{what}: comm_tables must hold CommTable objects")
+        for t in self.comm_tables:
+            if t.level >= len(self.links):
+                raise ValueError(f"{what}: a {t.kind} table is for link level {t.level} but "
+                                 f"there are only {len(self.links)} links")
+        if not _number(self.memory_bandwidth) or self.memory_bandwidth < 0:
+            raise ValueError(f"{what}: memory_bandwidth must be a number >= 0 (bytes/s; 0 "
+                             f"for unknown), got {self.memory_bandwidth!r}")
+        if not _number(self.op_overhead_s) or self.op_overhead_s < 0:
+            raise ValueError(f"{what}: op_overhead_s must be a number >= 0 (seconds), got "
+                             f"{self.op_overhead_s!r}")
+        if "fp32" not in dict(self.peak_flops) and "fp32" not in dict(self.compute_flops):
+            raise ValueError(f"{what}: needs an 'fp32' entry in peak_flops or "
+                             f"compute_flops (the fallback for dtypes without a number)")
+
+    # ------------------------------------------------------------------------ compute
+    def _achieved(self, name: str) -> float | None:
+        measured = dict(self.compute_flops)
+        if name in measured:
+            return measured[name]
+        peak = dict(self.peak_flops)
+        if name in peak:
+            return peak[name] * self.efficiency
+        return None
+
+    def flops_per_second(self, dtype: torch.dtype | str) -> float:
+        """Achievable FLOP/s for matmul-heavy work in `dtype`.
+
+        The measured number (`compute_flops`) if there is one, else peak * efficiency.
+        `dtype` is a torch dtype or a name: "bf16", "fp16", "tf32", "fp32", "fp64" (also
+        "bfloat16", "float16", "half", "float32", "float", "float64", "double"). A dtype
+        the profile has no number for falls back: fp16 <-> bf16 (same tensor-core rate on
+        A100/H100), fp64 -> half of fp32, anything else (other names, integer dtypes) ->
+        fp32.
+
+        Example:
+            >>> hardware("h100-80gb").flops_per_second(torch.bfloat16)
+            494500000000000.0
+            >>> hardware("h100-80gb").flops_per_second("int8") == \\
+            ...     hardware("h100-80gb").flops_per_second("fp32")
+            True
+        """
+        name = _dtype_name(dtype)
+        chain = _FALLBACKS.get(name, ((name, 1.0),)) + (("fp32", 1.0),)
+        for candidate, factor in chain:
+            value = self._achieved(candidate)
+            if value is not None:
+                return value * factor
+        raise AssertionError("unreachable: __post_init__ requires an fp32 number")
+
+    def compute_time(self, flops: float, dtype: torch.dtype | str) -> float:
+        """Seconds to do `flops` floating-point operations in `dtype`.
+
+        Example:
+            >>> hardware("a100-40gb").compute_time(312e12, "bf16")
+            2.0
+        """
+        if flops < 0:
+            raise ValueError(f"Hardware.compute_time: flops must be >= 0, got {flops!r}")
+        return flops / self.flops_per_second(dtype)
+
+    def memory_time(self, nbytes: float) -> float:
+        """Seconds to stream `nbytes` through device memory (0 when the bandwidth is
+        unknown).
+
+        Example:
+            >>> hardware("h100-80gb").memory_time(3.35e12)
+            1.0
+        """
+        return nbytes / self.memory_bandwidth if self.memory_bandwidth > 0 else 0.0
+
+    # ------------------------------------------------------------------------ comms
+    def level(self, span: int) -> int:
+        """The link level a group uses whose ranks lie within `span` consecutive ranks: 0
+        if they fit in one node (`span <= devices_per_node`), else 1; clamped to the levels
+        this profile has.
+
+        Example:
+            >>> hw = hardware("h100-80gb")
+            >>> [hw.level(s) for s in (1, 8, 9, 1024)]
+            [0, 0, 1, 1]
+        """
+        if span < 1:
+            raise ValueError(f"Hardware.level: span must be >= 1, got {span!r}")
+        return min(0 if span <= self.devices_per_node else 1, len(self.links) - 1)
+
+    def comm_time(self, kind: str, sent_bytes: float, group_size: int, level: int) -> float:
+        """Seconds for one collective of `kind` over `group_size` ranks on link `level`,
+        where each rank sends `sent_bytes` (the ring volumes `pxform.core.layout` reports:
+        all_gather (n-1) x local, reduce_scatter (n-1)/n, all_reduce 2(n-1)/n, all_to_all
+        (n-1)/n; p2p: the message).
+
+        0.0 for a group of one, and for zero bytes except p2p (an empty message still
+        costs one latency).
+
+        With a measured `CommTable` of this kind and level: the table of the same group
+        size if there is one; otherwise the table of the nearest group size (ties: the
+        larger), corrected for the different number of ring steps:
+        `table.time(sent) + (steps(n) - steps(m)) * latency`, with the level's fitted
+        latency, and never below `sent / bandwidth`. (The bandwidth term needs no
+        correction: the caller's `sent_bytes` already counts the volume for `n` ranks.)
+
+        Otherwise the alpha-beta formula: `steps(kind, n) * latency + sent / bandwidth`,
+        steps: all_reduce 2(n-1); all_gather, reduce_scatter, all_to_all n-1; p2p 1.
+
+        Example:
+            >>> hw = hardware("a100-80gb")
+            >>> round(hw.comm_time("all_gather", 7 * 2**20, 8, 0) * 1e6, 1)  # 70 us + 31.9 us
+            101.9
+        """
+        _check_kind(kind, "Hardware.comm_time")
+        if not _number(sent_bytes) or sent_bytes < 0:
+            raise ValueError(f"Hardware.comm_time: sent_bytes must be a finite number >= 0, "
+                             f"got {sent_bytes!r}")
+        if not 0 <= level < len(self.links):
+            raise ValueError(f"Hardware.comm_time: level {level!r} is not one of this "
+                             f"profile's link levels 0..{len(self.links) - 1}; use "
+                             f"Hardware.level(span) to pick one")
+        if group_size <= 1 or (sent_bytes == 0 and kind != "p2p"):
+            return 0.0
+        link = self.links[level]
+        steps = ring_steps(kind, group_size)
+        tables = [t for t in self.comm_tables if t.kind == kind and t.level == level]
+        if tables:
+            table = min(tables, key=lambda t: (abs(t.group_size - group_size), -t.group_size))
+            t = table.time(sent_bytes)
+            if table.group_size == group_size:
+                return t
+            t += (steps - ring_steps(kind, table.group_size)) * link.latency_s
+            return max(t, sent_bytes / link.bandwidth)
+        return steps * link.latency_s + sent_bytes / link.bandwidth
+
+    def axis_cost(self, level: int) -> AxisCost:
+        """The re-layout planner's cost of a mesh axis on link `level`: the link's latency
+        (per ring step) and seconds per byte.
+
+        Example:
+            >>> hardware("a100-80gb").axis_cost(1)
+            AxisCost(latency=2e-05, seconds_per_byte=4e-11)
+        """
+        link = self.links[level]
+        return AxisCost(latency=link.latency_s, seconds_per_byte=1 / link.bandwidth)
+
+    # ------------------------------------------------------------------------ JSON
+    def to_json(self) -> dict[str, Any]:
+        """The profile as a JSON-ready dict (format "pxform-hardware/1").
+
+        Example:
+            >>> d = hardware("a100-80gb").to_json()
+            >>> d["format"], d["peak_flops"]["bf16"]
+            ('pxform-hardware/1', 312000000000000.0)
+        """
+        return {
+            "format": FORMAT,
+            "name": self.name,
+            "devices_per_node": self.devices_per_node,
+            "memory_bytes": self.memory_bytes,
+            "peak_flops": dict(self.peak_flops),
+            "efficiency": self.efficiency,
+            "links": [{"name": x.name, "latency_s": x.latency_s, "bandwidth": x.bandwidth,
+                       "source": x.source} for x in self.links],
+            "comm_tables": [{"kind": t.kind, "level": t.level, "group_size": t.group_size,
+                             "points": [list(p) for p in t.points]} for t in self.comm_tables],
+            "compute_flops": dict(self.compute_flops),
+            "memory_bandwidth": self.memory_bandwidth,
+            "op_overhead_s": self.op_overhead_s,
+            "source": self.source,
+        }
+
+    @staticmethod
+    def from_json(d: Mapping[str, Any]) -> Hardware:
+        """The profile `to_json` wrote (validated: a bad key raises ValueError naming it).
+
+        Example:
+            >>> hw = hardware("h100-80gb")
+            >>> Hardware.from_json(hw.to_json()) == hw
+            True
+        """
+        return _from_json(d, "the profile dict")
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Write the profile as JSON to `path` (never pickle).
+
+        Example:
+            >>> hardware("a100-80gb").save("a100.json")
+            >>> Hardware.load("a100.json").name
+            'a100-80gb'
+        """
+        text = json.dumps(self.to_json(), indent=2, allow_nan=False) + "\n"
+        tmp = f"{os.fspath(path)}.tmp{os.getpid()}"
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)  # never leave a half-written profile behind
+
+    @staticmethod
+    def load(path: str | os.PathLike[str]) -> Hardware:
+        """Read a profile written by `save` or `pxform calibrate --out PATH`.
+
+        Raises:
+            ValueError: the file is not valid JSON or not a pxform hardware profile; the
+                message names the file, the key, what was wrong and how to fix it.
+
+        Example:
+            >>> hardware("a100-80gb").save("a100.json")
+            >>> Hardware.load("a100.json").links[0].bandwidth
+            230000000000.0
+        """
+        where = os.fspath(path)
+        with open(where, encoding="utf-8") as f:
+            text = f.read()
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"Hardware.load: {where} is not valid JSON ({e.msg} at line "
+                             f"{e.lineno} column {e.colno}); {_FIX}") from None
+        return _from_json(data, str(where))
+
+
+_FIX = ("write the profile again with `pxform calibrate --out PATH` or Hardware.save, or "
+        "correct the file by hand")
+
+
+def _from_json(d: Any, where: str) -> Hardware:
+    def bad(key: str, problem: str) -> ValueError:
+        return ValueError(f"Hardware.load: {where}: key {key!r} {problem}; {_FIX}")
+
+    if not isinstance(d, Mapping):
+        raise ValueError(f"Hardware.load: {where}: expected a JSON object with a 'format' "
+                         f"key, got {type(d).__name__}; {_FIX}")
+    if d.get("format") != FORMAT:
+        got = "is missing" if "format" not in d else f"is {d['format']!r}"
+        raise bad("format", f"{got}, expected {FORMAT!r} (not a pxform hardware profile, or "
+                            f"one from another pxform version)")
+    known = {"format", "name", "devices_per_node", "memory_bytes", "peak_flops",
+             "efficiency", "links", "comm_tables", "compute_flops", "source",
+             "memory_bandwidth", "op_overhead_s"}
+    for key in d:
+        if key not in known:
+            raise bad(key, f"is not a profile key (known: {', '.join(sorted(known))})")
+
+    def get(key: str, kind: str, default: Any = None, required: bool = True) -> Any:
+        if key not in d:
+            if required:
+                raise bad(key, f"is missing (expected {kind})")
+            return default
+        value = d[key]
+        checks = {
+            "a string": lambda v: isinstance(v, str),
+            "an integer": lambda v: isinstance(v, int) and not isinstance(v, bool),
+            "a number": _number,
+            "an object of dtype name -> FLOP/s": lambda v: isinstance(v, Mapping)
+            and all(isinstance(k, str) and _number(x) for k, x in v.items()),
+            "a list": lambda v: isinstance(v, list),
+        }
+        if not checks[kind](value):
+            raise bad(key, f"must be {kind}, got {value!r}")
+        return value
+
+    name = get("name", "a string")
+    devices_per_node = get("devices_per_node", "an integer")
+    memory_bytes = get("memory_bytes", "an integer")
+    peak = get("peak_flops", "an object of dtype name -> FLOP/s")
+    efficiency = get("efficiency", "a number")
+    links_json = get("links", "a list")
+    tables_json = get("comm_tables", "a list", [], required=False)
+    compute = get("compute_flops", "an object of dtype name -> FLOP/s", {}, required=False)
+    source = get("source", "a string", "", required=False)
+    bandwidth = get("memory_bandwidth", "a number", 0.0, required=False)
+    overhead = get("op_overhead_s", "a number", 0.0, required=False)
+
+    links: list[Link] = []
+    for i, x in enumerate(links_json):
+        if not (isinstance(x, Mapping) and set(x) <= {"name", "latency_s", "bandwidth", "source"}
+                and isinstance(x.get("name"), str) and _number(x.get("latency_s"))
+                and _number(x.get("bandwidth")) and isinstance(x.get("source", ""), str)):
+            raise bad("links", f"entry {i} must be an object with name (string), latency_s "
+                               f"and bandwidth (numbers) and optional source, got {x!r}")
+        try:
+            links.append(Link(x["name"], float(x["latency_s"]), float(x["bandwidth"]),
+                              x.get("source", "")))
+        except ValueError as e:
+            raise bad("links", f"entry {i}: {e}") from None
+    tables: list[CommTable] = []
+    for i, t in enumerate(tables_json):
+        if not (isinstance(t, Mapping) and set(t) == {"kind", "level", "group_size", "points"}
+                and isinstance(t["points"], list)
+                and all(isinstance(p, list) and len(p) == 2 and all(map(_number, p))
+                        for p in t["points"])):
+            raise bad("comm_tables", f"entry {i} must be an object with kind, level, "
+                                     f"group_size and points (a list of [sent_bytes, "
+                                     f"seconds] pairs), got {t!r}")
+        try:
+            tables.append(CommTable(t["kind"], t["level"], t["group_size"],
+                                    tuple((float(b), float(s)) for b, s in t["points"])))
+        except ValueError as e:
+            raise bad("comm_tables", f"entry {i}: {e}") from None
+    try:
+        return Hardware(name=name, devices_per_node=devices_per_node,
+                        memory_bytes=memory_bytes, peak_flops=tuple(peak.items()),
+                        efficiency=float(efficiency), links=tuple(links),
+                        comm_tables=tuple(tables), compute_flops=tuple(compute.items()),
+                        source=source, memory_bandwidth=float(bandwidth),
+                        op_overhead_s=float(overhead))
+    except ValueError as e:
+        raise ValueError(f"Hardware.load: {where}: {e}; {_FIX}") from None
+
+
+# ---------------------------------------------------------------------------- presets
+# Sources:
+# [A100] NVIDIA A100 Tensor Core GPU datasheet (SXM column): BF16/FP16 tensor core 312
+#   TFLOP/s dense (624 with sparsity), TF32 156 dense, FP32 19.5, FP64 tensor core 19.5;
+#   NVLink 3: 600 GB/s total (both directions) per GPU.
+# [H100] NVIDIA H100 Tensor Core GPU datasheet (SXM column): BF16/FP16 1,979 TFLOP/s with
+#   sparsity = 989 dense, TF32 989 with sparsity = 494.5 dense, FP32 67, FP64 tensor core
+#   67; NVLink 4: 900 GB/s total per GPU.
+# [DGX] NVIDIA DGX A100 / DGX H100 user guides: 8 GPUs per node, 8 single-port compute
+#   HCAs, one per GPU: ConnectX-6 InfiniBand HDR 200 Gb/s (A100), ConnectX-7 NDR 400 Gb/s
+#   (H100).
+# [NCCL-A100] nccl-tests all_reduce_perf busbw on 8 A100 SXM (NVSwitch) reaches ~230 GB/s:
+#   S. Jeaugey (NCCL), github.com/NVIDIA/nccl-tests/issues/149 ("should reach 230 GB/s");
+#   also 232.5 GB/s measured in nccl-tests/issues/175.
+# [NCCL-H100] nccl-tests busbw on 8 H100 SXM: ~370 GB/s effective NVLink bandwidth for ring
+#   algorithms (450 GB/s line rate minus ~20% protocol overhead), ~480 GB/s for all_reduce
+#   with NVLink SHARP: S. Jeaugey, github.com/NVIDIA/nccl-tests/issues/212. We use the ring
+#   number, rounded down: the alpha-beta model here is a ring model.
+# [MFU] Efficiency 0.5 = model FLOPs utilisation of large training runs: Narayanan et al.
+#   2021 ("Efficient Large-Scale Language Model Training on GPU Clusters Using
+#   Megatron-LM", SC'21) report 163 TFLOP/s per A100 = 52% of peak for GPT-3 175B and 40-55%
+#   across their model sizes; Dubey et al. 2024 (Llama 3) report 38-43% BF16 MFU on H100,
+#   so 0.5 is on the optimistic side there.
+# [LAT] Latencies are typical orders of magnitude, not datasheet numbers: ~10 us per ring
+#   step within an NVLink node and ~20 us across InfiniBand (NCCL's small-message
+#   all_reduce times on 8 GPUs are tens of microseconds). Run `pxform calibrate` for real
+#   numbers: the ring model overestimates small messages that NCCL sends with tree or
+#   low-latency protocols.
+#
+# fp32 is plain FP32 (19.5 / 67 TFLOP/s), not TF32: PyTorch runs fp32 matmuls in TF32 only
+# when torch.backends.cuda.matmul.allow_tf32 (or set_float32_matmul_precision("high")) is
+# set, which is off by default. Ask for "tf32" to get the TF32 rate.
+#
+# Memory: the datasheets' "40GB" / "80GB" are the device's HBM in binary units: 40 GiB and
+# 80 GiB (nvidia-smi shows about 40960 / 81920 MiB; the driver reserves a little of it).
+
+_NVLINK3 = Link("nvlink3", latency_s=10e-6,  # [LAT]
+                bandwidth=230e9,  # [NCCL-A100] all_reduce busbw, 8x A100 SXM
+                source="nccl-tests busbw ~230 GB/s on 8x A100 SXM (nccl-tests#149); "
+                       "latency: typical order of magnitude")
+_HDR = Link("infiniband-hdr", latency_s=20e-6,  # [LAT]
+            bandwidth=25e9,  # [DGX] one HDR 200 Gb/s HCA per GPU = 25 GB/s
+            source="DGX A100: one InfiniBand HDR 200 Gb/s HCA per GPU; latency: typical")
+_NVLINK4 = Link("nvlink4", latency_s=10e-6,  # [LAT]
+                bandwidth=360e9,  # [NCCL-H100] ring busbw ~370 GB/s, 8x H100 SXM
+                source="nccl-tests ring busbw ~370 GB/s on 8x H100 SXM (nccl-tests#212); "
+                       "latency: typical order of magnitude")
+_NDR = Link("infiniband-ndr", latency_s=20e-6,  # [LAT]
+            bandwidth=50e9,  # [DGX] one NDR 400 Gb/s HCA per GPU = 50 GB/s
+            source="DGX H100: one InfiniBand NDR 400 Gb/s HCA per GPU; latency: typical")
+
+_A100_FLOPS = (
+    ("bf16", 312e12),  # [A100] BF16 tensor core, dense
+    ("fp16", 312e12),  # [A100] FP16 tensor core, dense
+    ("tf32", 156e12),  # [A100] TF32 tensor core, dense (only when TF32 is enabled)
+    ("fp32", 19.5e12),  # [A100] FP32 (no tensor cores; PyTorch's default for fp32 matmul)
+    ("fp64", 19.5e12),  # [A100] FP64 tensor core (cuBLAS DGEMM uses it)
+)
+_H100_FLOPS = (
+    ("bf16", 989e12),  # [H100] BF16 tensor core: 1,979 with sparsity / 2
+    ("fp16", 989e12),  # [H100] FP16 tensor core: 1,979 with sparsity / 2
+    ("tf32", 494.5e12),  # [H100] TF32 tensor core: 989 with sparsity / 2
+    ("fp32", 67e12),  # [H100] FP32 (SXM)
+    ("fp64", 67e12),  # [H100] FP64 tensor core (SXM)
+)
+_EFFICIENCY = 0.5  # [MFU]
+# Achieved share of datasheet HBM bandwidth for streaming elementwise kernels: STREAM-like
+# copies reach about 90% on A100/H100 (NVIDIA's published babelstream/STREAM figures are
+# 1.3-1.4 TB/s of A100-40GB's 1.555); 0.8 leaves room for the less regular ops.
+_BANDWIDTH_EFFICIENCY = 0.8
+
+PRESETS: dict[str, Hardware] = {
+    "a100-40gb": Hardware(
+        name="a100-40gb", devices_per_node=8,  # [DGX] DGX A100: 8 GPUs
+        memory_bytes=40 * 2**30,  # [A100] "40GB" HBM2 = 40 GiB
+        peak_flops=_A100_FLOPS, efficiency=_EFFICIENCY, links=(_NVLINK3, _HDR),
+        memory_bandwidth=1.555e12 * _BANDWIDTH_EFFICIENCY,  # [A100] HBM2 1,555 GB/s
+        source="NVIDIA A100 SXM datasheet, DGX A100 user guide, nccl-tests busbw; "
+               "efficiency 0.5 after Narayanan et al. 2021"),
+    "a100-80gb": Hardware(
+        name="a100-80gb", devices_per_node=8,  # [DGX] DGX A100: 8 GPUs
+        memory_bytes=80 * 2**30,  # [A100] "80GB" HBM2e = 80 GiB
+        peak_flops=_A100_FLOPS, efficiency=_EFFICIENCY, links=(_NVLINK3, _HDR),
+        memory_bandwidth=2.039e12 * _BANDWIDTH_EFFICIENCY,  # [A100] HBM2e 2,039 GB/s
+        source="NVIDIA A100 SXM datasheet, DGX A100 user guide, nccl-tests busbw; "
+               "efficiency 0.5 after Narayanan et al. 2021"),
+    "h100-80gb": Hardware(
+        name="h100-80gb", devices_per_node=8,  # [DGX] DGX H100: 8 GPUs
+        memory_bytes=80 * 2**30,  # [H100] "80GB" HBM3 = 80 GiB
+        peak_flops=_H100_FLOPS, efficiency=_EFFICIENCY, links=(_NVLINK4, _NDR),
+        memory_bandwidth=3.35e12 * _BANDWIDTH_EFFICIENCY,  # [H100] HBM3 3.35 TB/s (SXM)
+        source="NVIDIA H100 SXM datasheet, DGX H100 user guide, nccl-tests busbw; "
+               "efficiency 0.5 after Narayanan et al. 2021"),
+}
+
+
+def hardware(spec: str | Hardware | os.PathLike[str] | None) -> Hardware:
+    """A `Hardware` profile from a preset name (case-insensitive: "a100-40gb",
+    "a100-80gb", "h100-80gb"), a `Hardware` (returned as is) or the path of a JSON profile
+    written by `pxform calibrate --out PATH` or `Hardware.save`.
+
+    Raises:
+        ValueError: `spec` is None, or a string that is neither a preset nor an existing
+            file (the message lists the presets), or the file is not a valid profile.
+
+    Example:
+        >>> hardware("H100-80GB").devices_per_node
+        8
+        >>> PRESETS["h100-80gb"].save("h100.json")
+        >>> hardware("h100.json") == PRESETS["h100-80gb"]
+        True
+    """
+    if isinstance(spec, Hardware):
+        return spec
+    names = ", ".join(PRESETS)
+    if spec is None:
+        raise ValueError(f"hardware: no hardware given; pass a preset name ({names}), a "
+                         f"Hardware, or a path to a JSON profile written by "
+                         f"`pxform calibrate --out PATH`")
+    if isinstance(spec, str) and spec.strip().lower() in PRESETS:
+        return PRESETS[spec.strip().lower()]
+    if isinstance(spec, (str, os.PathLike)):
+        if os.path.isfile(spec):
+            return Hardware.load(spec)
+        raise ValueError(f"hardware: {os.fspath(spec)!r} is neither a preset ({names}) nor "
+                         f"an existing file; pass a preset name, or a path to a JSON profile "
+                         f"written by `pxform calibrate --out PATH` or Hardware.save")
+    raise TypeError(f"hardware: expected a preset name, a Hardware or a path, got "
+                    f"{type(spec).__name__}")

@@ -1,0 +1,265 @@
+"""The cost model of the search: time and memory of ops, re-layouts and pipeline stages.
+
+Every number the search compares comes from here, from a `Hardware` profile (a preset or
+one measured by `pxform calibrate`) and from the traced graph:
+
+- **compute**: an op's FLOPs (its rule's count) over the device's effective FLOP/s for the
+  op's dtype (peak x efficiency, or measured). Backward costs twice the forward (the
+  standard 1:2 ratio of matmul-dominated models: one matmul for the input gradient, one for
+  the weight gradient); a recomputed block runs its forward once more.
+- **communication**: each collective a re-layout needs (`pxform.core.layout.plan_relayout`,
+  the same planner the lowering uses) costs `Hardware.comm_time(kind, bytes sent, group
+  size, link level)`: latency plus bytes over bandwidth, or the measured table. The link
+  level of a mesh axis is the slowest link its groups cross (inside a node or across).
+- **overlap**: parameter-gradient reductions (data parallel's all-reduce, ZeRO-3's
+  reduce-scatter) run while backward computes, as DDP and pxform's buckets do. Both slow
+  down when they overlap: Galvatron-BMW (Wang et al., TPDS 2024, §4.2) measured about 1.3x
+  on A100 nodes, which is `OVERLAP_SLOWDOWN`. The backward of a block then takes
+  `max(c, g) + (OVERLAP_SLOWDOWN - 1) x min(c, g)` for compute `c` and gradient
+  communication `g`: no overlap benefit is claimed for the shorter one.
+- **memory per device**: parameters, their gradients and the optimizer state
+  (`state_bytes_per_param`), for the local shard a layout gives; plus the activations the
+  ops save for backward, measured on fake tensors under saved-tensor hooks
+  (`saved_bytes_per_op`), never guessed.
+
+Example:
+    >>> model = CostModel(pxform.hardware.hardware("a100-80gb"))
+    >>> model.state_bytes_per_param(torch.bfloat16)
+    16.0
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from pxform.core.ir import Graph, Value
+from pxform.core.layout import Relayout
+from pxform.frontend.trace import run_graph
+
+if TYPE_CHECKING:
+    from pxform.cost.hardware import Hardware
+
+OVERLAP_SLOWDOWN = 1.3
+"""Slowdown of compute and communication running at the same time (Galvatron-BMW, measured
+about 1.3x for data-parallel gradient all-reduce during backward on A100 nodes)."""
+
+BACKWARD_RATIO = 2.0
+"""Backward FLOPs per forward FLOP: input gradient and weight gradient are one matmul each."""
+
+@dataclass(frozen=True)
+class CostModel:
+    """Hardware plus the training set-up the memory count needs.
+
+    Attributes:
+        hardware: the device and link profile.
+        optimizer: "adam" (two fp32 moments per parameter) or "sgd" (no state).
+        overlap_slowdown: see `OVERLAP_SLOWDOWN`.
+    """
+
+    hardware: Hardware
+    optimizer: str = "adam"
+    overlap_slowdown: float = OVERLAP_SLOWDOWN
+
+    def state_bytes_per_param(self, dtype: torch.dtype) -> float:
+        """Bytes per parameter for the parameter, its gradient and the optimizer state.
+
+        Adam, fp32 training: 4 (weight) + 4 (gradient) + 8 (two fp32 moments) = 16.
+        Adam, mixed precision (bf16/fp16 weights): 2 + 2 + 12 (fp32 master weight and two
+        fp32 moments) = 16, the ZeRO paper's 16 bytes per parameter (Rajbhandari et al.
+        2020, §3.1). SGD without momentum: weight and gradient only.
+
+        Example:
+            >>> CostModel(hw, optimizer="sgd").state_bytes_per_param(torch.float32)
+            8.0
+        """
+        item = dtype.itemsize
+        if self.optimizer == "sgd":
+            return 2.0 * item
+        if self.optimizer != "adam":
+            raise ValueError(f"pxform.cost: optimizer={self.optimizer!r}; use 'adam' or 'sgd'")
+        if item >= 4:
+            return 2.0 * item + 8.0
+        return 2.0 * item + 12.0
+
+    def compute_time(self, flops: float, dtype: torch.dtype, nbytes: float = 0.0) -> float:
+        """Seconds for one op of `flops` that reads and writes `nbytes` on one device: the
+        longer of the two (a roofline; `Hardware.memory_bandwidth`), plus the host's per-op
+        time (`Hardware.op_overhead_s`)."""
+        compute = self.hardware.compute_time(flops, dtype) if flops > 0 else 0.0
+        if nbytes > 0:
+            compute = max(compute, self.hardware.memory_time(nbytes))
+        return compute + self.hardware.op_overhead_s
+
+    def relayout_time(self, relayout: Relayout, axes: Mapping[str, tuple[int, int]],
+                      scale: float = 1.0) -> float:
+        """Seconds for one re-layout; `axes` maps each mesh axis to (size, link level);
+        `scale` multiplies the bytes (a microbatch of another size than the traced one)."""
+        return sum(self.step_time(kind, axis, sent * scale, axes)
+                   for kind, axis, sent in relayout_steps(relayout))
+
+    def step_time(self, kind: str, axis: str, sent: float,
+                  axes: Mapping[str, tuple[int, int]]) -> float:
+        size, level = axes[axis]
+        if kind in ("slice", "zero") or size <= 1:
+            return 0.0
+        return self.hardware.comm_time(kind, sent, size, level)
+
+    def overlap(self, compute: float, comm: float) -> float:
+        """Backward time with gradient communication `comm` overlapping `compute`."""
+        if comm <= 0:
+            return compute
+        return max(compute, comm) + (self.overlap_slowdown - 1.0) * min(compute, comm)
+
+
+def relayout_steps(relayout: Relayout) -> list[tuple[str, str, float]]:
+    """(kind, axis, bytes sent per rank) per step; an axis's volume is shared by its steps."""
+    per_axis: dict[str, int] = {}
+    for s in relayout.steps:
+        if s.kind not in ("slice", "zero"):
+            per_axis[s.axis] = per_axis.get(s.axis, 0) + 1
+    out = []
+    for s in relayout.steps:
+        if s.kind in ("slice", "zero"):
+            continue
+        out.append((s.kind, s.axis, relayout.volume_of(s.axis) / per_axis[s.axis]))
+    return out
+
+
+@dataclass(frozen=True)
+class SavedBytes:
+    """What one op saves for backward, by whose tensor it is: per op input, per op output,
+    and `other` (intermediates of the op itself). The split lets a sharded op count each
+    saved tensor at its own layout's local size (a column-parallel matmul saves its whole
+    replicated input, not a shard of it)."""
+
+    inputs: tuple[int, ...]
+    outputs: tuple[int, ...]
+    other: int
+
+    @property
+    def total(self) -> int:
+        return sum(self.inputs) + sum(self.outputs) + self.other
+
+
+def saved_bytes_per_op(graph: Graph, start: int, stop: int, skip: set[str]
+                       ) -> list[SavedBytes]:
+    """Bytes each op of `graph.ops[start:stop]` saves for backward, by input and output,
+    measured by running those ops on fake tensors under saved-tensor hooks (no memory, no
+    device).
+
+    Values read from outside the range are fake inputs that require grad when floating.
+    A storage is counted once, for the first op that saves it; storages of values named in
+    `skip` (parameters, batch inputs: stored anyway) are not counted.
+
+    Example:
+        >>> [s.total for s in saved_bytes_per_op(traced.graph, 0, 3, {"params.w"})]
+        [0, 4096, 4096]
+    """
+    ops = graph.ops[start:stop]
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    defined = {v.name for op in ops for v in op.outputs}
+    outside: dict[str, Value] = {}
+    for op in ops:
+        for v in op.inputs:
+            if v.name not in defined and v.name not in outside:
+                outside[v.name] = v
+    consts = {c.value.name for c in graph.constants}
+    inputs = [v for v in outside.values() if v.name not in consts]
+    sub = Graph(tuple(inputs), ops, (), tuple(c for c in graph.constants
+                                              if c.value.name in outside),
+                f"{graph.name}[{start}:{stop}]")
+    with mode:
+        tensors = [torch.empty(v.type.shape, dtype=v.type.dtype).requires_grad_(
+                   v.type.dtype.is_floating_point) for v in inputs]
+    skipped = {id(t.untyped_storage()) for v, t in zip(inputs, tensors) if v.name in skip}
+    # our own value -> tensor map (run_graph drops dead values; fake tensors cost nothing)
+    env: dict[str, torch.Tensor] = {v.name: t for v, t in zip(inputs, tensors)}
+    seen: dict[int, object] = {}  # storage id -> storage (kept alive so ids stay unique)
+    pending: list[tuple[int, int]] = []  # (storage id, bytes) saved by the running op
+    saved: list[SavedBytes] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        key = id(storage)
+        if key not in seen and key not in skipped:
+            seen[key] = storage
+            pending.append((key, storage.nbytes()))
+        return t
+
+    def storage_id(t: Any) -> int | None:
+        return id(t.untyped_storage()) if isinstance(t, torch.Tensor) else None
+
+    def on_op(op: Any, args: object, results: list[torch.Tensor]) -> None:
+        for v, r in zip(op.outputs, results):
+            env[v.name] = r
+        ins = [storage_id(env.get(v.name)) for v in op.inputs]
+        outs = [storage_id(r) for r in results][:len(op.outputs)]
+        by_in, by_out, other = [0] * len(ins), [0] * len(op.outputs), 0
+        for key, nbytes in pending:
+            if key in ins:
+                by_in[ins.index(key)] += nbytes
+            elif key in outs:
+                by_out[outs.index(key)] += nbytes
+            else:
+                other += nbytes
+        saved.append(SavedBytes(tuple(by_in), tuple(by_out), other))
+        pending.clear()
+
+    with mode, torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        run_graph(sub, tensors, on_op=on_op)
+    return saved
+
+
+def peak_bytes(state: float, grads: float, activations: float, in_flight: int,
+               microbatches: int) -> float:
+    """Peak bytes of a device holding `state` (parameters and optimizer state),
+    `grads` (parameter gradients) and `activations` per microbatch, with `in_flight`
+    microbatches' activations alive at most; the workspace (`workspace_bytes`) comes on top.
+
+    When every microbatch is in flight before the first backward (`in_flight >=
+    microbatches`: no pipeline and one microbatch, or an early 1F1B stage with few
+    microbatches), the peak comes during that backward, as activations are freed block by
+    block and gradients appear: at most (in_flight - 1) x activations + max(activations,
+    gradients). Otherwise gradients exist from the first backward on, while the device
+    again holds `in_flight` microbatches. The search sums this per block; stage-aware
+    recompute over a stage.
+
+    Example:
+        >>> peak_bytes(100, 50, 10, in_flight=4, microbatches=8)
+        190
+    """
+    if in_flight >= microbatches:
+        return state + (in_flight - 1) * activations + max(activations, grads)
+    return state + grads + in_flight * activations
+
+
+def workspace_bytes(transient: float, saved: float, recompute: bool) -> float:
+    """Bytes alive only while one block's backward runs: its largest op's inputs and
+    outputs (`transient`, their gradients), and when it is recomputed the activations it
+    saves (`saved`), made again."""
+    return transient + (saved if recompute else 0.0)
+
+
+def one_f_one_b_time(forward: Sequence[float], backward: Sequence[float],
+                     microbatches: int) -> float:
+    """Step time of 1F1B with per-stage forward and backward times per microbatch, in
+    closed form: the slowest stage's `(microbatches - 1)` steady steps plus one microbatch
+    through every stage (warm-up and drain). Equals `schedules.simulate` when stages are
+    equal; the search's final plan is simulated exactly.
+
+    Example:
+        >>> one_f_one_b_time([1.0] * 4, [2.0] * 4, 8)
+        33.0
+    """
+    per = [f + b for f, b in zip(forward, backward)]
+    return (microbatches - 1) * max(per) + sum(per)
+
+
+def one_f_one_b_in_flight(stages: int, microbatches: int) -> list[int]:
+    """Microbatches whose activations stage s holds at most under 1F1B."""
+    return [min(stages - s, microbatches) for s in range(stages)]

@@ -1,0 +1,736 @@
+"""Tracing: a user's pure function of pytrees of tensors -> a `Traced` (the IR plus pytree
+bookkeeping).
+
+    traced = pxform.trace(loss_fn, params, batch)
+    print(traced)                 # the IR
+    loss = traced(params, batch)  # runs the IR on real tensors, differentiable by autograd
+
+How: the arguments are flattened with optree; tensor leaves (real, `meta` or fake) become
+fake CPU tensors of the same shape and dtype, so nothing is materialised; other leaves are
+static and baked into the trace. `make_fx(pre_dispatch=True)` records high-level aten ops
+(`linear`, `layer_norm`, `scaled_dot_product_attention`, ...) above autograd, so the IR is
+the user's program, not its decomposition. While tracing, module forward hooks annotate
+each op with the dotted path of the `nn.Module` that issued it, and a frame filter records
+the user's source line. The fx graph is then converted to the IR: `getitem` nodes become
+multiple outputs, `torch.no_grad()` regions become `Op.grad=False`, in-place ops become
+their functional forms, device arguments become `DEVICE`, captured tensors become
+constants. Every op must have a rule (see `pxform.ops`), or the trace fails naming the op
+and the line that called it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import inspect
+import operator
+import os
+import sys
+import traceback
+import warnings
+import weakref
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import optree
+import torch
+import torch.fx
+import torch.fx.traceback as fx_traceback
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from pxform.core.errors import PxformError, PxformWarning, SignatureMismatchError, TraceError
+from pxform.core.ir import DEVICE, Constant, Graph, Op, TensorType, Value, map_values
+from pxform.core.units import format_bytes, format_table
+from pxform.ops import FALLBACK_TAG, has_rule, rule_info, unsupported_error
+
+MODULE_KEY = "pxform.module"
+"""Key under `node.meta["custom"]` that carries the issuing module's dotted path."""
+
+# True while `trace` runs the user's function: transforms then annotate instead of running.
+_TRACING: contextvars.ContextVar[bool] = contextvars.ContextVar("pxform_tracing", default=False)
+
+
+def is_tracing() -> bool:
+    """Is `pxform.trace` running the caller right now (on fake tensors)? Region transforms
+    (`recompute`, `coshard`) annotate the trace then; called eagerly, they run."""
+    return _TRACING.get()
+
+
+# Modules named by `module_fn` (weakly held, so models are freed normally).
+_MODULE_NAMES: weakref.WeakKeyDictionary[torch.nn.Module, str] = weakref.WeakKeyDictionary()
+
+# Ops that only assert metadata; they compute nothing and are dropped from the IR.
+_ASSERT_OPS = {
+    getattr(torch.ops.aten, n).default
+    for n in ("_assert_tensor_metadata", "_assert_async", "_assert_scalar",
+              "sym_constrain_range", "sym_constrain_range_for_size")
+    if hasattr(torch.ops.aten, n) and hasattr(getattr(torch.ops.aten, n), "default")
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Leaf:
+    """One flattened argument leaf: its path for messages and, if static, its value."""
+
+    path: str
+    is_tensor: bool
+    static: Any = None
+
+
+@dataclass(frozen=True, eq=False)
+class Traced:
+    """A traced function: the IR and how to map pytrees in and out of it.
+
+    Example:
+        >>> traced = pxform.trace(loss_fn, params, batch)
+        >>> traced.graph.ops[0].target
+        <OpOverload(op='aten.linear', overload='default')>
+        >>> loss = traced(params, batch)   # same value as loss_fn(params, batch)
+    """
+
+    graph: Graph
+    in_tree: optree.PyTreeSpec
+    out_tree: optree.PyTreeSpec
+    leaves: tuple[Leaf, ...]
+    fn_name: str
+    fallbacks: tuple[Op, ...] = ()
+    _last_use: dict[str, int] = field(default_factory=dict, repr=False)
+
+    def __str__(self) -> str:
+        return str(self.graph)
+
+    def __repr__(self) -> str:
+        return (f"Traced({self.fn_name}: {len(self.graph.inputs)} inputs, "
+                f"{len(self.graph.ops)} ops)")
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the IR on real tensors with the same pytree structure as the trace.
+
+        Raises:
+            SignatureMismatchError: the arguments' structure, shapes, dtypes or static
+                leaves differ from the trace (trace again for a new signature).
+        """
+        tensors = self._check_args(args, kwargs)
+        outs = run_graph(self.graph, tensors, self._last_use)
+        return optree.tree_unflatten(self.out_tree, outs)
+
+    def _check_args(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
+        paths, leaves, tree = optree.tree_flatten_with_path(  # type: ignore[var-annotated]
+            (args, kwargs))  # type: ignore[arg-type]
+        name = f"pxform.trace({self.fn_name})"
+        if tree != self.in_tree:
+            raise SignatureMismatchError(
+                f"{name}: called with arguments of structure {tree}, but traced with "
+                f"{self.in_tree}.\n  Fix: pass the same pytree structure, or trace again.")
+        tensors = []
+        inputs = iter(self.graph.inputs)
+        for leaf, value in zip(self.leaves, leaves):
+            if leaf.is_tensor:
+                expected = next(inputs).type
+                if not isinstance(value, torch.Tensor):
+                    raise SignatureMismatchError(
+                        f"{name}: argument {leaf.path} was a tensor {expected} when traced "
+                        f"but is now {type(value).__name__} {value!r}.")
+                got = TensorType.of(value)
+                if got.shape != expected.shape or got.dtype != expected.dtype:
+                    raise SignatureMismatchError(
+                        f"{name}: argument {leaf.path} is {got} but was traced as {expected}."
+                        f"\n  Fix: pass a tensor of shape {list(expected.shape)} and dtype "
+                        f"{expected.dtype}, or trace again for the new shape.")
+                tensors.append(value)
+            elif not _static_equal(value, leaf.static):
+                raise SignatureMismatchError(
+                    f"{name}: non-tensor argument {leaf.path} is {value!r} but was {leaf.static!r} "
+                    f"when traced; non-tensor leaves are static (baked into the trace).\n"
+                    f"  Fix: trace again for the new value, or pass it as a tensor.")
+        return tensors
+
+    def op_table(self, by: str = "op", limit: int | None = None) -> str:
+        """A text table of ops: dim signature, forward FLOPs and output bytes.
+
+        Args:
+            by: "op" for one row per op; "target" for one row per aten op with counts
+                and totals (handy for large models).
+            limit: show at most this many rows (the totals still count every op).
+
+        Example:
+            >>> print(traced.op_table(by="target"))
+        """
+        infos = [(op, rule_info(op)) for op in self.graph.ops]
+        total_flops = sum(i.flops for _, i in infos)
+        total_bytes = sum(_op_bytes(op, i.view) for op, i in infos)
+        header: tuple[str, ...]
+        rows: list[tuple[str, ...]]
+        if by == "op":
+            header = ("#", "op", "signature", "FLOPs", "out bytes", "module / source")
+            rows = [(str(k), op.name, str(info.signature), si(info.flops),
+                     format_bytes(_op_bytes(op, info.view)),
+                     op.module or _short_source(op.source))
+                    for k, (op, info) in enumerate(infos)]
+        elif by == "target":
+            header = ("op", "count", "FLOPs", "FLOPs %", "out bytes")
+            agg: dict[str, list[int]] = {}
+            for op, info in infos:
+                row = agg.setdefault(str(op.target), [0, 0, 0])
+                row[0] += 1
+                row[1] += info.flops
+                row[2] += _op_bytes(op, info.view)
+            rows = [(t, str(c), si(f), f"{100 * f / max(total_flops, 1):.1f}", format_bytes(b))
+                    for t, (c, f, b) in sorted(agg.items(), key=lambda kv: -kv[1][1])]
+        else:
+            raise ValueError(f"op_table: by must be 'op' or 'target', got {by!r}")
+        shown = rows if limit is None else rows[:limit]
+        lines = format_table([header, *shown], rule=True)
+        if len(shown) < len(rows):
+            lines.append(f"... {len(rows) - len(shown)} more rows")
+        lines.append(f"total: {len(self.graph.ops)} ops, {si(total_flops)}FLOPs forward, "
+                     f"{format_bytes(total_bytes)} written by non-view ops")
+        return "\n".join(lines)
+
+    def summary(self) -> str:
+        """A few lines: inputs and their bytes, op count, forward FLOPs, fallbacks."""
+        g = self.graph
+        tensor_leaves = [lf for lf in self.leaves if lf.is_tensor]
+        in_bytes = sum(v.type.nbytes for v in g.inputs)
+        in_numel = sum(v.type.numel for v in g.inputs)
+        counts = Counter(op.name for op in g.ops)
+        flops = sum(rule_info(op).flops for op in g.ops)
+        top = ", ".join(f"{n} x{c}" for n, c in counts.most_common(8))
+        modules = {op.module.split(".")[0] for op in g.ops if op.module}
+        lines = [
+            f"{self.fn_name}: {len(tensor_leaves)} tensor inputs ({si(in_numel)} elements, "
+            f"{format_bytes(in_bytes)}), {len(self.leaves) - len(tensor_leaves)} static, "
+            f"{len(g.constants)} constants",
+            f"  {len(g.ops)} ops ({len(counts)} kinds): {top}",
+            f"  forward: {si(flops)}FLOPs; outputs: "
+            + ", ".join(str(o.type) if isinstance(o, Value) else repr(o) for o in g.outputs),
+        ]
+        if modules:
+            lines.append(f"  top-level modules: {', '.join(sorted(modules))}")
+        if self.fallbacks:
+            lines.append(f"  {len(self.fallbacks)} ops run replicated by the fallback: "
+                         + ", ".join(sorted({op.name for op in self.fallbacks})))
+        return "\n".join(lines)
+
+
+def trace(fn: Callable[..., Any], *args: Any, allow_fallback: bool = False,
+          **kwargs: Any) -> Traced:
+    """Trace `fn(*args, **kwargs)` into the typed IR without running it on data.
+
+    Args:
+        fn: a pure function of pytrees (optree) of tensors and static Python values.
+        *args, **kwargs: example arguments; tensor leaves may be real, `meta` or fake.
+        allow_fallback: run ops that have no sharding rule replicated instead of failing;
+            each one is reported in a `PxformWarning` and in `Traced.fallbacks`.
+
+    Returns:
+        A `Traced`: `.graph` is the IR, calling it runs the IR on real tensors.
+
+    Raises:
+        UnsupportedOpError: an op has no rule (the message names it and the source line).
+        TraceError: the function cannot be traced (data-dependent control flow, in-place
+            mutation of an argument, a non-tensor output...).
+
+    Example:
+        >>> def mlp(params, x):
+        ...     return torch.relu(x @ params["w1"]) @ params["w2"]
+        >>> traced = pxform.trace(mlp, {"w1": torch.randn(4, 8), "w2": torch.randn(8, 4)},
+        ...                       torch.randn(2, 4))
+        >>> print(traced.graph.ops[0])
+        %0: f32[2,8] = matmul(%x, %w1)
+    """
+    fn_name = getattr(fn, "__name__", type(fn).__name__)
+    paths, leaves, in_tree = optree.tree_flatten_with_path((args, kwargs))  # type: ignore[arg-type,var-annotated]
+    names = arg_names(fn, len(args))
+    leaf_infos = []
+    for path, leaf in zip(paths, leaves):
+        shown = path_text(path, names)
+        if isinstance(leaf, torch.Tensor):
+            leaf_infos.append(Leaf(shown, True))
+        else:
+            leaf_infos.append(Leaf(shown, False, leaf))
+    tensor_pos = [i for i, lf in enumerate(leaf_infos) if lf.is_tensor]
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    fakes = [_to_fake(leaves[i], mode) for i in tensor_pos]
+    out_tree_box: list[optree.PyTreeSpec] = []
+    out_paths: list[str] = []
+
+    def flat_fn(*tensors: torch.Tensor) -> list[Any]:
+        full = list(leaves)
+        for i, t in zip(tensor_pos, tensors):
+            full[i] = t
+        a, kw = optree.tree_unflatten(in_tree, full)
+        result = fn(*a, **kw)
+        opaths, out_leaves, out_tree = optree.tree_flatten_with_path(result)
+        out_tree_box.append(out_tree)
+        out_paths.extend(path_text(p, None, root="output") for p in opaths)
+        for p, leaf in zip(out_paths, out_leaves):
+            if not isinstance(leaf, (torch.Tensor, int, float, bool, str, type(None))):
+                raise TraceError(
+                    f"pxform.trace({fn_name}): {p} is a {type(leaf).__name__}, which pxform "
+                    f"cannot flatten.\n  Fix: return tensors in tuples, lists, dicts or "
+                    f"namedtuples (for an HF ModelOutput, return e.g. `out.loss`).")
+        return out_leaves
+
+    token = _TRACING.set(True)
+    try:
+        with mode, _record_modules(), _record_user_frames(), fx_traceback.preserve_node_meta():
+            gm = make_fx(flat_fn, pre_dispatch=True, record_stack_traces=True)(*fakes)
+    except (TraceError, SignatureMismatchError, PxformError):
+        raise
+    except Exception as exc:
+        raise _trace_failure(fn_name, exc) from exc
+    finally:
+        _TRACING.reset(token)
+
+    input_names = _input_names([leaf_infos[i].path for i in tensor_pos])
+    graph, fallbacks = _to_ir(gm, fn_name, input_names, allow_fallback)
+    if fallbacks:
+        warnings.warn(
+            f"pxform.trace({fn_name}): {len(fallbacks)} ops have no sharding rule and will "
+            f"run replicated: " + "; ".join(f"{op.name}{' at ' + op.source if op.source else ''}"
+                                          for op in fallbacks), PxformWarning, stacklevel=2)
+    return Traced(graph, in_tree, out_tree_box[-1], tuple(leaf_infos), fn_name,
+                  tuple(fallbacks), last_uses(graph))
+
+
+def cache_key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
+    """What a trace depends on: pytree structure, tensor shapes and dtypes, static leaves.
+
+    Transforms cache traces under this key, as `jax.jit` caches on abstract signatures.
+    """
+    leaves, tree = optree.tree_flatten((args, kwargs))  # type: ignore[arg-type,var-annotated]
+    parts: list[Any] = [tree]
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor):
+            parts.append(("T", tuple(leaf.shape), leaf.dtype))
+        else:
+            parts.append(("S", type(leaf).__name__, repr(leaf)))
+    return tuple(parts)
+
+
+# ---------------------------------------------------------------- running the IR
+
+def run_graph(graph: Graph, inputs: Sequence[torch.Tensor],
+              last_use: dict[str, int] | None = None,
+              on_op: Callable[[Op, list[Any], list[torch.Tensor]], None] | None = None,
+              ) -> list[Any]:
+    """Evaluate `graph` on real tensors, op by op, with autograd.
+
+    Values are dropped after their last use, so peak memory is that of eager execution.
+    Device arguments (`DEVICE`) take the device of the first input. `on_op(op, args,
+    results)` is called after each op (for meters and tests).
+    """
+    device = inputs[0].device if inputs else torch.device("cpu")
+    env: dict[str, Any] = {v.name: t for v, t in zip(graph.inputs, inputs)}
+    for c in graph.constants:
+        if isinstance(c.data, FakeTensor) or c.data.device.type == "meta":
+            raise TraceError(
+                f"pxform: the traced function captured a tensor without data ({c.value}: "
+                f"{c.value.type}, on {c.data.device}) and cannot run.\n  Fix: pass it as an "
+                f"argument (e.g. keep buffers in the params dict that module_fn returns).")
+        env[c.value.name] = c.data.to(device)
+    last_use = last_use if last_use is not None else last_uses(graph)
+
+    def resolve(a: Any) -> Any:
+        a = map_values(a, lambda v: env[v.name])
+        return device if a is DEVICE else a
+
+    for k, op in enumerate(graph.ops):
+        args = [resolve(a) for a in op.args]
+        kw = {name: resolve(a) for name, a in op.kwargs}
+        with torch.set_grad_enabled(op.grad and torch.is_grad_enabled()):
+            result = op.target(*args, **kw)
+        results = [r for r in (result if isinstance(result, (list, tuple)) else [result])
+                   if isinstance(r, torch.Tensor)]
+        for v, r in zip(op.outputs, results):
+            env[v.name] = r
+        if on_op is not None:
+            on_op(op, args, results)
+        for v in op.inputs:
+            if last_use.get(v.name) == k:
+                env.pop(v.name, None)
+    return [env[o.name] if isinstance(o, Value) else o for o in graph.outputs]
+
+
+def last_uses(graph: Graph) -> dict[str, int]:
+    """The index of the last op reading each value (outputs: `len(graph.ops)`)."""
+    out: dict[str, int] = {}
+    for k, op in enumerate(graph.ops):
+        for v in op.inputs:
+            out[v.name] = k
+    for o in graph.outputs:
+        if isinstance(o, Value):
+            out[o.name] = len(graph.ops)  # never freed
+    return out
+
+
+# ---------------------------------------------------------------- fx graph -> IR
+
+def _to_ir(gm: torch.fx.GraphModule, fn_name: str, input_names: list[str],
+           allow_fallback: bool) -> tuple[Graph, list[Op]]:
+    env: dict[torch.fx.Node, Any] = {}
+    inputs: list[Value] = []
+    constants: list[Constant] = []
+    ops: list[Op] = []
+    fallbacks: list[Op] = []
+    grad = True
+    counter = iter(range(sys.maxsize))
+    input_ids = set()
+    # value name -> root value name it views (to refuse mutations that would alias)
+    view_root: dict[str, str] = {}
+    placeholders = iter(input_names)
+    outputs: list[Any] = []
+
+    def new_value(val: torch.Tensor) -> Value:
+        return Value(str(next(counter)), TensorType.of(val))
+
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            v = Value(next(placeholders), TensorType.of(node.meta["val"]))
+            inputs.append(v)
+            input_ids.add(v.name)
+            env[node] = v
+        elif node.op == "get_attr":
+            data = getattr(gm, node.target)
+            v = Value(f"c{len(constants)}", TensorType.of(data))
+            constants.append(Constant(v, data))
+            env[node] = v
+        elif node.op == "output":
+            (flat,) = node.args
+            outputs = [env[a] if isinstance(a, torch.fx.Node) else a for a in flat]
+        elif node.target is torch._C._set_grad_enabled:
+            grad = bool(node.args[0])
+        elif node.target is operator.getitem:
+            env[node] = env[node.args[0]][node.args[1]]
+        elif node.target in _ASSERT_OPS:
+            continue
+        else:
+            op = _convert_call(node, env, new_value, grad)
+            op = _functionalize(op, node, input_ids, view_root, fn_name)
+            if isinstance(op.target, torch._ops.OpOverload) and op.inputs:
+                info_view = op.name in _VIEW_NAMES
+                if info_view:
+                    root = view_root.get(op.inputs[0].name, op.inputs[0].name)
+                    for o in op.outputs:
+                        view_root[o.name] = root
+            if not has_rule(op.target):
+                if not allow_fallback:
+                    raise unsupported_error(op)
+                op = op.replace(tags=op.tags + ((FALLBACK_TAG, True),))
+                fallbacks.append(op)
+            rule_info(op)  # a rule that cannot handle this call fails now, with the op named
+            ops.append(op)
+            val = node.meta.get("val")
+            env[node] = op.outputs if isinstance(val, (list, tuple)) else (
+                op.outputs[0] if op.outputs else None)
+    graph = Graph(tuple(inputs), tuple(ops), tuple(outputs), tuple(constants), fn_name)
+    return graph, fallbacks
+
+
+_VIEW_NAMES = {"view", "reshape", "_unsafe_view", "transpose", "permute", "t", "expand",
+               "squeeze", "unsqueeze", "slice", "select", "split", "chunk", "unbind",
+               "narrow", "alias", "detach", "flatten", "unflatten", "as_strided", "diagonal",
+               "view_as", "expand_as", "unfold"}
+
+
+def _convert_call(node: torch.fx.Node, env: dict[torch.fx.Node, Any],
+                  new_value: Callable[[torch.Tensor], Value], grad: bool) -> Op:
+    def conv(a: Any) -> Any:
+        if isinstance(a, torch.fx.Node):
+            return env[a]
+        if isinstance(a, torch.device):
+            return DEVICE
+        if isinstance(a, (list, tuple)):
+            return type(a)(conv(x) for x in a)
+        return a
+
+    args = tuple(conv(a) for a in node.args)
+    kwargs = tuple((k, conv(v)) for k, v in node.kwargs.items())
+    val = node.meta.get("val")
+    flat = val if isinstance(val, (list, tuple)) else [val]
+    outputs = tuple(new_value(t) for t in flat if isinstance(t, torch.Tensor))
+    custom = node.meta.get("custom") or {}
+    module = custom.get(MODULE_KEY, "")
+    tags = tuple(sorted((k, v) for k, v in custom.items() if k != MODULE_KEY))
+    return Op(node.target, args, outputs, kwargs, tags, module,
+              _source_line(node.meta.get("stack_trace")), grad)
+
+
+def _functionalize(op: Op, node: torch.fx.Node, input_ids: set[str],
+                   view_root: dict[str, str], fn_name: str) -> Op:
+    """Replace an in-place aten op by its functional form. make_fx already routes later
+    uses of the mutated tensor to this op's output, so SSA holds, unless the tensor is a
+    function input (the caller's state) or a view of another tensor (aliasing)."""
+    target = op.target
+    if not isinstance(target, torch._ops.OpOverload):
+        return op
+    schema = target._schema
+    if not schema.arguments or not schema.is_mutable or not target._opname.endswith("_"):
+        return op
+    mutated = op.args[0] if op.args else None
+    if isinstance(mutated, Value):
+        root = view_root.get(mutated.name, mutated.name)
+        if root in input_ids:
+            raise TraceError(
+                f"pxform.trace({fn_name}): {target} mutates the function's argument "
+                f"%{root} in place{' at ' + op.source if op.source else ''}.\n  Fix: pure "
+                f"functions must not modify their inputs; use the out-of-place op "
+                f"(e.g. `x = x + 1` instead of `x += 1`).")
+        if root != mutated.name:
+            raise TraceError(
+                f"pxform.trace({fn_name}): {target} mutates a view of %{root} in place"
+                f"{' at ' + op.source if op.source else ''}; pxform's IR has no aliasing.\n"
+                f"  Fix: build the new tensor out of place (e.g. torch.where or torch.cat).")
+    functional = getattr(getattr(torch.ops.aten, target._opname[:-1], None),
+                         target._overloadname, None)
+    if functional is None:
+        raise TraceError(f"pxform.trace({fn_name}): in-place op {target} has no functional "
+                         f"form{' at ' + op.source if op.source else ''}.")
+    return op.replace(target=functional)
+
+
+# ---------------------------------------------------------------- tracing helpers
+
+def _to_fake(t: torch.Tensor, mode: FakeTensorMode) -> torch.Tensor:
+    """A fake CPU tensor with `t`'s shape, dtype and requires_grad, from any tensor."""
+    with mode:
+        fake = torch.empty(tuple(t.shape), dtype=t.dtype, device="cpu")
+    if t.requires_grad and (t.dtype.is_floating_point or t.dtype.is_complex):
+        fake.requires_grad_(True)
+    return fake
+
+
+@contextlib.contextmanager
+def _record_modules() -> Iterator[None]:
+    """Annotate ops with the dotted path of the innermost module running them."""
+    stack: list[Any] = []
+
+    def pre(module: torch.nn.Module, args: Any) -> None:
+        path = _MODULE_NAMES.get(module)
+        if path is None:
+            parent = stack[-1][1] if stack else ""
+            path = (parent + "." if parent else "") + type(module).__name__
+        cm = fx_traceback.annotate({MODULE_KEY: path}) if path else contextlib.nullcontext()
+        cm.__enter__()
+        stack.append((cm, path))
+
+    def post(module: torch.nn.Module, args: Any, output: Any) -> None:
+        if stack:
+            stack.pop()[0].__exit__(None, None, None)
+
+    h1 = torch.nn.modules.module.register_module_forward_pre_hook(pre)
+    h2 = torch.nn.modules.module.register_module_forward_hook(post, always_call=True)
+    try:
+        yield
+    finally:
+        h1.remove()
+        h2.remove()
+        while stack:
+            stack.pop()[0].__exit__(None, None, None)
+
+
+# torch, optree and the standard library (contextlib's folder) are never the user's code.
+_SKIP_DIRS = tuple(os.path.dirname(str(m.__file__)) + os.sep for m in (torch, optree, contextlib)
+                   if getattr(m, "__file__", None))
+
+
+def _internal_dirs() -> tuple[str, ...]:
+    """Folders whose frames are not the user's: torch, optree, stdlib and pxform's own
+    packages (transforms/ and schedules/ live outside pxform/ in an editable install)."""
+    dirs = list(_SKIP_DIRS)
+    for name in ("pxform", "pxform.transforms", "pxform.schedules"):
+        mod = sys.modules.get(name)
+        if mod is not None and getattr(mod, "__file__", None):
+            dirs.append(os.path.dirname(os.path.abspath(str(mod.__file__))) + os.sep)
+    return tuple(dirs)
+
+
+@contextlib.contextmanager
+def _record_user_frames() -> Iterator[None]:
+    """Keep the user's frames in fx stack traces. fx keeps only frames named `forward`,
+    which loses every line of a pure function; we keep frames outside torch and pxform."""
+    tracer_base = torch.fx.proxy.TracerBase
+    original = tracer_base.__dict__.get("_filter_traceback_frames")
+    if original is None:  # torch changed its internals: trace still works, without lines
+        yield
+        return
+
+    internal = _internal_dirs()
+
+    def keep_user(self: Any, summary: traceback.StackSummary) -> traceback.StackSummary:
+        frames = [f for f in summary if _is_user_frame(f.filename, internal)]
+        return traceback.StackSummary.from_list(frames[-1:])
+
+    setattr(tracer_base, "_filter_traceback_frames", keep_user)  # noqa: B010
+    try:
+        yield
+    finally:
+        setattr(tracer_base, "_filter_traceback_frames", original)  # noqa: B010
+
+
+def _is_user_frame(filename: str, internal: tuple[str, ...]) -> bool:
+    if filename.startswith(internal):
+        return False
+    # generated code (<eval_with_key>, <frozen ...>) is not the user's; a REPL or -c is
+    return not filename.startswith("<") or filename in ("<stdin>", "<string>") or \
+        filename.startswith("<ipython")
+
+
+def _source_line(stack_trace: str | None) -> str:
+    """`file.py:12 in fn: code` from an fx stack-trace string (its last frame)."""
+    if not stack_trace:
+        return ""
+    lines = stack_trace.strip().splitlines()
+    for i in range(len(lines) - 1, -1, -1):
+        line = lines[i].strip()
+        if line.startswith('File "'):
+            try:
+                file_part, rest = line[6:].split('", line ', 1)
+                lineno, _, func = rest.partition(", in ")
+            except ValueError:
+                return line
+            code = lines[i + 1].strip() if i + 1 < len(lines) else ""
+            return f"{_short_path(file_part)}:{lineno} in {func}" + (f": {code}" if code else "")
+    return ""
+
+
+def _short_path(path: str) -> str:
+    try:
+        rel = os.path.relpath(path)
+    except ValueError:
+        return path
+    return rel if not rel.startswith("..") else path
+
+
+def _short_source(source: str) -> str:
+    return source.split(": ", 1)[0] if source else ""
+
+
+def arg_names(fn: Callable[..., Any], n: int) -> list[str] | None:
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return None
+    names = []
+    for p in params:
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
+            names.append(p.name)
+        elif p.kind == p.VAR_POSITIONAL:
+            names.extend(f"{p.name}[{i}]" for i in range(n - len(names)))
+            break
+    return names if len(names) >= n else None
+
+
+def path_text(path: tuple[Any, ...], names: list[str] | None, root: str | None = None) -> str:
+    """`params['w1']`-style text for a pytree path of ((args), kwargs)."""
+    if root is not None:
+        return root + "".join(f"[{k!r}]" for k in path)
+    if not path:
+        return "args"
+    if path[0] == 0 and len(path) >= 2:
+        i = path[1]
+        head = names[i] if names and i < len(names) else f"args[{i}]"
+        rest = path[2:]
+    else:
+        head = str(path[1]) if len(path) >= 2 else "kwargs"
+        rest = path[2:]
+    return head + "".join(f"[{k!r}]" for k in rest)
+
+
+def _input_names(paths: list[str]) -> list[str]:
+    """IR names for inputs: the leaf's last key where that is unique (`w1`), else its path
+    below the argument (`blocks.0.fc_w`), else its whole path (`params.blocks.0.fc_w`)."""
+    def keys(text: str) -> list[str]:
+        return [c.strip("'\"") for c in text.replace("]", "").split("[") if c.strip("'\"")]
+
+    def dotted(parts: list[str]) -> str:
+        text = "".join(ch if ch.isalnum() or ch in "._-" else "_" for ch in ".".join(parts))
+        # op outputs are numbered %0, %1, ...: an input must never look like one
+        return "arg" + text if not text or text[0].isdigit() else text
+
+    split = [keys(p) for p in paths]
+    candidates = [
+        [dotted(k[-1:]) for k in split],
+        [dotted(k[1:] or k) for k in split],
+        [dotted(k) for k in split],
+    ]
+    names = []
+    for i in range(len(paths)):
+        for cand in candidates:
+            if sum(c == cand[i] for c in cand) == 1:
+                names.append(cand[i])
+                break
+        else:
+            names.append(f"{candidates[-1][i]}.{i}")
+    return names
+
+
+def _static_equal(a: Any, b: Any) -> bool:
+    try:
+        return bool(a == b) and type(a) is type(b)
+    except Exception:  # values whose == is not a bool (arrays): compare identity
+        return a is b
+
+
+def _trace_failure(fn_name: str, exc: Exception) -> TraceError:
+    text = f"{type(exc).__name__}: {exc}".strip()
+    first = text.splitlines()[0] if text else type(exc).__name__
+    hint = ""
+    if any(k in text for k in ("data-dependent", "DataDependent", "_local_scalar_dense",
+                               "item()")):
+        hint = ("\n  Fix: control flow or shapes that depend on tensor values cannot be traced; "
+                "make them depend on shapes or static arguments instead.")
+    elif "meta" in text and "device" in text:
+        hint = ("\n  Fix: the function uses a tensor on the meta device that it did not get as an "
+                "argument (a captured global or module attribute); pass it as an argument, "
+                "e.g. keep buffers in the params dict that pxform.module_fn returns.")
+    return TraceError(f"pxform.trace({fn_name}): tracing failed: {first}{hint}")
+
+
+def si(n: float) -> str:
+    """`n` with an SI prefix, e.g. `3.56 M`."""
+    for unit, scale in (("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.3g} {unit}"
+    return f"{n:.3g} "
+
+
+def _op_bytes(op: Op, view: bool) -> int:
+    return 0 if view else sum(v.type.nbytes for v in op.outputs)
+
+
+def module_fn(module: torch.nn.Module) -> tuple[Callable[..., Any], dict[str, torch.Tensor]]:
+    """An `nn.Module` as a pure function `fn(params, *args, **kwargs)` and its params.
+
+    `params` maps qualified names to the module's parameters and buffers (buffers are
+    carried as non-trainable state: they keep `requires_grad=False`); tied parameters
+    appear once. `fn` calls the module with `torch.func.functional_call`, so the module's
+    own tensors are never used and a model built on the `meta` device traces.
+
+    Example:
+        >>> with torch.device("meta"):
+        ...     model = MyModel()
+        >>> fn, params = pxform.module_fn(model)
+        >>> traced = pxform.trace(fn, params, batch)
+    """
+    if not isinstance(module, torch.nn.Module):
+        raise TypeError(f"pxform.module_fn: expected an nn.Module, got {type(module).__name__}")
+    for name, sub in module.named_modules():
+        if name:
+            _MODULE_NAMES[sub] = name
+    params: dict[str, torch.Tensor] = dict(module.named_parameters())
+    params.update(module.named_buffers())
+
+    def fn(params: dict[str, torch.Tensor], *args: Any, **kwargs: Any) -> Any:
+        return torch.func.functional_call(module, params, args, kwargs, tie_weights=True,
+                                          strict=False)
+
+    fn.__name__ = type(module).__name__
+    fn.__qualname__ = fn.__name__
+    return fn, params
+

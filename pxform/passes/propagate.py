@@ -1,0 +1,101 @@
+"""The conversion rule's layouts and greedy strategy propagation (DESIGN.md §7).
+
+- `gradient_layout` G(L): the layout gradients of a value laid out as L are kept in;
+- `consumer_gradient_layout` C: the layout an op's strategy delivers an input's gradient in;
+- `propagate`: a strategy per op, greedily in program order, for programs whose ops nobody
+  chose strategies for (`pxform.shard` without a plan, and the search's data layout).
+"""
+
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+
+from pxform.core.ir import Graph, TensorType
+from pxform.core.layout import Layout, Relayout, plan_relayout
+from pxform.core.mesh import AbstractMesh
+from pxform.core.spec import P
+from pxform.ops.strategy import REPLICATE, Strategy
+from pxform.ops.strategy import strategies as all_strategies
+
+
+def gradient_layout(layout: Layout) -> Layout:
+    """G(L): the layout gradients of a value laid out as L are kept in."""
+    return Layout(layout.dims)
+
+
+def consumer_gradient_layout(strategy: Strategy, index: int) -> Layout:
+    """C: the layout in which the op delivers the gradient of its input `index`."""
+    need = strategy.inputs[index]
+    partial = {axis for axis, choice in strategy.choices
+               if choice != REPLICATE and axis not in need.used_axes()}
+    return Layout(need.dims, frozenset(partial))
+
+
+def typed_layout(t: TensorType, layout: Layout) -> TensorType:
+    """`t` with `layout`'s spec and partial axes."""
+    return TensorType(t.shape, t.dtype, layout.to_spec(), layout.partial)
+
+
+def layout_of(t: TensorType) -> Layout:
+    """The layout a value's type carries (unconstrained specs read as replicated)."""
+    spec = t.spec if isinstance(t.spec, P) else P()
+    return Layout.of(spec, len(t.shape), t.partial)
+
+
+@lru_cache(maxsize=65536)
+def relayout(shape: tuple[int, ...], itemsize: int, src: Layout, dst: Layout,
+          mesh: AbstractMesh) -> Relayout:
+    """`plan_relayout`, cached: programs convert the same shapes between the same layouts
+    many times over."""
+    return plan_relayout(shape, itemsize, src, dst, mesh)
+
+
+def propagate(graph: Graph, mesh: AbstractMesh, input_layouts: list[Layout]) -> list[Strategy]:
+    """Choose a strategy per op, greedily in program order: the one needing the least
+    forward communication to bring its inputs into layout (planner's default costs); costs
+    within 1% are ties (bytes that small do not matter next to a collective's latency), and
+    ties go to strategies that keep inputs as they are, then to those that split less. So a
+    partial sum is all-reduced where it is (Megatron's g) rather than reduce-scattered into
+    a layout nothing asked for (sequence parallelism is asked for with specs, or chosen by
+    the search). Backward
+    communication is what the forward choice implies (DP's gradient all-reduce). The search
+    of a later issue replaces this."""
+    layouts: dict[str, Layout] = {v.name: lay for v, lay in zip(graph.inputs, input_layouts)}
+    for c in graph.constants:
+        layouts[c.value.name] = Layout.replicated(c.value.type.rank)
+    # layouts a value is already converted to for an earlier consumer: free to reuse
+    # (the lowering converts once per value and layout)
+    made: set[tuple[str, Layout]] = set()
+    chosen = []
+    for op in graph.ops:
+        best: tuple[float, int, float] | None = None
+        pick = None
+        for s in all_strategies(op, mesh):
+            comm = 0.0
+            moves = 0
+            for i, v in enumerate(op.inputs):
+                if (v.name, s.inputs[i]) in made:
+                    continue
+                t = v.type
+                fwd = relayout(t.shape, t.dtype.itemsize, layouts[v.name], s.inputs[i], mesh)
+                comm += fwd.cost
+                moves += len(fwd.steps)
+            ways = sum(math.log(mesh.axis_size(a)) for a, c in s.choices if c != REPLICATE)
+            key = (comm, moves, ways)
+            if best is None or _better(key, best):
+                best, pick = key, s
+        assert pick is not None  # "replicate everywhere" is always a strategy
+        chosen.append(pick)
+        made.update((v.name, need) for v, need in zip(op.inputs, pick.inputs))
+        for v, lay in zip(op.outputs, pick.outputs):
+            layouts[v.name] = lay
+    return chosen
+
+
+def _better(key: tuple[float, int, float], best: tuple[float, int, float]) -> bool:
+    cost, moves, ways = key
+    best_cost, best_moves, best_ways = best
+    if abs(cost - best_cost) > 0.01 * max(cost, best_cost):
+        return cost < best_cost
+    return (moves, ways) < (best_moves, best_ways)

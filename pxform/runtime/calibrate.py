@@ -1,0 +1,526 @@
+"""Measured hardware profiles: time matmuls and collectives on the machine at hand.
+
+`calibrate()` runs on every rank of the current torch.distributed world (like a collective)
+and returns the same `pxform.hardware.Hardware` on every rank, with measured compute rates
+(`compute_flops`), measured collective times (`comm_tables`) and links fitted to them. The
+cost model then uses measured numbers instead of datasheet ones (the TensorOpt approach:
+profile, then search). `pxform calibrate --out profile.json` (see `main`) runs it under
+torchrun and writes the profile for `pxform.hardware.hardware("profile.json")`.
+
+What is measured
+----------------
+* compute: square matmuls of a few sizes in float32 and bfloat16 (and float16 on CUDA);
+  achieved FLOP/s = 2 n^3 / median time, the best over sizes. A dtype whose single matmul
+  takes longer than `_COMPUTE_BUDGET_S` stops growing (slow CPU bfloat16): the sizes
+  measured so far count.
+* collectives: every kind over the whole world and, with 4 or more ranks, over groups of 2
+  consecutive ranks (all pairs at once, as a mesh axis of size 2 would run them); p2p is a
+  ping-pong between ranks 0 and 1 (half the round trip, timed on rank 0). Per message size:
+  one warm-up, then `repeats` runs, each after a barrier; the median. Message sizes are the
+  bytes of the local float32 tensor, rounded up to a whole number of elements divisible by
+  the group size. Times are stored against the bytes each rank sends (the ring volumes of
+  `pxform.core.layout`) and made non-decreasing in size (a running maximum: noise must not
+  make a larger message cheaper).
+* links: per level, least squares of the all_reduce table(s), `time = 2(n-1) alpha +
+  sent / bandwidth` with alpha, 1/bandwidth >= 0. When that leaves one parameter at zero
+  (too few sizes, or noise), every kind measured at the level is fitted together (each
+  with its own ring steps). A parameter still at zero is clamped to 1 ns per step or
+  1 PB/s, so both stay finite and positive.
+
+Only rank 0's measurements are kept; rank 0 broadcasts the finished profile.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import math
+import os
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from pxform.core.units import format_bytes, parse_bytes
+from pxform.cost.hardware import COLLECTIVE_KINDS, CommTable, Hardware, Link, ring_steps
+
+__all__ = ["add_arguments", "calibrate", "main", "summary"]
+
+# A single matmul slower than this stops the size sweep of its dtype.
+_COMPUTE_BUDGET_S = 0.25
+# Placeholder link for a world of one rank, where no collective can be timed: the defaults
+# of `pxform.core.layout.AxisCost` (10 us, 100 GB/s), so a profile without measured links makes
+# the re-layout planner behave as it does without a profile.
+_LOOPBACK = Link("loopback", latency_s=10e-6, bandwidth=100e9,
+                 source="placeholder (1 rank: no collective measured); pxform.core.layout's "
+                        "AxisCost defaults")
+
+
+def _sent_bytes(kind: str, local_bytes: float, n: int) -> float:
+    """Bytes each rank sends in a ring collective on a local tensor of `local_bytes`
+    (pxform.core.layout's volumes)."""
+    if kind == "all_reduce":
+        return 2 * (n - 1) / n * local_bytes
+    if kind == "all_gather":
+        return (n - 1) * local_bytes
+    if kind in ("reduce_scatter", "all_to_all"):
+        return (n - 1) / n * local_bytes
+    return float(local_bytes)  # p2p
+
+
+def calibrate(*, sizes: Sequence[int] = (2**10, 2**14, 2**18, 2**22), repeats: int = 5,
+              kinds: Sequence[str] = COLLECTIVE_KINDS, name: str | None = None,
+              devices_per_node: int | None = None,
+              progress: Callable[[str], None] | None = None) -> Hardware:
+    """Measure this machine's compute and collectives; every rank gets the same profile.
+
+    Call it on every rank of the current torch.distributed world, like a collective.
+    Without an initialised process group (or with one rank) it measures compute only: no
+    comm tables, and one placeholder "loopback" link (the source string says so).
+
+    Args:
+        sizes: message sizes in bytes (of the local tensor), each timed per kind and group.
+        repeats: timed runs per size (after one warm-up); the median counts.
+        kinds: collective kinds to time (all_reduce, all_gather, reduce_scatter,
+            all_to_all, p2p).
+        name: the profile's name (default: the device name and the world size).
+        devices_per_node: ranks per node, which decides link levels (default:
+            $LOCAL_WORLD_SIZE as torchrun sets it, else the CUDA device count on GPU, else
+            the world size).
+        progress: called on rank 0 with a line of text per measurement.
+
+    Example (under `torchrun --nproc-per-node 8`):
+        >>> hw = calibrate(sizes=(2**20, 2**26), repeats=10)
+        >>> hw.comm_time("all_reduce", 2**26, 8, 0)
+        0.00041...
+    """
+    sizes = [int(s) for s in sizes]
+    if not sizes or any(s <= 0 for s in sizes):
+        raise ValueError(f"calibrate: sizes must be a non-empty list of positive byte "
+                         f"counts, got {list(sizes)}")
+    if repeats < 1:
+        raise ValueError(f"calibrate: repeats must be >= 1, got {repeats}")
+    for kind in kinds:
+        if kind not in COLLECTIVE_KINDS:
+            raise ValueError(f"calibrate: unknown collective kind {kind!r}; expected some of "
+                             f"{', '.join(COLLECTIVE_KINDS)}")
+    distributed = dist.is_available() and dist.is_initialized()
+    world = dist.get_world_size() if distributed else 1
+    rank = dist.get_rank() if distributed else 0
+    backend = str(dist.get_backend()) if distributed else "none"
+    cuda = torch.cuda.is_available() and ("nccl" in backend or not distributed)
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    if devices_per_node is None:
+        local = os.environ.get("LOCAL_WORLD_SIZE", "")
+        devices_per_node = (int(local) if local.isdigit() and int(local) > 0
+                            else torch.cuda.device_count() if cuda else world)
+    if devices_per_node < 1:
+        raise ValueError(f"calibrate: devices_per_node must be >= 1, got {devices_per_node}")
+    say: Callable[[str], None] = progress if (progress is not None and rank == 0) \
+        else (lambda _line: None)
+
+    tables: list[CommTable] = []
+    if world >= 2:
+        tables = _measure_comms(sorted(set(sizes)), repeats, tuple(kinds), world, rank,
+                                devices_per_node, device, backend, say)
+
+    # every rank computes at once, as in training: ranks sharing cores and a memory bus
+    # (CPU) share their rate; rank 0's figures are kept
+    if distributed and world >= 2:
+        dist.barrier()
+    bandwidth = _measure_bandwidth(device, say)
+    overhead = _measure_op_overhead(say) if device.type == "cpu" else 0.0
+    compute = _measure_compute(device, say)
+    profile: dict[str, Any] | None = None
+    if rank == 0:
+        links, levels_note = _fit_links(tables, world)
+        today = datetime.date.today().isoformat()
+        if world >= 2:
+            source = (f"measured by pxform calibrate on {today}, {world} ranks, {backend}"
+                      f"{levels_note}")
+        else:
+            why = "no torch.distributed process group" if not distributed else "1 rank"
+            source = (f"measured by pxform calibrate on {today}, compute only ({why}): the "
+                      f"link is a placeholder, not a measurement")
+        device_name = torch.cuda.get_device_name(device) if cuda else "cpu"
+        hw = Hardware(
+            name=name or f"{device_name.lower().replace(' ', '-')}-x{world}",
+            devices_per_node=devices_per_node,
+            memory_bytes=_memory_bytes(device, min(world, devices_per_node)),
+            peak_flops=(), efficiency=1.0,  # compute_flops are achieved rates already
+            links=links, comm_tables=tuple(tables), compute_flops=tuple(compute.items()),
+            source=source, memory_bandwidth=bandwidth, op_overhead_s=overhead)
+        profile = hw.to_json()
+    if distributed and world >= 2:
+        box = [profile]
+        dist.broadcast_object_list(box, src=0)
+        profile = box[0]
+    assert profile is not None
+    return Hardware.from_json(profile)  # the same float values on every rank
+
+
+# ---------------------------------------------------------------------------- compute
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _measure_compute(device: torch.device, say: Callable[[str], None]) -> dict[str, float]:
+    dims = (1024, 2048, 4096, 8192) if device.type == "cuda" else (128, 256, 512)
+    dtypes = [("fp32", torch.float32), ("bf16", torch.bfloat16)]
+    if device.type == "cuda":
+        dtypes.append(("fp16", torch.float16))  # on CPUs fp16 matmul is often emulated
+    gen = torch.Generator(device).manual_seed(0)  # leave the global RNG state alone
+    rates: dict[str, float] = {}
+    for label, dtype in dtypes:
+        best = 0.0
+        for n in dims:
+            try:
+                a = torch.randn(n, n, device=device, generator=gen).to(dtype)
+                b = torch.randn(n, n, device=device, generator=gen).to(dtype)
+                torch.mm(a, b)  # warm-up
+                _sync(device)
+            except RuntimeError:  # dtype not supported for matmul on this device
+                break
+            times = []
+            for _ in range(3):
+                start = time.perf_counter()
+                torch.mm(a, b)
+                _sync(device)
+                times.append(time.perf_counter() - start)
+            seconds = statistics.median(times)
+            rate = 2 * n**3 / seconds
+            best = max(best, rate)
+            say(f"compute {label} {n}x{n}: {seconds * 1e3:.3g} ms, {rate / 1e9:.4g} GFLOP/s")
+            if seconds > _COMPUTE_BUDGET_S:
+                break
+        if best > 0:
+            rates[label] = best
+    return rates
+
+
+def _measure_bandwidth(device: torch.device, say: Callable[[str], None]) -> float:
+    """Bytes/s of an elementwise add over tensors far larger than any cache (64 MiB on
+    CPUs, 256 MiB on GPUs): two reads and a write per element; the median of 5."""
+    n = 2**26 if device.type == "cuda" else 2**24
+    a = torch.ones(n, device=device)
+    b = torch.ones(n, device=device)
+    out = torch.empty(n, device=device)
+    torch.add(a, b, out=out)  # warm-up (first touch of the pages)
+    _sync(device)
+    times = []
+    for _ in range(5):
+        start = time.perf_counter()
+        torch.add(a, b, out=out)
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    rate = 3 * n * 4 / statistics.median(times)
+    say(f"memory bandwidth: {rate / 1e9:.4g} GB/s (elementwise add, {format_bytes(n * 4)} "
+        f"tensors)")
+    return rate
+
+
+def _measure_op_overhead(say: Callable[[str], None]) -> float:
+    """Host seconds per op on the CPU: a chain of 256 elementwise ops on 8 elements,
+    forward and backward under autograd, over the 3 op-equivalents the cost model counts
+    per forward op (forward 1, backward 2); the median of 5. Only CPUs: on GPUs launches
+    overlap with kernels."""
+    x = torch.ones(8, requires_grad=True)
+    ops = 256
+
+    def chain() -> None:
+        y = x
+        for _ in range(ops):
+            y = y * 1.0001
+        y.sum().backward()
+
+    chain()
+    times = []
+    for _ in range(5):
+        start = time.perf_counter()
+        chain()
+        times.append(time.perf_counter() - start)
+    per_op = statistics.median(times) / (3 * ops)
+    say(f"per-op host time: {per_op * 1e6:.3g} us (autograd chain of {ops} small ops)")
+    return per_op
+
+
+def _memory_bytes(device: torch.device, ranks_per_node: int) -> int:
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).total_memory)
+    try:
+        import psutil
+
+        total = int(psutil.virtual_memory().total)
+    except ImportError:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return max(1, total // max(1, ranks_per_node))  # ranks on one node share its RAM
+
+
+# ---------------------------------------------------------------------------- collectives
+def _level(span: int, devices_per_node: int) -> int:
+    return 0 if span <= devices_per_node else 1  # as Hardware.level, before it exists
+
+
+def _measure_comms(sizes: Sequence[int], repeats: int, kinds: tuple[str, ...], world: int,
+                   rank: int, devices_per_node: int, device: torch.device, backend: str,
+                   say: Callable[[str], None]) -> list[CommTable]:
+    # (is the whole world, this rank's group (None: the world), group size, member)
+    configs: list[tuple[bool, Any, int, bool]] = [(True, None, world, True)]
+    if world >= 4:
+        # groups of 2 consecutive ranks; every rank creates every group, in the same order
+        # (new_group is collective); all pairs run at once, each rank in its own pair
+        mine = None
+        for first in range(0, world - 1, 2):
+            group = dist.new_group([first, first + 1])
+            if rank in (first, first + 1):
+                mine = group
+        configs.append((False, mine, 2, mine is not None))  # odd rank out: no pair
+    barrier_kwargs: dict[str, Any] = {}
+    if "nccl" in backend and device.type == "cuda":
+        barrier_kwargs["device_ids"] = [device.index]
+
+    def timed(op: Callable[[], object]) -> float:
+        op()  # warm-up (also creates lazy communicators)
+        _sync(device)
+        times = []
+        for _ in range(repeats):
+            dist.barrier(**barrier_kwargs)
+            _sync(device)
+            start = time.perf_counter()
+            op()
+            _sync(device)
+            times.append(time.perf_counter() - start)
+        return statistics.median(times)
+
+    tables: list[CommTable] = []
+    for is_world, group, n, member in configs:
+        for kind in kinds:
+            if kind == "p2p" and not is_world:
+                continue  # p2p: once, ranks 0 and 1 of the world
+            size_n = 2 if kind == "p2p" else n
+            level = _level(size_n, devices_per_node)
+            points: list[tuple[float, float]] = []
+            seen: set[int] = set()
+            for size in sizes:
+                numel = max(n, math.ceil(size / 4 / n) * n)  # float32, divisible by n
+                if numel in seen:
+                    continue
+                seen.add(numel)
+                op = _collective(kind, numel, group, n, rank, member, device)
+                seconds = timed(op)
+                if kind == "p2p":
+                    seconds /= 2  # ping-pong: half the round trip
+                sent = _sent_bytes(kind, numel * 4, size_n)
+                points.append((sent, seconds))
+                say(f"{kind} n={size_n} level {level}: "
+                    f"{format_bytes(numel * 4)} local, {format_bytes(sent)} sent: "
+                    f"{seconds * 1e6:.1f} us")
+            running = 0.0
+            monotone = []
+            for sent, seconds in points:
+                running = max(running, seconds)
+                monotone.append((sent, running))
+            tables.append(CommTable(kind, level, size_n, tuple(monotone)))
+    # groups are not destroyed here: destroying subgroups is unsafe on some torch versions;
+    # the process group's teardown frees them
+    return tables
+
+
+def _collective(kind: str, numel: int, group: Any, n: int, rank: int, member: bool,
+                device: torch.device) -> Callable[[], object]:
+    """One call of `kind` over `group` (n ranks) on preallocated zero tensors (zeros: sums
+    never overflow); a no-op on ranks outside every group of this pass."""
+    if not member:
+        return lambda: None
+    x = torch.zeros(numel, device=device)
+    if kind == "all_reduce":
+        return lambda: dist.all_reduce(x, group=group)
+    if kind == "all_gather":
+        out = torch.empty(numel * n, device=device)
+        # all_gather_single replaces the deprecated all_gather_into_tensor in new torch
+        ag = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        return lambda: ag(out, x, group=group)
+    if kind == "reduce_scatter":
+        out = torch.empty(numel // n, device=device)
+        # reduce_scatter_single replaces the deprecated reduce_scatter_tensor in new torch
+        rs = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+        return lambda: rs(out, x, group=group)
+    if kind == "all_to_all":
+        out = torch.empty(numel, device=device)
+        return lambda: dist.all_to_all_single(out, x, group=group)
+    if kind == "p2p":
+        def ping_pong() -> None:
+            if rank == 0:
+                dist.send(x, 1)
+                dist.recv(x, 1)
+            elif rank == 1:
+                dist.recv(x, 0)
+                dist.send(x, 0)
+        return ping_pong
+    raise AssertionError(kind)
+
+
+# Clamps of fitted links: 1 ns per step, 1 PB/s (seconds per byte 1e-15): keep both finite
+# and positive when the data pins one of them at zero.
+_MIN_ALPHA = 1e-9
+_MIN_BETA = 1e-15
+
+
+def _fit(samples: list[tuple[float, float, float]]) -> tuple[float, float]:
+    """Least squares of t = steps * alpha + sent * beta over (steps, sent, t) samples with
+    alpha, beta >= 0: the unconstrained solution if both are positive, else the better of
+    the two one-parameter fits."""
+    scale = max(b for _, b, _ in samples) or 1.0  # bytes to O(1), for conditioning
+    rows = [(s, b / scale, t) for s, b, t in samples]
+    saa = sum(s * s for s, _, _ in rows)
+    sbb = sum(b * b for _, b, _ in rows)
+    sab = sum(s * b for s, b, _ in rows)
+    sat = sum(s * t for s, _, t in rows)
+    sbt = sum(b * t for _, b, t in rows)
+
+    def residual(a: float, b: float) -> float:
+        return sum((s * a + x * b - t) ** 2 for s, x, t in rows)
+
+    candidates = []
+    det = saa * sbb - sab * sab
+    if det > 1e-12 * saa * sbb:
+        a, b = (sat * sbb - sbt * sab) / det, (saa * sbt - sab * sat) / det
+        if a > 0 and b > 0:
+            candidates.append((a, b))
+    if saa > 0:
+        candidates.append((max(sat / saa, 0.0), 0.0))
+    if sbb > 0:
+        candidates.append((0.0, max(sbt / sbb, 0.0)))
+    a, b = min(candidates, key=lambda ab: residual(*ab))
+    return max(a, _MIN_ALPHA), max(b / scale, _MIN_BETA)
+
+
+def _samples(tables: list[CommTable]) -> list[tuple[float, float, float]]:
+    return [(float(ring_steps(t.kind, t.group_size)), b, s)
+            for t in tables for b, s in t.points]
+
+
+def _fit_links(tables: list[CommTable], world: int) -> tuple[tuple[Link, ...], str]:
+    if not tables:
+        return (_LOOPBACK,), ""
+    top = max(t.level for t in tables)
+    fitted: dict[int, Link] = {}
+    today = datetime.date.today().isoformat()
+    for level in range(top + 1):
+        at_level = [t for t in tables if t.level == level]
+        if not at_level:
+            continue
+        use = [t for t in at_level if t.kind == "all_reduce"] or at_level
+        alpha, beta = _fit(_samples(use))
+        if (alpha == _MIN_ALPHA or beta == _MIN_BETA) and use != at_level:
+            # the all_reduce points alone pin down only one parameter (too few sizes, or
+            # noise): fit every kind measured at this level together
+            use = at_level
+            alpha, beta = _fit(_samples(use))
+        what = ", ".join(sorted({f"{t.kind} n={t.group_size}" for t in use}))
+        fitted[level] = Link(("intra-node", "inter-node")[min(level, 1)], alpha, 1 / beta,
+                             f"least-squares fit of {what}, measured by pxform calibrate on "
+                             f"{today}, {world} ranks")
+    note = ""
+    links: list[Link] = []
+    for level in range(top + 1):
+        if level in fitted:
+            links.append(fitted[level])
+            continue
+        # no group of this level was measured (e.g. 1 device per node: no level-0 group)
+        nearest = min(fitted, key=lambda lv: abs(lv - level))
+        src = fitted[nearest]
+        links.append(Link(src.name, src.latency_s, src.bandwidth,
+                          f"not measured: copied from level {nearest}"))
+        note = "; level(s) without a measured group copy the nearest measured level"
+    return tuple(links), note
+
+
+# ---------------------------------------------------------------------------- CLI
+def _size(text: str) -> int:
+    try:
+        return parse_bytes(text, what="--sizes")
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add `pxform calibrate`'s flags to `parser`.
+
+    Example:
+        >>> parser = argparse.ArgumentParser(prog="pxform calibrate")
+        >>> add_arguments(parser)
+        >>> parser.parse_args(["--out", "p.json", "--sizes", "1KiB", "4MiB"]).sizes
+        [1024, 4194304]
+    """
+    parser.add_argument("--out", required=True, metavar="PATH",
+                        help="where rank 0 writes the JSON profile")
+    parser.add_argument("--sizes", nargs="+", type=_size, default=None, metavar="SIZE",
+                        help="message sizes (bytes of the local tensor), e.g. 1KiB 1MiB "
+                             "64MiB (default: 1KiB 16KiB 256KiB 4MiB)")
+    parser.add_argument("--repeats", type=int, default=5,
+                        help="timed runs per size; the median counts (default: 5)")
+    parser.add_argument("--name", default=None,
+                        help="the profile's name (default: device name and world size)")
+
+
+def main(args: argparse.Namespace) -> int:
+    """`pxform calibrate`: measure, print a summary on rank 0, write the profile there.
+
+    Under torchrun (WORLD_SIZE set) it initialises the process group itself if needed
+    (nccl with CUDA, else gloo) and destroys it at the end; without torchrun it measures
+    compute only.
+
+    Example:
+        $ torchrun --nproc-per-node 8 -m pxform calibrate --out h100.json
+    """
+    created = False
+    if ("WORLD_SIZE" in os.environ and dist.is_available() and not dist.is_initialized()):
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        created = True
+    try:
+        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        kwargs: dict[str, Any] = {"repeats": args.repeats, "name": args.name}
+        if args.sizes:
+            kwargs["sizes"] = args.sizes
+        hw = calibrate(**kwargs)
+        if rank == 0:
+            print(summary(hw))
+            hw.save(args.out)
+            print(f"wrote {args.out}")
+    finally:
+        if created:
+            dist.destroy_process_group()
+    return 0
+
+
+def summary(hw: Hardware) -> str:
+    """A short table of a profile's measured numbers.
+
+    Example:
+        >>> print(summary(hardware("a100-80gb")).splitlines()[0])
+        a100-80gb: 8 devices per node, 80 GiB each
+    """
+    lines = [f"{hw.name}: {hw.devices_per_node} devices per node, "
+             f"{format_bytes(hw.memory_bytes)} each", f"  source: {hw.source}"]
+    rates = hw.compute_flops or tuple((k, v * hw.efficiency) for k, v in hw.peak_flops)
+    lines.append("  compute: " + ", ".join(f"{k} {v / 1e9:.4g} GFLOP/s" for k, v in rates))
+    if hw.memory_bandwidth > 0:
+        lines.append(f"  memory bandwidth: {hw.memory_bandwidth / 1e9:.4g} GB/s")
+    if hw.op_overhead_s > 0:
+        lines.append(f"  per-op host time: {hw.op_overhead_s * 1e6:.3g} us")
+    for level, link in enumerate(hw.links):
+        lines.append(f"  link {level} ({link.name}): latency {link.latency_s * 1e6:.3g} us, "
+                     f"bandwidth {link.bandwidth / 1e9:.4g} GB/s")
+    if hw.comm_tables:
+        lines.append(f"  {'kind':<15}{'n':>4}{'level':>6}  sent bytes: time")
+        for t in hw.comm_tables:
+            cells = ", ".join(f"{format_bytes(b)}: {s * 1e6:.1f} us" for b, s in t.points)
+            lines.append(f"  {t.kind:<15}{t.group_size:>4}{t.level:>6}  {cells}")
+    return "\n".join(lines)

@@ -1,0 +1,97 @@
+"""`Mesh`: named axes bound to the torch.distributed world, one process group per axis
+(a `DeviceMesh`). Planning and lowering need only its `AbstractMesh` (`mesh.abstract`);
+`Mesh.abstract(n)` on the class builds one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any, overload
+
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+from pxform.core.errors import SpecError
+from pxform.core.mesh import AbstractMesh, abstract_mesh
+
+
+class _Abstract:
+    """`Mesh.abstract(n)` on the class builds a planning mesh (`abstract_mesh`);
+    `mesh.abstract` on a bound mesh is its axes as an `AbstractMesh`."""
+
+    @overload
+    def __get__(self, obj: None, owner: type) -> Callable[[int | Mapping[str, int]],
+                                                          AbstractMesh]: ...
+
+    @overload
+    def __get__(self, obj: Mesh, owner: type) -> AbstractMesh: ...
+
+    def __get__(self, obj: Any, owner: type) -> Any:
+        if obj is None:
+            return abstract_mesh
+        return obj._abstract
+
+
+class Mesh:
+    """A mesh bound to the `torch.distributed` world: named axes over all ranks, ordered
+    outer (slowest link) to inner (fastest), as a `DeviceMesh` with one process group per
+    axis. Ranks are laid out row-major: with `{"dp": 2, "tp": 2}`, ranks 0 and 1 share a
+    tensor-parallel group.
+
+    Example (under `torchrun --nproc-per-node 4`):
+        >>> mesh = pxform.Mesh({"dp": 2, "tp": 2})
+        >>> mesh.coordinate()        # on rank 3
+        {'dp': 1, 'tp': 1}
+    """
+
+    def __init__(self, axes: Mapping[str, int] | AbstractMesh) -> None:
+        self._abstract = axes if isinstance(axes, AbstractMesh) else AbstractMesh(axes)
+        if not dist.is_available() or not dist.is_initialized():
+            raise SpecError(
+                f"pxform.{self.abstract}: torch.distributed is not initialised.\n  Fix: run "
+                f"under torchrun (or call torch.distributed.init_process_group first); to plan "
+                f"or lower without devices use pxform.AbstractMesh({dict(self.abstract.axes)}).")
+        world = dist.get_world_size()
+        if world != self.abstract.size:
+            raise SpecError(
+                f"pxform.{self.abstract}: the mesh has {self.abstract.size} devices but the "
+                f"torch.distributed world has {world} ranks.\n  Fix: make the axis sizes "
+                f"multiply to {world}, or launch {self.abstract.size} processes.")
+        device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+        self.device_mesh = init_device_mesh(device, self.abstract.shape,
+                                            mesh_dim_names=self.abstract.names)
+
+    abstract = _Abstract()
+
+    @staticmethod
+    def from_world(name: str = "dp") -> Mesh:
+        """A 1-D mesh over every rank of the initialised world."""
+        if not dist.is_initialized():
+            raise SpecError("pxform.Mesh.from_world: torch.distributed is not initialised.\n"
+                            "  Fix: run under torchrun or call init_process_group first.")
+        return Mesh({name: dist.get_world_size()})
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return self.abstract.names
+
+    @property
+    def size(self) -> int:
+        return self.abstract.size
+
+    def axis_size(self, name: str) -> int:
+        return self.abstract.axis_size(name)
+
+    def group(self, axis: str):  # type: ignore[no-untyped-def]
+        return self.device_mesh.get_group(axis)
+
+    def coordinate(self) -> dict[str, int]:
+        coord = self.device_mesh.get_coordinate()
+        assert coord is not None, "this rank is not in the mesh"
+        return dict(zip(self.names, coord))
+
+    def __str__(self) -> str:
+        return str(self.abstract)
+
+    def __repr__(self) -> str:
+        return f"pxform.{self.abstract}"

@@ -1,0 +1,186 @@
+"""What one search knows and remembers: the pinned choices (`Pin`), the inputs, and every
+cache (`SearchContext`), and the option tables blocks choose from (`OptionTable`).
+
+Caches are typed and keyed by values: block kinds, configurations, option roles, and
+`OptionTable.key`, which names an option list by its contents (equal lists get equal
+keys), never by object identity.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from pxform.core.errors import PxformError
+from pxform.core.mesh import AbstractMesh
+from pxform.cost.model import CostModel, peak_bytes, workspace_bytes
+from pxform.ops.registry import rule_info
+from pxform.ops.strategy import Strategy, build_strategy
+from pxform.search.analysis import Analysis, BlockInfo
+from pxform.search.blockcost import RelayoutCache, WalkCost, tensor_strategies
+from pxform.search.frontier import Point
+from pxform.search.space import INNER, OUTER, Config, Option
+
+Roles = tuple[tuple[str, str], ...]
+
+
+@dataclass(frozen=True)
+class Pin:
+    """Choices fixed before the search: by the user's transforms (stage boundaries,
+    recompute regions) or a plan passed back to `auto` (all of it, or some fields)."""
+
+    stages: int | None = None
+    outer: int | None = None
+    inner: int | None = None
+    microbatches: int | None = None
+    block_options: tuple[Option | None, ...] | None = None  # per block, None: free
+    block_stage: tuple[int, ...] | None = None
+    tensor_choices: Mapping[int, tuple[tuple, ...]] | None = None  # kind -> per op choice
+
+
+
+@dataclass(frozen=True)
+class OptionCost:
+    forward: float      # per microbatch
+    backward: float     # per microbatch, with per-microbatch gradient reductions overlapped
+    step_extra: float   # per step: data-parallel gradient all-reduce beyond what overlaps
+    saved: float
+    kept: float
+    params: float       # parameters, their gradients and optimizer state
+    grads: float        # of which the gradients
+    transient: float    # the largest op's inputs and outputs (`WalkCost.transient_bytes`)
+
+    def step_time(self, m: int) -> float:
+        return m * (self.forward + self.backward) + self.step_extra
+
+    def memory(self, in_flight: int, recompute: bool, microbatches: int) -> float:
+        """The block's bytes at its stage's peak, without the workspace
+        (`pxform.cost.model.peak_bytes`)."""
+        act = self.kept if recompute else self.saved
+        return peak_bytes(self.params - self.grads, self.grads, act, in_flight, microbatches)
+
+    def workspace(self, recompute: bool) -> float:
+        """Bytes alive only while this block's backward runs
+        (`pxform.cost.model.workspace_bytes`)."""
+        return workspace_bytes(self.transient, self.saved, recompute)
+
+
+
+@dataclass(frozen=True, eq=False)
+class OptionTable:
+    """The options one block may take on a configuration, and their costs. `key` names
+    the option list by value (`SearchContext.table_key`): blocks of one kind with the same
+    allowed options share a key, and caches of stage frontiers key on it."""
+
+    key: int
+    options: tuple[Option, ...]
+    costs: tuple[OptionCost, ...]
+
+
+@dataclass(frozen=True)
+class BlockLayouts:
+    """A block kind's layouts under one option: its ops' strategies, and where the values
+    it reads (from outside, parameters) and hands on are laid out."""
+
+    strategies: list[Strategy]
+    outside: dict[str, Any]
+    params: dict[str, Any]
+    outputs: dict[str, Any]
+
+
+# (kind, outer, inner, roles, scale): a block kind's walk at a microbatch scale
+WalkKey = tuple[int, int, int, Roles, float]
+# (configuration, per block (kind, table key), in flight, borrowed bytes): a stage
+StageKey = tuple[Config, tuple[tuple[int, int], ...], int, float]
+
+
+@dataclass
+class SearchContext:
+    """Inputs and caches of one search (module doc)."""
+
+    analysis: Analysis
+    model: CostModel
+    budget: float
+    global_batch: int
+    pin: Pin = field(default_factory=Pin)
+    tensor: dict[tuple[int, int, int], tuple[Strategy, ...]] = field(default_factory=dict)
+    walks: dict[WalkKey, WalkCost] = field(default_factory=dict)
+    # walked at the two scales `walk_cost` interpolates between (1 and 0.5)
+    measured_walks: dict[WalkKey, WalkCost] = field(default_factory=dict)
+    block_layouts: dict[tuple[int, int, int, Roles], BlockLayouts] = field(
+        default_factory=dict)
+    relayouts: dict[tuple[AbstractMesh, tuple[Any, ...]], RelayoutCache] = field(
+        default_factory=dict)
+    transitions: dict[tuple[int, int, int, tuple[str, ...], tuple[str, ...], int], float] = \
+        field(default_factory=dict)
+    matrices: dict[tuple[int, Config, int, int], np.ndarray] = field(default_factory=dict)
+    borrowed: dict[tuple[int, ...], tuple[tuple[int, float], ...]] = field(
+        default_factory=dict)
+    p2p: dict[tuple[Config, int], float] = field(default_factory=dict)
+    tables: dict[Config, list[OptionTable] | None] = field(default_factory=dict)
+    groups: dict[Config, list[list[OptionTable]]] = field(default_factory=dict)
+    frontiers: dict[StageKey, list[tuple[Point, float]]] = field(default_factory=dict)
+    table_keys: dict[tuple[Option, ...], int] = field(default_factory=dict)
+
+    @property
+    def hardware(self) -> Any:
+        return self.model.hardware
+
+    def axes(self, config: Config) -> dict[str, tuple[int, int]]:
+        """Mesh axis -> (size, link level) of the stage mesh."""
+        hw = self.hardware
+        return {OUTER: (config.outer, hw.level(config.outer * config.inner)),
+                INNER: (config.inner, hw.level(config.inner))}
+
+    def cache(self, config: Config) -> RelayoutCache:
+        mesh = config.stage_mesh
+        axes = {a: v for a, v in self.axes(config).items() if a in mesh.names}
+        key = mesh, tuple(sorted(axes.items()))
+        if key not in self.relayouts:
+            self.relayouts[key] = RelayoutCache(self.model, axes, mesh)
+        return self.relayouts[key]
+
+    def tensor_picks(self, kind: int, config: Config) -> tuple[Strategy, ...]:
+        """The tensor-axis strategy of each op of blocks of `kind`."""
+        a = self.analysis
+        if self.pin.tensor_choices is not None and kind in self.pin.tensor_choices:
+            return _from_choices(a, first_block(a, kind), self.pin.tensor_choices[kind],
+                                 config.inner)
+        level = self.hardware.level(config.inner)
+        key = (kind, config.inner, level)
+        if key not in self.tensor:
+            block = first_block(a, kind)
+            self.tensor[key] = tensor_strategies(a, block, INNER, config.inner, level,
+                                                 self.model, 1.0)
+        return self.tensor[key]
+
+    def table_key(self, options: tuple[Option, ...]) -> int:
+        """A small number naming this option list by value."""
+        return self.table_keys.setdefault(options, len(self.table_keys))
+
+
+
+def first_block(a: Analysis, kind: int) -> BlockInfo:
+    """The representative block of `kind`: its first (blocks of a kind have the same ops
+    at the same offsets)."""
+    return next(b for b in a.blocks if b.kind == kind)
+
+
+
+def _from_choices(a: Analysis, block: BlockInfo, choices: Sequence[tuple], size: int
+                  ) -> tuple[Strategy, ...]:
+    mesh = AbstractMesh({INNER: size})
+    out = []
+    for k, choice in zip(range(block.start, block.stop), choices):
+        if choice[0] == "partial":
+            choice = ("partial", frozenset(choice[1]))
+        s = build_strategy(rule_info(a.graph.ops[k]).signature, mesh, (choice,))
+        if s is None:
+            raise PxformError(f"pxform.auto: the pinned plan's tensor choice {choice} for op "
+                              f"{a.graph.ops[k]} does not fit an inner axis of size {size}.")
+        out.append(s)
+    return tuple(out)
+

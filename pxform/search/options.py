@@ -1,0 +1,223 @@
+"""Option costing: what one block costs under one option (axis roles x recompute) on one
+configuration, and the option tables blocks choose from (`block_tables`).
+
+Per block option, per microbatch (`blockcost.walk`):
+
+    F = forward compute + forward re-layouts
+    B = 2 x forward compute + activation-gradient re-layouts (+ F when recomputed)
+    parameter-gradient reductions overlap B (`CostModel.overlap`): ZeRO-3's reduce-scatter
+    every microbatch, data parallel's all-reduce once per step (gradients accumulate
+    locally, as DDP's no_sync and Megatron do)
+
+and per device memory: parameter + gradient + optimizer bytes, plus the microbatches in
+flight x (bytes saved for backward, or only the block's inputs when recomputed)
+(`OptionCost.memory`), plus a workspace (`OptionCost.workspace`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+
+from pxform.core.layout import Layout
+from pxform.core.mesh import AbstractMesh
+from pxform.cost.model import BACKWARD_RATIO
+from pxform.frontend.regions import RECOMPUTE
+from pxform.ops.strategy import Strategy
+from pxform.search.analysis import Analysis, BlockInfo
+from pxform.search.blockcost import WalkCost, combine, data_layout, sdp_layout, walk
+from pxform.search.context import (
+    BlockLayouts,
+    OptionCost,
+    OptionTable,
+    SearchContext,
+    first_block,
+)
+from pxform.search.space import OUTER, Config, Option, options
+
+
+def block_strategies(ctx: SearchContext, block: BlockInfo, config: Config, option: Option,
+                     mesh: AbstractMesh | None = None,
+                     extra: Mapping[str, str] | None = None) -> list[Strategy]:
+    """Per op of `block`, its strategy on `mesh` (default: the stage mesh) under `option`;
+    `extra` gives roles of further axes (the pipeline's microbatch axis is data)."""
+    a = ctx.analysis
+    mesh = mesh or config.stage_mesh
+    roles = dict(option.roles)
+    roles.update(extra or {})
+    picks = ctx.tensor_picks(block.kind, config) if option.tensor_axis else None
+    # the representative block of the kind has the same ops at the same offsets
+    return [combine(a, k, mesh, roles, picks[k - block.start] if picks else None)
+            for k in range(block.start, block.stop)]
+
+
+def param_layouts(ctx: SearchContext, block: BlockInfo, config: Config, option: Option,
+                  strats: Sequence[Strategy], mesh: AbstractMesh) -> dict[str, Layout]:
+    """Where each parameter the block reads is stored: as its first reader needs it on
+    the tensor axis, split over the sharded-data axes under `sdp`."""
+    a = ctx.analysis
+    out: dict[str, Layout] = {}
+    for k, s in zip(range(block.start, block.stop), strats):
+        for i, v in enumerate(a.graph.ops[k].inputs):
+            if v.name in a.params and v.name not in out:
+                tensor_axis = option.tensor_axis
+                dims = tuple(tuple(ax for ax in axes if ax == tensor_axis)
+                             for axes in s.inputs[i].dims)
+                base = Layout(dims)
+                out[v.name] = (sdp_layout(v, base, option.sdp_axes, mesh)
+                               if option.sdp_axes else base)
+    return out
+
+
+def canonical(ctx: SearchContext, name: str, rank: int, option: Option) -> Layout:
+    return data_layout(ctx.analysis, name, rank, option.data_axes)
+
+
+def walk_cost(ctx: SearchContext, block: BlockInfo, config: Config, option: Option
+              ) -> WalkCost:
+    """The block's walk at this configuration's microbatch size. Every term is affine in
+    the microbatch size (compute and bytes scale, latencies do not), so two walks per
+    kind, roles and mesh (at the traced batch and at half of it) give every size; with a
+    measured comm table, which is not affine, this interpolates it linearly."""
+    scale = (ctx.global_batch // config.microbatches) / ctx.analysis.traced_batch
+    key = (block.kind, config.outer, config.inner, option.roles, scale)
+    hit = ctx.walks.get(key)
+    if hit is not None:
+        return hit
+    one = _walk_at(ctx, block, config, option, 1.0)
+    half = _walk_at(ctx, block, config, option, 0.5)
+    cost = WalkCost(*(h + (o - h) * (scale - 0.5) / 0.5 for o, h in zip(_fields(one),
+                                                                          _fields(half))))
+    ctx.walks[key] = cost
+    return cost
+
+
+def _fields(w: WalkCost) -> tuple[float, ...]:
+    return (w.fwd_compute, w.fwd_comm, w.bwd_comm, w.grad_comm, w.saved_bytes, w.kept_bytes,
+            w.param_bytes, w.grad_bytes, w.transient_bytes)
+
+
+def _walk_at(ctx: SearchContext, block: BlockInfo, config: Config, option: Option,
+             scale: float) -> WalkCost:
+    key = (block.kind, config.outer, config.inner, option.roles, scale)
+    hit = ctx.measured_walks.get(key)
+    if hit is not None:
+        return hit
+    a = ctx.analysis
+    block = first_block(a, block.kind)
+    layout_key = (block.kind, config.outer, config.inner, option.roles)
+    laid = ctx.block_layouts.get(layout_key)
+    if laid is None:  # the same at every scale
+        mesh = config.stage_mesh
+        strats = block_strategies(ctx, block, config, option)
+        params = param_layouts(ctx, block, config, option, strats, mesh)
+        vals = a.values()
+        outside: dict[str, Layout] = {}
+        for k in range(block.start, block.stop):
+            for v in a.graph.ops[k].inputs:
+                if v.name not in params and v.name not in outside:
+                    outside[v.name] = canonical(ctx, v.name, v.type.rank, option)
+        outputs = {n: canonical(ctx, n, vals[n].type.rank, option) for n in block.crossing
+                   if block.start <= a.defined_at.get(n, -1) < block.stop}
+        laid = ctx.block_layouts[layout_key] = BlockLayouts(strats, outside, params, outputs)
+    cost = walk(a, block, laid.strategies, laid.outside, laid.params, ctx.cache(config),
+                scale, a.batch_values, laid.outputs)
+    ctx.measured_walks[key] = cost
+    return cost
+
+
+
+def option_cost(ctx: SearchContext, block: BlockInfo, config: Config, option: Option
+                ) -> OptionCost:
+    w = walk_cost(ctx, block, config, option)
+    model = ctx.model
+    f = w.fwd_compute + w.fwd_comm
+    bc = BACKWARD_RATIO * w.fwd_compute + w.bwd_comm + (f if option.recompute else 0.0)
+    if option.sdp_axes:
+        b = model.overlap(bc, w.grad_comm)
+        extra = 0.0
+    else:
+        b = bc
+        extra = model.overlap(bc, w.grad_comm) - bc
+    return OptionCost(f, b, extra, w.saved_bytes, w.kept_bytes, w.param_bytes, w.grad_bytes,
+                      w.transient_bytes)
+
+
+
+def transition(ctx: SearchContext, prev: BlockInfo, config: Config, s: Option, s2: Option
+               ) -> float:
+    """Per microbatch: re-layout of the values crossing from `prev` into the next block
+    when `prev` takes `s` and the next `s2` (forward and backward)."""
+    if s.data_axes == s2.data_axes:
+        return 0.0
+    key = (prev.kind, config.outer, config.inner, s.data_axes, s2.data_axes,
+           ctx.global_batch // config.microbatches)
+    hit = ctx.transitions.get(key)
+    if hit is not None:
+        return hit
+    a = ctx.analysis
+    vals = a.values()
+    cache = ctx.cache(config)
+    scale = (ctx.global_batch // config.microbatches) / a.traced_batch
+    batch_values = a.batch_values
+    t = 0.0
+    for name in prev.crossing:
+        v = vals[name]
+        src = canonical(ctx, name, v.type.rank, s)
+        dst = canonical(ctx, name, v.type.rank, s2)
+        if src == dst:
+            continue
+        sc = scale if name in batch_values else 1.0
+        t += cache.time(v, src, dst, sc)
+        if v.type.dtype.is_floating_point:
+            t += cache.time(v, Layout(dst.dims), Layout(src.dims), sc)
+    ctx.transitions[key] = t
+    return t
+
+
+
+def _valid(ctx: SearchContext, config: Config, option: Option) -> bool:
+    b = ctx.global_batch // config.microbatches
+    ways = math.prod(config.outer if ax == OUTER else config.inner for ax in option.data_axes)
+    return b % ways == 0
+
+
+def block_tables(ctx: SearchContext, config: Config) -> list[OptionTable] | None:
+    """Per block, the options allowed on `config` and their costs (None when some block
+    has no valid option: the batch per microbatch does not split over the data axes, or
+    a pinned option does not exist on this mesh)."""
+    if config in ctx.tables:
+        return ctx.tables[config]
+    a = ctx.analysis
+    opts_all = tuple(o for o in options(config) if _valid(ctx, config, o))
+    per_block: list[tuple[Option, ...]] = []
+    out: list[OptionTable] | None = None
+    if opts_all:
+        for k, blk in enumerate(a.blocks):
+            allowed = opts_all
+            pinned = ctx.pin.block_options[k] if ctx.pin.block_options else None
+            if pinned is not None:
+                allowed = tuple(o for o in opts_all if o == pinned)
+            elif _user_recomputed(a, blk):
+                allowed = tuple(o for o in opts_all if o.recompute)
+            if not allowed:
+                break
+            per_block.append(allowed)
+        else:
+            by_kind: dict[tuple[int, int], OptionTable] = {}
+            out = []
+            for blk, opts in zip(a.blocks, per_block):
+                key = ctx.table_key(opts)
+                if (blk.kind, key) not in by_kind:
+                    by_kind[blk.kind, key] = OptionTable(
+                        key, opts, tuple(option_cost(ctx, blk, config, o) for o in opts))
+                out.append(by_kind[blk.kind, key])
+    ctx.tables[config] = out
+    return out
+
+
+
+def _user_recomputed(a: Analysis, blk: BlockInfo) -> bool:
+    ops = a.graph.ops[blk.start:blk.stop]
+    return bool(ops) and all(op.tag(RECOMPUTE) is not None for op in ops)
+

@@ -1,0 +1,225 @@
+"""The partition loop: for each configuration (`space.configs`) the blocks are split into
+stages balancing their fastest time (`pxform.passes.cuts.balance`), then each stage's chain
+of blocks is solved by the frontier DP (`stages.stage_frontier`) under the memory budget
+left after its workspace; a stage that does not fit gives a block to its neighbour towards
+the end of the pipeline (later stages hold fewer microbatches in flight under 1F1B), up to
+`stages` moves (Galvatron-BMW's bi-objective balance: time first, memory as the constraint
+that moves the cuts). The step time of a pipeline is 1F1B's closed form over the stages'
+times (`pxform.cost.model.one_f_one_b_time`); the chosen plan is simulated exactly
+afterwards. Configurations are tried best bound first (`bounds`), branch and bound.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+
+from pxform.cost.model import one_f_one_b_in_flight
+from pxform.passes.cuts import balance
+from pxform.search.bounds import lower_bound, memory_lower_bound
+from pxform.search.context import OptionTable, SearchContext
+from pxform.search.options import block_tables
+from pxform.search.space import Config
+from pxform.search.stages import Candidate, assemble, borrowed, stage_frontier
+
+FRONTIER_LEVELS = (1.0, 0.8, 0.65, 0.5, 0.4, 0.3, 0.22, 0.15, 0.1)
+"""Memory limits, as fractions of the budget, at which each configuration's fastest plan
+is read off the stage frontiers for `Plan.frontier()`."""
+
+
+def evaluate(ctx: SearchContext, config: Config, objective: str = "time",
+             incumbent: float = math.inf) -> tuple[Candidate | None, list[Candidate]]:
+    """The best plan of `config` under the budget (None if nothing fits), and the fastest
+    plans at lower memory limits (for the frontier). Option groups (`_data_groups`) whose
+    lower bound cannot beat `incumbent` (the best step time so far) are skipped."""
+    tables = block_tables(ctx, config)
+    if tables is None:
+        return None, []
+    best: Candidate | None = None
+    extra: list[Candidate] = []
+    groups = sorted(_data_groups(ctx, config, tables),
+                    key=lambda g: lower_bound(ctx, config, g))
+    for group in groups:
+        if objective == "time" and len(groups) > 1:
+            beat = min(incumbent, best.step_time if best is not None else math.inf)
+            if lower_bound(ctx, config, group) >= beat:
+                continue
+        cand, more = _evaluate(ctx, config, objective, group)
+        extra += more
+        if cand is not None and (best is None or _key(cand, objective) < _key(best, objective)):
+            best = cand
+    return best, extra
+
+
+def _data_groups(ctx: SearchContext, config: Config, tables: list[OptionTable]
+                 ) -> list[list[OptionTable]]:
+    """The option tables to search: with microbatches, one per set of data axes that every
+    block has options for. The microbatch axis is the innermost split of the batch
+    (`pxform.lower.mpmd`), so a batch value split over other data axes than the block
+    before it would have to be regrouped across microbatches, which no microbatch can
+    do: all blocks of a pipelined plan split the batch over the same data axes."""
+    sets = sorted({o.data_axes for t in tables for o in t.options})
+    if config.microbatches == 1 or len(sets) <= 1:
+        return [tables]
+    hit = ctx.groups.get(config)
+    if hit is not None:
+        return hit
+    out = []
+    for axes in sets:
+        # blocks that shared a table share the filtered one
+        filtered: dict[int, OptionTable] = {}
+        group: list[OptionTable] = []
+        for t in tables:
+            sub = filtered.get(t.key)
+            if sub is None:
+                keep = [j for j, o in enumerate(t.options) if o.data_axes == axes]
+                opts = tuple(t.options[j] for j in keep)
+                sub = filtered[t.key] = OptionTable(ctx.table_key(opts), opts,
+                                                    tuple(t.costs[j] for j in keep))
+            if not sub.options:
+                break
+            group.append(sub)
+        else:
+            out.append(group)
+    ctx.groups[config] = out
+    return out
+
+
+def _evaluate(ctx: SearchContext, config: Config, objective: str,
+              tables: list[OptionTable]) -> tuple[Candidate | None, list[Candidate]]:
+    a = ctx.analysis
+    blocks = a.blocks
+    p, m = config.stages, config.microbatches
+    flights = one_f_one_b_in_flight(p, m)
+    fastest = [min(c.step_time(m) for c in t.costs) for t in tables]
+    if ctx.pin.block_stage is not None:
+        partitions = [tuple(ctx.pin.block_stage)]
+    elif a.marked:
+        starts = set(a.marked)
+        stage, out = 0, []
+        for k in range(len(blocks)):
+            if k in starts and k > 0:
+                stage += 1
+            out.append(stage)
+        partitions = [tuple(out)]
+    else:
+        partitions = [balance(fastest, p)] if p > 1 else [(0,) * len(blocks)]
+    best: Candidate | None = None
+    extra: list[Candidate] = []
+    tried: set[tuple[int, ...]] = set()
+    moves = 0
+    while partitions:
+        part = partitions.pop(0)
+        if part in tried:
+            continue
+        tried.add(part)
+        stage_points = []
+        failed = None
+        for s in range(p):
+            idx = [k for k in range(len(blocks)) if part[k] == s]
+            # stages with the same kinds, options and flight have the same frontier
+            key = (config, tuple((a.blocks[k].kind, tables[k].key) for k in idx),
+                   flights[s], borrowed(ctx, idx, tables) if p > 1 else 0.0)
+            pts = ctx.frontiers.get(key)
+            if pts is None:
+                pts = stage_frontier(ctx, config, idx, tables, flights[s])
+                ctx.frontiers[key] = pts
+            if not pts:
+                failed = s
+                break
+            stage_points.append((idx, pts))
+        if failed is not None:
+            if ctx.pin.block_stage is None and not a.marked and moves < p and p > 1:
+                moved = _shift(part, failed, p)
+                if moved is not None:
+                    partitions.append(moved)
+                    moves += 1
+            continue
+        for level in FRONTIER_LEVELS:
+            cand = assemble(ctx, config, part, stage_points, tables, flights,
+                            level * ctx.budget, objective if level == 1.0 else "time")
+            if cand is None:
+                continue
+            if level == 1.0 and (best is None or _key(cand, objective) < _key(best, objective)):
+                best = cand
+            extra.append(cand)
+        # try handing a block of the worst stage (slowest; fullest for "memory") on
+        if p > 1 and best is not None and moves < p and ctx.pin.block_stage is None \
+                and not a.marked:
+            top = best
+            worst = max(range(p), key=lambda s: top.stages[s].memory if objective == "memory"
+                        else top.stages[s].time)
+            moved = _shift(part, worst, p)
+            if moved is not None and moved not in tried:
+                partitions.append(moved)
+                moves += 1
+    return best, extra
+
+
+def _key(c: Candidate, objective: str) -> tuple[float, float]:
+    if objective == "memory":
+        return (c.peak_memory, c.step_time)
+    return (c.step_time, c.peak_memory)
+
+
+
+def _shift(part: tuple[int, ...], stage: int, p: int) -> tuple[int, ...] | None:
+    """Move one block off `stage`: its last to the next stage, or (last stage) its first
+    to the previous one; None when the stage has a single block."""
+    idx = [k for k, s in enumerate(part) if s == stage]
+    if len(idx) <= 1:
+        return None
+    out = list(part)
+    if stage < p - 1:
+        out[idx[-1]] = stage + 1
+    else:
+        out[idx[0]] = stage - 1
+    return tuple(out)
+
+
+
+def search_configs(ctx: SearchContext, configs: Sequence[Config], objective: str,
+                   progress: Callable[[int, int], None] | None = None, *,
+                   first_fit: bool = False
+                   ) -> tuple[Candidate | None, list[Candidate], float]:
+    """Evaluate every configuration; the best plan, every plan found (for the frontier),
+    and the seconds it took. `first_fit`: stop at the first plan that fits (to ask
+    whether any does)."""
+    start = time.perf_counter()
+    best: Candidate | None = None
+    found: list[Candidate] = []
+    # branch and bound: the most promising configurations first, and none whose lower
+    # bound (step time, or peak memory for the memory objective) cannot beat the best
+    # plan so far. Memory ties are kept: step time breaks them.
+    if objective == "time":
+        bounds = {c: lower_bound(ctx, c) for c in configs}
+    else:
+        bounds = {c: memory_lower_bound(ctx, c) for c in configs}
+    order = sorted(configs, key=lambda c: (bounds[c], c.stages, c.outer, c.microbatches))
+    for n, config in enumerate(order):
+        if best is not None and (bounds[config] >= best.step_time if objective == "time"
+                                 else bounds[config] > best.peak_memory):
+            if progress is not None:
+                progress(n + 1, len(configs))
+            continue
+        cand, extra = evaluate(ctx, config, objective,
+                               best.step_time if best is not None else math.inf)
+        found.extend(extra)
+        if cand is not None and (best is None or _key(cand, objective) < _key(best, objective)):
+            best = cand
+        if progress is not None:
+            progress(n + 1, len(configs))
+        if first_fit and best is not None:
+            break
+    return best, found, time.perf_counter() - start
+
+
+def pareto(cands: Sequence[Candidate]) -> list[Candidate]:
+    """The candidates no other beats in both step time and peak memory, by memory."""
+    out: list[Candidate] = []
+    for c in sorted(cands, key=lambda c: (c.peak_memory, c.step_time)):
+        if not out or c.step_time < out[-1].step_time - 1e-15:
+            out.append(c)
+    return out
+

@@ -1,0 +1,213 @@
+"""Stage assembly: a pipeline stage's frontier of (time, memory) plans over its chain of
+blocks (`stage_frontier`, the frontier DP under the budget left after its workspace), and a
+whole plan from one frontier point per stage (`assemble`)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from pxform.cost.model import one_f_one_b_time
+from pxform.search.context import OptionCost, OptionTable, SearchContext
+from pxform.search.frontier import Point, chain_frontier
+from pxform.search.options import transition
+from pxform.search.space import Config, Option
+
+QUANTUM = 1 / 256
+"""Frontier memory rounding, as a fraction of the budget (`frontier` module doc)."""
+
+
+@dataclass(frozen=True)
+class StageResult:
+    stage: int
+    blocks: tuple[int, ...]
+    time: float            # per step, this stage alone (all microbatches)
+    forward: float         # per microbatch
+    backward: float        # per microbatch
+    memory: float          # peak bytes per device
+    in_flight: int
+    param_bytes: float
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One complete plan the search found."""
+
+    config: Config
+    options: tuple[Option, ...]     # per block
+    block_stage: tuple[int, ...]
+    stages: tuple[StageResult, ...]
+    step_time: float
+    peak_memory: float
+    block_time: tuple[float, ...]   # per block, per step
+    block_memory: tuple[float, ...]  # per block, per device
+    batch: int = 0                   # the global batch planned for
+
+
+
+def borrowed(ctx: SearchContext, idx: list[int], tables: Sequence[OptionTable],
+             chosen: Sequence[OptionCost | None] | None = None) -> float:
+    """Bytes a pipeline stage holds for parameters an earlier stage's block owns (a tied
+    embedding read again by the head): their weights, gradients and optimizer state live on
+    every stage that reads them. Counted at the owner's share of its option's state bytes:
+    the chosen option's when `chosen` gives it, else the least over its options (what the
+    frontier DP can count before the owner's stage is chosen)."""
+    total = 0.0
+    for o, share in _borrowed_shares(ctx, idx):
+        cost = chosen[o] if chosen is not None else None
+        total += share * (cost.params if cost is not None
+                          else min(c.params for c in tables[o].costs))
+    return total
+
+
+def _borrowed_shares(ctx: SearchContext, idx: list[int]) -> tuple[tuple[int, float], ...]:
+    """Per parameter the stage `idx` reads but an outside block owns: the owner's index and
+    the parameter's share of the owner's elements. Depends on the blocks only: computed
+    once per stage (the search asks for every partition and frontier level)."""
+    key = tuple(idx)
+    hit = ctx.borrowed.get(key)
+    if hit is not None:
+        return hit
+    a = ctx.analysis
+    inside = set(idx)
+    owned = {name for k in idx for name in a.blocks[k].params}
+    owner = {name: j for j, b in enumerate(a.blocks) for name in b.params}
+    reads = {v.name for k in idx for op in a.graph.ops[a.blocks[k].start:a.blocks[k].stop]
+             for v in op.inputs if v.name in a.params}
+    vals = a.values()
+    out = []
+    for name in sorted(reads - owned):
+        o = owner.get(name)
+        if o is None or o in inside:
+            continue
+        whole = sum(vals[n].type.numel for n in a.blocks[o].params)
+        out.append((o, vals[name].type.numel / max(1, whole)))
+    ctx.borrowed[key] = shares = tuple(out)
+    return shares
+
+
+def stage_frontier(ctx: SearchContext, config: Config, idx: list[int],
+                   tables: Sequence[OptionTable], flight: int) -> list[tuple[Point, float]]:
+    """The stage's frontier points within the budget, each with its peak memory including
+    the workspace."""
+    a = ctx.analysis
+    m = config.microbatches
+    times = [np.array([c.step_time(m) for c in tables[k].costs]) for k in idx]
+    mems = [np.array([c.memory(flight, o.recompute, m)
+                      for c, o in zip(tables[k].costs, tables[k].options)]) for k in idx]
+    trans_time: list[np.ndarray | None] = [None]
+    for j in range(1, len(idx)):
+        prev, cur = tables[idx[j - 1]], tables[idx[j]]
+        key = (a.blocks[idx[j - 1]].kind, config, prev.key, cur.key)
+        mat = ctx.matrices.get(key)
+        if mat is None:
+            mat = np.zeros((len(prev.options), len(cur.options)))
+            for r, s in enumerate(prev.options):
+                for c, s2 in enumerate(cur.options):
+                    mat[r, c] = m * transition(ctx, a.blocks[idx[j - 1]], config, s, s2)
+            ctx.matrices[key] = mat
+        trans_time.append(mat)
+    held = borrowed(ctx, idx, tables) if config.stages > 1 else 0.0
+    budget = ctx.budget - held
+    workspace = max(min(c.workspace(o.recompute)
+                        for c, o in zip(tables[k].costs, tables[k].options)) for k in idx)
+    for _ in range(3):
+        limit = budget - workspace
+        if limit <= 0:
+            return []
+        # without a budget (the least-memory search) round to the device's memory scale
+        scale = budget if math.isfinite(budget) else ctx.hardware.memory_bytes
+        pts = chain_frontier(times, mems, trans_time, None, quantum=QUANTUM * scale,
+                             limit=limit)
+        out = []
+        worst = workspace
+        for pt in pts:
+            ws = max(tables[k].costs[c].workspace(tables[k].options[c].recompute)
+                     for k, c in zip(idx, pt.choices))
+            worst = max(worst, ws)
+            if pt.memory + ws <= budget:
+                out.append((pt, pt.memory + ws + held))
+        if out or worst == workspace:
+            return out
+        workspace = worst
+    return []
+
+
+def assemble(ctx: SearchContext, config: Config, part: tuple[int, ...],
+             stage_points: list[tuple[list[int], list[tuple[Point, float]]]],
+             tables: Sequence[OptionTable], flights: list[int], limit: float,
+             objective: str) -> Candidate | None:
+    """A pipeline plan: per stage the frontier point that is best under `limit`."""
+    m = config.microbatches
+    chosen: list[Option | None] = [None] * len(part)
+    chosen_cost: list[OptionCost | None] = [None] * len(part)
+    block_time = [0.0] * len(part)
+    block_mem = [0.0] * len(part)
+    stages = []
+    fw, bw = [], []
+    for s, (idx, pts) in enumerate(stage_points):
+        fit = [(pt, mem) for pt, mem in pts if mem <= limit]
+        if not fit:
+            return None
+        if objective == "memory":
+            pt, mem = min(fit, key=lambda x: (x[1], x[0].time))
+        else:
+            pt, mem = min(fit, key=lambda x: (x[0].time, x[1]))
+        f = b = extra = pbytes = 0.0
+        for k, c in zip(idx, pt.choices):
+            o = tables[k].options[c]
+            oc = tables[k].costs[c]
+            chosen[k] = o
+            chosen_cost[k] = oc
+            block_time[k] = oc.step_time(m)
+            block_mem[k] = oc.memory(flights[s], o.recompute, m)
+            f += oc.forward
+            b += oc.backward
+            extra += oc.step_extra
+            pbytes += oc.params
+        if config.stages > 1:  # the owner's chosen option, not the least the DP assumed
+            exact = borrowed(ctx, idx, tables, chosen_cost)
+            mem += exact - borrowed(ctx, idx, tables)
+            pbytes += exact
+            if mem > limit:
+                return None
+        # transitions are in the point's time; spread them over forward and backward
+        trans = (pt.time - sum(tables[k].costs[c].step_time(m)
+                               for k, c in zip(idx, pt.choices))) / m
+        p2p = _p2p(ctx, config, idx) if config.stages > 1 else 0.0
+        f += trans / 2 + p2p
+        b += trans / 2 + p2p
+        fw.append(f)
+        bw.append(b + extra / m)
+        stages.append(StageResult(s, tuple(idx), pt.time, f, b + extra / m, mem, flights[s],
+                                  pbytes))
+    step = one_f_one_b_time(fw, bw, m) if config.stages > 1 else m * (fw[0] + bw[0])
+    return Candidate(config, tuple(o for o in chosen if o is not None), part, tuple(stages),
+                     step, max(st.memory for st in stages), tuple(block_time),
+                     tuple(block_mem), ctx.global_batch)
+
+
+def _p2p(ctx: SearchContext, config: Config, idx: list[int]) -> float:
+    """Seconds to send one microbatch's boundary activations to the next stage."""
+    key = (config, idx[-1])
+    hit = ctx.p2p.get(key)
+    if hit is not None:
+        return hit
+    ctx.p2p[key] = t = _p2p_time(ctx, config, idx)
+    return t
+
+
+def _p2p_time(ctx: SearchContext, config: Config, idx: list[int]) -> float:
+    a = ctx.analysis
+    last = a.blocks[idx[-1]]
+    vals = a.values()
+    scale = (ctx.global_batch // config.microbatches) / a.traced_batch
+    data = config.outer * config.inner
+    sent = sum(vals[n].type.nbytes * scale / data for n in last.crossing)
+    hw = ctx.hardware
+    level = hw.level(2 * config.outer * config.inner)
+    return hw.comm_time("p2p", sent, 2, level) if sent else 0.0
+

@@ -1,0 +1,69 @@
+"""The one compile path every transform uses: trace -> prepare -> a strategy per op ->
+lower (DESIGN.md §2).
+
+- `trace` the function on the arguments (fake or meta tensors are fine);
+- `prepare` the graph: strip markers, expand coshard regions, number recompute regions;
+- give every op a strategy: a plan's (`PlanLowering`, for `pxform.auto`) or greedy
+  propagation (`pxform.passes.propagate`);
+- `lower` to a per-rank `Program` (plain data), which the runtime builds and runs.
+
+`pxform.shard` and the region transforms run outside a trace call `compile_program`;
+`pxform.pipeline` cuts the prepared graph into stages between the second and third steps and
+calls `op_strategies` itself.
+
+Example:
+    >>> traced, program = compile_program(loss_fn, (params, batch), {}, mesh, layouts)
+    >>> print(program.as_text())
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+from pxform.core.ir import Graph
+from pxform.core.layout import Layout
+from pxform.core.mesh import AbstractMesh
+from pxform.frontend.trace import Traced, trace
+from pxform.lower.spmd import Program, lower
+from pxform.ops.strategy import Strategy
+from pxform.passes.expand import prepare
+from pxform.passes.propagate import propagate
+
+
+class Planner(Protocol):
+    """Chooses every op's strategy instead of propagation (`pxform.lower.plan.PlanLowering`
+    for a plan). It may return a rewritten graph (markers removed, recompute tagged)."""
+
+    def strategies(self, graph: Graph, mesh: AbstractMesh, layouts: Sequence[Layout]
+                   ) -> tuple[Graph, list[Strategy]]: ...
+
+
+def op_strategies(graph: Graph, mesh: AbstractMesh, layouts: Sequence[Layout],
+                  planner: Planner | None = None) -> tuple[Graph, list[Strategy]]:
+    """The graph to lower and one strategy per op: the planner's, or propagation's."""
+    if planner is not None:
+        return planner.strategies(graph, mesh, layouts)
+    return graph, propagate(graph, mesh, list(layouts))
+
+
+def compile_program(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
+                    mesh: AbstractMesh, layouts: Sequence[Layout] | None = None,
+                    out_layouts: Callable[[Traced], list[Layout | None]] | None = None,
+                    planner: Planner | None = None) -> tuple[Traced, Program]:
+    """Trace `fn(*args, **kwargs)` and lower it for one rank of `mesh`.
+
+    Args:
+        layouts: of every tensor leaf of the arguments (None: replicated).
+        out_layouts: the outputs' layouts from the trace (None: wherever the ops leave
+            them).
+        planner: chooses the strategies instead of propagation.
+    """
+    traced = trace(fn, *args, **kwargs)
+    if layouts is None:
+        layouts = [Layout.replicated(v.type.rank) for v in traced.graph.inputs]
+    graph = prepare(traced.graph, mesh, list(layouts))  # recompute and coshard regions
+    graph, strategies = op_strategies(graph, mesh, layouts, planner)
+    outs: list[Layout | None] = (out_layouts(traced) if out_layouts is not None
+                                 else [None] * len(graph.outputs))
+    return traced, lower(graph, mesh, list(layouts), strategies, outs)
