@@ -187,42 +187,42 @@ def test_no_grad_region_is_kept():
 def test_unknown_op_error_names_op_and_user_line():
     def fn(x):
         y = x + 1
-        return torch.special.zeta(y, 2.0)  # no rule for zeta
+        return torch.histc(y, bins=4)  # no rule for histc (special_zeta's is now derived)
 
     with pytest.raises(UnsupportedOpError) as err:
         pxform.trace(fn, torch.rand(4))
     msg = str(err.value)
-    assert msg.startswith("pxform.trace: op aten.special_zeta.other_scalar (special_zeta) has "
+    assert msg.startswith("pxform.trace: op aten.histc.default (histc) has "
                           "no sharding rule (called at ")
-    assert re.search(r"test_trace.py:\d+ in fn: return torch.special.zeta\(y, 2.0\)", msg)
-    assert "@pxform.ops.register_rule(torch.ops.aten.special_zeta.other_scalar)" in msg
+    assert re.search(r"test_trace.py:\d+ in fn: return torch.histc\(y, bins=4\)", msg)
+    assert "@pxform.ops.register_rule(torch.ops.aten.histc.default)" in msg
     assert "allow_fallback=True" in msg
 
 
 def test_fallback_runs_replicated_and_reports():
     def fn(x):
-        return torch.special.zeta(x + 1, 2.0).sum()
+        return torch.histc(x + 1, bins=4).sum()
 
     x = torch.rand(4)
     with pytest.warns(pxform.PxformWarning, match=r"1 ops have no sharding rule and will run "
-                                                  r"replicated: special_zeta at .*test_trace"):
+                                                  r"replicated: histc at .*test_trace"):
         traced = pxform.trace(fn, x, allow_fallback=True)
-    assert [op.name for op in traced.fallbacks] == ["special_zeta"]
+    assert [op.name for op in traced.fallbacks] == ["histc"]
     sig = pxform.ops.rule_info(traced.fallbacks[0]).signature
     assert sig.splittable() == frozenset()
     pxform.check(traced.graph)
     torch.testing.assert_close(traced(x), fn(x))
-    assert "1 ops run replicated by the fallback: special_zeta" in traced.summary()
+    assert "1 ops run replicated by the fallback: histc" in traced.summary()
 
 
 def test_registering_a_rule_makes_an_op_traceable():
     from pxform.ops.pointwise import pointwise_info
     from pxform.ops.registry import _RULES
 
-    target = torch.ops.aten.special_zeta.other_scalar
+    target = torch.ops.aten.histc.default
     pxform.register_rule(target)(lambda op: pointwise_info(op))
     try:
-        traced = pxform.trace(lambda x: torch.special.zeta(x, 2.0), torch.rand(4))
+        traced = pxform.trace(lambda x: torch.histc(x, bins=4), torch.rand(4))
         assert str(pxform.ops.rule_info(traced.graph.ops[0]).signature) == "a -> a"
         with pytest.raises(pxform.RuleError, match="already has a rule"):
             pxform.register_rule(target)(lambda op: pointwise_info(op))

@@ -35,7 +35,7 @@ from pxform.core.ir import Graph
 from pxform.core.mesh import AbstractMesh
 from pxform.core.spec import P
 from pxform.core.units import format_bytes, format_table, parse_bytes
-from pxform.frontend.trace import cache_key, trace
+from pxform.frontend.trace import cache_key, module_given, trace
 from pxform.lower.plan import PlanLowering
 from pxform.passes.expand import prepare
 from pxform.runtime import world
@@ -43,6 +43,7 @@ from pxform.runtime.boundary import global_stand_in, is_dtensor, leaf_arg_index
 from pxform.runtime.mesh import Mesh
 from pxform.search.plan import Plan
 from pxform.transforms.base import Executable, fn_name
+from pxform.transforms.compile import Fallback
 from pxform.transforms.pipeline import Pipelined
 from pxform.transforms.shard import Sharded
 
@@ -69,6 +70,7 @@ class Auto(Executable):
     optimizer: str
     progress: Callable[[int, int], None] | None = field(default=None, repr=False)
     given: Plan | None = None  # a complete plan to run as it is
+    allow_fallback: bool = True  # ops without a rule run replicated, reported once
     _cache: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -89,7 +91,7 @@ class Auto(Executable):
     def _graph(self, args: tuple[Any, ...]) -> tuple[Graph, set[str], Any]:
         """The prepared graph, the names of its batch inputs, the global arguments."""
         full: Any = optree.tree_map(global_stand_in, args, is_leaf=is_dtensor)  # type: ignore[arg-type]
-        traced = trace(self.fn, *full)
+        traced = trace(self.fn, *full, allow_fallback=self.allow_fallback)
         graph = prepare(traced.graph)
         batch = set(self._batch_argnums(len(args)))
         leaves = optree.tree_leaves(full)  # type: ignore[arg-type]
@@ -143,13 +145,15 @@ class Auto(Executable):
         lowering = self._lowering(plan)
         specs = self._in_specs(plan, args, inputs, names)
         mesh = Mesh(dict(plan.mesh.axes))
+        # planning traced the function and reported its fallback ops: running does not again
+        fallback = Fallback(allow=self.allow_fallback, report=False)
         if plan.stages > 1:
             fn: Any = Pipelined(self.fn, plan.stages, plan.microbatches, plan.schedule, "pp",
                                 batch_argnums=self._batch_argnums(len(args)),
-                                batch_dim=self.batch_dim, planner=lowering)
+                                batch_dim=self.batch_dim, planner=lowering, fallback=fallback)
             exe = Sharded(fn, mesh, specs)
         else:
-            exe = Sharded(self.fn, mesh, specs, planner=lowering)
+            exe = Sharded(self.fn, mesh, specs, planner=lowering, fallback=fallback)
         self._cache[key] = exe
         return exe
 
@@ -224,7 +228,8 @@ def auto(fn: Any = None, *, mesh: Any, memory_budget: Any = None, objective: str
          hardware: Any = None, batch_range: tuple[int, int] | None = None,
          batch_argnums: int | tuple[int, ...] | None = None, batch_dim: int = 0,
          plan: Plan | Pin | None = None, optimizer: str = "adam",
-         progress: Callable[[int, int], None] | None = None) -> Any:
+         progress: Callable[[int, int], None] | None = None, allow_fallback: bool = True
+         ) -> Any:
     """Search a parallel plan for `fn` and run it (module doc). Usable as a decorator.
 
     Args:
@@ -244,6 +249,9 @@ def auto(fn: Any = None, *, mesh: Any, memory_budget: Any = None, objective: str
         optimizer: "adam" or "sgd" (optimizer state in the memory count).
         progress: called as `progress(done, total)` after each configuration the search
             evaluates (`pxform plan` draws its progress bar with it).
+        allow_fallback: ops that have no sharding rule run replicated (inputs gathered,
+            every rank computing the whole op, costed as such), named in one
+            `PxformWarning` when the function is traced for planning; False refuses them.
 
     Example:
         >>> step = pxform.auto(loss_fn, mesh=8, memory_budget="40GiB", hardware="a100-40gb")
@@ -254,7 +262,9 @@ def auto(fn: Any = None, *, mesh: Any, memory_budget: Any = None, objective: str
                                  objective=objective, hardware=hardware,
                                  batch_range=batch_range, batch_argnums=batch_argnums,
                                  batch_dim=batch_dim, plan=plan, optimizer=optimizer,
-                                 progress=progress)
+                                 progress=progress, allow_fallback=allow_fallback)
+    if isinstance(fn, torch.nn.Module):
+        raise module_given(fn, "auto")
     devices = _device_count(mesh)
     nums = (batch_argnums,) if isinstance(batch_argnums, int) else batch_argnums
     if isinstance(plan, Plan):
@@ -264,14 +274,14 @@ def auto(fn: Any = None, *, mesh: Any, memory_budget: Any = None, objective: str
                               f"Fix: pass mesh={plan.devices}, or search again without plan=.")
         # runs as it is: no hardware profile, budget or search (nor their imports)
         return Auto(fn, devices, None, objective, None, batch_range, nums, batch_dim, None,
-                    optimizer, progress, given=plan)
+                    optimizer, progress, given=plan, allow_fallback=allow_fallback)
     from pxform.cost.hardware import hardware as get_hardware
 
     hw = get_hardware(hardware if hardware is not None else "h100-80gb")
     budget = hw.memory_bytes if memory_budget is None else \
         _budget(memory_budget, getattr(fn, "__name__", "fn"))
     return Auto(fn, devices, budget, objective, hw, batch_range, nums, batch_dim, plan,
-                optimizer, progress)
+                optimizer, progress, allow_fallback=allow_fallback)
 
 
 def _budget(value: Any, name: str) -> int:

@@ -40,7 +40,7 @@ from pxform.frontend.trace import cache_key, is_tracing
 from pxform.runtime.collectives import AxisGroups
 from pxform.runtime.mesh import Mesh
 from pxform.runtime.program import execute
-from pxform.transforms.compile import compile_program
+from pxform.transforms.compile import Fallback, compile_program
 
 
 def fn_name(fn: Any) -> str:
@@ -96,6 +96,7 @@ class Enclosing:
         layouts: the layout of every tensor leaf of the arguments, on `mesh`.
         out_specs: the enclosing shard's out_specs (None: replicated outputs).
         bucket_mb: the gradient bucket size, in MiB.
+        fallback: whether the enclosing shard lets ops without a rule run replicated.
     """
 
     name: str
@@ -103,6 +104,7 @@ class Enclosing:
     layouts: tuple[Layout, ...]
     out_specs: Any
     bucket_mb: float
+    fallback: Fallback = Fallback()
 
     @property
     def abstract_mesh(self) -> AbstractMesh:

@@ -19,6 +19,7 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from pxform.core.ir import Graph
@@ -29,6 +30,16 @@ from pxform.lower.spmd import Program, lower
 from pxform.ops.strategy import Strategy
 from pxform.passes.expand import prepare
 from pxform.passes.propagate import propagate
+
+
+@dataclass(frozen=True)
+class Fallback:
+    """Ops without a sharding rule: refused (`allow=False`, the default), or run replicated
+    (inputs gathered, every rank computing the whole op) and reported per op in one
+    `PxformWarning` (`report=False` when the caller already reported them)."""
+
+    allow: bool = False
+    report: bool = True
 
 
 class Planner(Protocol):
@@ -50,7 +61,8 @@ def op_strategies(graph: Graph, mesh: AbstractMesh, layouts: Sequence[Layout],
 def compile_program(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
                     mesh: AbstractMesh, layouts: Sequence[Layout] | None = None,
                     out_layouts: Callable[[Traced], list[Layout | None]] | None = None,
-                    planner: Planner | None = None) -> tuple[Traced, Program]:
+                    planner: Planner | None = None, fallback: Fallback | None = None
+                    ) -> tuple[Traced, Program]:
     """Trace `fn(*args, **kwargs)` and lower it for one rank of `mesh`.
 
     Args:
@@ -58,8 +70,11 @@ def compile_program(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
         out_layouts: the outputs' layouts from the trace (None: wherever the ops leave
             them).
         planner: chooses the strategies instead of propagation.
+        fallback: whether ops without a rule run replicated (default: they are refused).
     """
-    traced = trace(fn, *args, **kwargs)
+    fallback = fallback or Fallback()
+    traced = trace(fn, *args, allow_fallback=fallback.allow, report_fallbacks=fallback.report,
+                   **kwargs)
     if layouts is None:
         layouts = [Layout.replicated(v.type.rank) for v in traced.graph.inputs]
     graph = prepare(traced.graph, mesh, list(layouts))  # recompute and coshard regions

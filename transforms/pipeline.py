@@ -32,7 +32,7 @@ from pxform.core.errors import PipelineError
 from pxform.core.layout import Layout
 from pxform.core.mesh import AbstractMesh
 from pxform.core.units import parse_bytes
-from pxform.frontend.trace import Traced, cache_key, trace
+from pxform.frontend.trace import Traced, cache_key, module_given, trace
 from pxform.lower.mpmd import (
     PipelineProgram,
     lower_pipeline,
@@ -53,7 +53,7 @@ from pxform.runtime.collectives import AxisGroups
 from pxform.runtime.mesh import Mesh
 from pxform.runtime.pipeline import PipelineGroup, run_pipeline
 from pxform.transforms.base import Enclosing, Nested
-from pxform.transforms.compile import op_strategies
+from pxform.transforms.compile import Fallback, op_strategies
 from pxform.transforms.specs import out_spec_layouts
 
 if TYPE_CHECKING:  # stage-aware recompute is a search: loaded only when asked for
@@ -78,11 +78,20 @@ class Pipelined(Nested):
     memory_budget: int | None = None
     # assigns stages and chooses op strategies (`pxform.auto`'s plan)
     planner: Any = None
+    # ops without a rule: refused, or run replicated (`allow_fallback=True`)
+    fallback: Fallback = Fallback()
     _cache: dict = field(default_factory=dict, repr=False)
 
     def options_text(self) -> str:
         return (f", stages={self.stages}, microbatches={self.microbatches}, "
                 f"schedule={self.schedule!r})")
+
+    def _trace(self, full: tuple[Any, ...], enclosing: Enclosing | None = None) -> Traced:
+        # the pipeline's own allow_fallback, or the enclosing shard's
+        fallback = self.fallback if self.fallback.allow or enclosing is None \
+            else enclosing.fallback
+        return trace(self.fn, *full, allow_fallback=fallback.allow,
+                     report_fallbacks=fallback.report)
 
     # ---------------------------------------------------------------- schedule
 
@@ -134,7 +143,7 @@ class Pipelined(Nested):
     def cuts(self, *args: Any) -> StageCuts:
         """Which ops (and modules) each stage holds; `print` it."""
         full: Any = optree.tree_map(global_stand_in, args, is_leaf=is_dtensor)  # type: ignore[arg-type]
-        traced = trace(self.fn, *full)
+        traced = self._trace(full)
         return self._cuts(traced, full)
 
     def _cuts(self, traced: Traced, args: tuple[Any, ...], mesh: AbstractMesh | None = None,
@@ -165,13 +174,12 @@ class Pipelined(Nested):
     def _compile(self, args: tuple[Any, ...], mesh: AbstractMesh | None,
                  layouts: list[Layout] | None, enclosing: Enclosing | None = None
                  ) -> tuple[PipelineProgram, Traced]:
-
         full: Any = optree.tree_map(global_stand_in, args, is_leaf=is_dtensor)  # type: ignore[arg-type]
         out_specs = repr(enclosing.out_specs) if enclosing is not None else None
         key = (cache_key(full, {}), mesh, tuple(layouts or ()), out_specs)
         if key in self._cache:
             return self._cache[key]
-        traced = trace(self.fn, *full)
+        traced = self._trace(full, enclosing)
         arg_of, leaves = self._inputs(full)
         batch_args = set(self._batch_argnums(len(full)))
         lowering_mesh = (with_microbatches(mesh, self.microbatches, self.__name__)
@@ -389,7 +397,7 @@ class Pipelined(Nested):
 def pipeline(fn: Any, *, stages: int, microbatches: int, schedule: Any = "1f1b",
              axis: str = "pp", batch_argnums: int | tuple[int, ...] | None = None,
              batch_dim: int = 0, recompute: Any = None, memory_budget: Any = None,
-             **options: Any) -> Pipelined:
+             allow_fallback: bool = False, **options: Any) -> Pipelined:
     """Run `fn` as a pipeline of `stages` ranks over `microbatches` microbatches.
 
     Args:
@@ -408,6 +416,9 @@ def pipeline(fn: Any, *, stages: int, microbatches: int, schedule: Any = "1f1b",
             few as fit `memory_budget`, see `recompute_plan`), or a list with the number of
             blocks each stage recomputes (its first ones).
         memory_budget: bytes per device (or a string such as "16GiB") for "stage_aware".
+        allow_fallback: run ops that have no sharding rule replicated (their inputs
+            gathered, every rank computing the whole op), reported per op in one
+            `PxformWarning`, instead of refusing them.
         **options: passed to the schedule (`virtual_stages=2`, `forwards=3`).
 
     Example:
@@ -417,6 +428,8 @@ def pipeline(fn: Any, *, stages: int, microbatches: int, schedule: Any = "1f1b",
         ...                      mesh=pxform.Mesh({"pp": 2, "dp": 2}),
         ...                      in_specs=(None, P("dp")))             # 4 ranks
     """
+    if isinstance(fn, torch.nn.Module):
+        raise module_given(fn, "pipeline")
     if not isinstance(stages, int) or stages < 1:
         raise PipelineError(f"pxform.pipeline: stages={stages!r}; give a positive integer")
     if not isinstance(microbatches, int) or microbatches < 1:
@@ -432,4 +445,4 @@ def pipeline(fn: Any, *, stages: int, microbatches: int, schedule: Any = "1f1b",
     if isinstance(recompute, (list, tuple)):
         recompute = tuple(recompute)
     return Pipelined(fn, stages, microbatches, schedule, axis, tuple(sorted(options.items())),
-                     nums, batch_dim, recompute, budget)
+                     nums, batch_dim, recompute, budget, fallback=Fallback(allow=allow_fallback))

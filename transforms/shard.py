@@ -18,17 +18,18 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import optree
+import torch
 
 from pxform.core.layout import Layout
 from pxform.core.mesh import AbstractMesh
-from pxform.frontend.trace import Traced, cache_key
+from pxform.frontend.trace import Traced, cache_key, module_given
 from pxform.lower.spmd import Program
 from pxform.runtime.boundary import distribute, global_stand_in, is_dtensor, mesh_axes
 from pxform.runtime.buckets import DEFAULT_BUCKET_MB, BucketStats
 from pxform.runtime.mesh import Mesh
 from pxform.runtime.program import run_spmd
 from pxform.transforms.base import Enclosing, Executable, Nested, bound_mesh
-from pxform.transforms.compile import compile_program
+from pxform.transforms.compile import Fallback, compile_program
 from pxform.transforms.specs import in_spec_layouts, out_spec_layouts
 
 
@@ -45,6 +46,8 @@ class Sharded(Executable):
     bucket_mb: float = DEFAULT_BUCKET_MB
     # chooses op strategies instead of greedy propagation (`pxform.auto`'s plan)
     planner: Any = None
+    # ops without a rule: refused, or run replicated (`allow_fallback=True`)
+    fallback: Fallback = Fallback()
     _cache: dict = field(default_factory=dict, repr=False)
     _last: dict = field(default_factory=dict, repr=False)
 
@@ -63,7 +66,8 @@ class Sharded(Executable):
         if key not in self._cache:
             layouts = self._input_layouts(full_args)
             traced, program = compile_program(self.fn, full_args, {}, self.abstract_mesh,
-                                              layouts, self._output_layouts, self.planner)
+                                              layouts, self._output_layouts, self.planner,
+                                              self.fallback)
             self._cache[key] = (traced, program, layouts)
         return self._cache[key]
 
@@ -112,11 +116,11 @@ class Sharded(Executable):
     def enclosing(self, args: tuple[Any, ...]) -> Enclosing:
         """What this shard passes to the `Nested` transform it wraps, for these arguments."""
         return Enclosing(self.__name__, self.mesh, tuple(self._input_layouts(args)),
-                         self.out_specs, self.bucket_mb)
+                         self.out_specs, self.bucket_mb, self.fallback)
 
 
 def shard(fn: Any, *, mesh: Mesh | AbstractMesh, in_specs: Any, out_specs: Any = None,
-          bucket_mb: float = DEFAULT_BUCKET_MB) -> Sharded:
+          bucket_mb: float = DEFAULT_BUCKET_MB, allow_fallback: bool = False) -> Sharded:
     """Run `fn` SPMD on `mesh` with inputs laid out per `in_specs`.
 
     Args:
@@ -128,12 +132,18 @@ def shard(fn: Any, *, mesh: Mesh | AbstractMesh, in_specs: Any, out_specs: Any =
             tensors).
         bucket_mb: parameter gradients are reduced in buckets of this many MiB, launched
             during backward as they fill (DDP's default, 25).
+        allow_fallback: run ops that have no sharding rule replicated (their inputs
+            gathered, every rank computing the whole op), reported per op in one
+            `PxformWarning`, instead of refusing them.
 
     Example:
         >>> step = pxform.shard(loss_fn, mesh=pxform.Mesh({"dp": 2}),
         ...                     in_specs=(None, {"x": P("dp"), "y": P("dp")}))
         >>> loss = step(params, batch)      # data parallel
     """
+    if isinstance(fn, torch.nn.Module):
+        raise module_given(fn, "shard")
     if not isinstance(in_specs, tuple):
         in_specs = (in_specs,)
-    return Sharded(fn, mesh, in_specs, out_specs, bucket_mb)
+    return Sharded(fn, mesh, in_specs, out_specs, bucket_mb,
+                   fallback=Fallback(allow=allow_fallback))

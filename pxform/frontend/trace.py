@@ -217,7 +217,7 @@ class Traced:
 
 
 def trace(fn: Callable[..., Any], *args: Any, allow_fallback: bool = False,
-          **kwargs: Any) -> Traced:
+          report_fallbacks: bool = True, **kwargs: Any) -> Traced:
     """Trace `fn(*args, **kwargs)` into the typed IR without running it on data.
 
     Args:
@@ -225,6 +225,8 @@ def trace(fn: Callable[..., Any], *args: Any, allow_fallback: bool = False,
         *args, **kwargs: example arguments; tensor leaves may be real, `meta` or fake.
         allow_fallback: run ops that have no sharding rule replicated instead of failing;
             each one is reported in a `PxformWarning` and in `Traced.fallbacks`.
+        report_fallbacks: warn about them (transforms that trace again what they already
+            reported turn it off).
 
     Returns:
         A `Traced`: `.graph` is the IR, calling it runs the IR on real tensors.
@@ -232,7 +234,8 @@ def trace(fn: Callable[..., Any], *args: Any, allow_fallback: bool = False,
     Raises:
         UnsupportedOpError: an op has no rule (the message names it and the source line).
         TraceError: the function cannot be traced (data-dependent control flow, in-place
-            mutation of an argument, a non-tensor output...).
+            mutation of an argument, a non-tensor output...), or `fn` is an `nn.Module`
+            (its weights would be constants: make it a function with `module_fn`).
 
     Example:
         >>> def mlp(params, x):
@@ -243,6 +246,8 @@ def trace(fn: Callable[..., Any], *args: Any, allow_fallback: bool = False,
         %0: f32[2,8] = matmul(%x, %w1)
     """
     fn_name = getattr(fn, "__name__", type(fn).__name__)
+    if isinstance(fn, torch.nn.Module):
+        raise module_given(fn, "trace")
     paths, leaves, in_tree = optree.tree_flatten_with_path((args, kwargs))  # type: ignore[arg-type,var-annotated]
     names = arg_names(fn, len(args))
     leaf_infos = []
@@ -289,7 +294,7 @@ def trace(fn: Callable[..., Any], *args: Any, allow_fallback: bool = False,
 
     input_names = _input_names([leaf_infos[i].path for i in tensor_pos])
     graph, fallbacks = _to_ir(gm, fn_name, input_names, allow_fallback)
-    if fallbacks:
+    if fallbacks and report_fallbacks:
         warnings.warn(
             f"pxform.trace({fn_name}): {len(fallbacks)} ops have no sharding rule and will "
             f"run replicated: " + "; ".join(f"{op.name}{' at ' + op.source if op.source else ''}"
@@ -702,6 +707,18 @@ def si(n: float) -> str:
 
 def _op_bytes(op: Op, view: bool) -> int:
     return 0 if view else sum(v.type.nbytes for v in op.outputs)
+
+
+def module_given(module: torch.nn.Module, where: str) -> TraceError:
+    """The error for an `nn.Module` given where pxform wants a pure function: traced as it
+    is, its parameters would be constants (no gradients, not sharded)."""
+    name = type(module).__name__
+    return TraceError(
+        f"pxform.{where}({name}): got an nn.Module ({name}), not a function of its "
+        f"parameters; traced as it is, its weights would be constants: never sharded, and "
+        f"gradients would come back for the inputs only.\n  Fix: fn, params = "
+        f"pxform.module_fn(model), then pass fn and give params as its first argument "
+        f"(e.g. pxform.{where}(fn, ...) and step(params, batch)).")
 
 
 def module_fn(module: torch.nn.Module) -> tuple[Callable[..., Any], dict[str, torch.Tensor]]:

@@ -14,6 +14,7 @@ from pxform.ops import (  # noqa: F401  (imported for their registrations)
     loss,
     norm,
     pointwise,
+    pooling,
     reduction,
     view,
 )
@@ -25,6 +26,7 @@ from pxform.ops.registry import (
     has_rule,
     infer_types,
     meta_types,
+    register_family,
     register_rule,
     rule_info,
     unsupported_error,
@@ -33,5 +35,6 @@ from pxform.ops.signature import LabelMaker, Signature
 
 __all__ = [
     "FALLBACK_TAG", "LabelMaker", "OpInfo", "Signature", "bind", "fallback_info", "has_rule",
-    "infer_types", "meta_types", "register_rule", "rule_info", "unsupported_error",
+    "infer_types", "meta_types", "register_family", "register_rule", "rule_info",
+    "unsupported_error",
 ]

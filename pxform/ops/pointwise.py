@@ -7,6 +7,8 @@ that broadcasts is `1` (it can't be split, it is replicated). FLOPs: one per out
 
 from __future__ import annotations
 
+import torch
+
 from pxform.core.ir import Op
 from pxform.ops.registry import (
     OpInfo,
@@ -14,6 +16,7 @@ from pxform.ops.registry import (
     norm_dim,
     overloads,
     pointwise_terms,
+    register_family,
     register_rule,
 )
 from pxform.ops.signature import LabelMaker, Signature
@@ -49,8 +52,29 @@ def pointwise_info(op: Op, linear: list[set[int]] | None = None) -> OpInfo:
     return OpInfo(sig, sum(v.type.numel for v in op.outputs))
 
 
+def _tagged_pointwise(target: object) -> bool:
+    """An overload torch tags pointwise whose tensors are single tensors (not lists, as the
+    _foreach ops take) and that writes nothing in place (tracing refuses those anyway)."""
+    if torch.Tag.pointwise not in getattr(target, "tags", ()):
+        return False
+    schema = target._schema  # type: ignore[attr-defined]
+    if schema.is_mutable:
+        return False
+    return all("[]" not in str(a.type) for a in (*schema.arguments, *schema.returns))
+
+
+# Every other overload torch tags pointwise (min.other, isfinite, special functions, ...):
+# the broadcasting signature, nonlinear (no partial sums pass through).
+register_family(_tagged_pointwise, lambda op: pointwise_info(op))
+
+
 @register_rule(*overloads(*_ADDITIVE))
 def _additive(op: Op) -> OpInfo:
+    # with a nonzero number as an operand (x + 2, 1 - x) the op is affine, not linear: a
+    # partial sum passed through would add the number once per rank
+    other = bind(op).get("other", 0)
+    if isinstance(other, (int, float, complex, bool)) and other != 0:
+        return pointwise_info(op)
     return pointwise_info(op, [set(range(len(op.inputs)))])
 
 

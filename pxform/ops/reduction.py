@@ -62,10 +62,37 @@ def _sum(op: Op) -> OpInfo:
                           "min.default", "argmax", "argmin", "var", "std", "var_mean",
                           "std_mean", "logsumexp", "any", "all", "prod", "linalg_vector_norm",
                           "norm", "count_nonzero", "aminmax", "median.default", "nanmean",
-                          "median.dim", "mode"))
+                          "median.dim", "mode", "kthvalue"))
 def _nonlinear_reduction(op: Op) -> OpInfo:
     dims, keepdim = _dims_keepdim(op)
     return reduction_info(op, dims, keepdim, linear=False)
+
+
+@register_rule(*overloads("topk", "sort", "argsort"))
+def _along_dim(op: Op) -> OpInfo:
+    """Selecting or ordering along one dim (topk keeps k of it, sort and argsort all):
+    every other dim splits freely; the dim itself is `^` in the input and the outputs."""
+    x = op.inputs[0]
+    args = bind(op)
+    dim = norm_dim(args.get("dim", -1), x.type.rank)
+    lm = LabelMaker()
+    labels = lm.many(x.type.rank)
+    sizes = dict(zip(labels, x.type.shape))
+    outs = []
+    fixed = {labels[dim]} if labels else set()
+    kept: dict[int, str] = {}  # topk keeps k of the dim: one label for values and indices
+    for v in op.outputs:
+        terms = [(lb,) for lb in labels]
+        if labels and v.type.shape[dim] != x.type.shape[dim]:
+            k = v.type.shape[dim]
+            if k not in kept:
+                kept[k] = lm()
+                sizes[kept[k]] = k
+                fixed.add(kept[k])
+            terms[dim] = (kept[k],)
+        outs.append(terms)
+    sig = Signature.make([[(lb,) for lb in labels]], outs, sizes, fixed=fixed)
+    return OpInfo(sig, x.type.numel)
 
 
 @register_rule(*overloads("cumsum", "cumprod", "cummax", "cummin", "logcumsumexp"))

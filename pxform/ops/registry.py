@@ -1,8 +1,11 @@
 """The op-rule registry: from an `Op` to its `OpInfo` (dim signature, FLOPs, view-ness).
 
 A rule is a function `Op -> OpInfo` registered for one or more aten overloads. Families of
-ops share one rule generator (pointwise, reductions, views, ...), one module each. An op
-with no rule fails at trace time with its name, the user's source line and how to register
+ops share one rule generator (pointwise, reductions, views, ...), one module each. Rules are
+also derived from op metadata: a family registered with `register_family(matches, rule)`
+serves every overload `matches` accepts and that has no rule of its own (the pointwise
+family takes every overload torch tags `torch.Tag.pointwise`). An op with no rule fails at
+trace time with its name, the user's source line and how to register
 one; with `allow_fallback=True` such ops get a replicated fallback rule (every dim `^`) and
 are reported.
 """
@@ -35,6 +38,8 @@ class OpInfo:
 
 Rule = Callable[[Op], OpInfo]
 _RULES: dict[Any, Rule] = {}
+# (matches, rule): rules derived from op metadata, tried in registration order
+_FAMILIES: list[tuple[Callable[[Any], bool], Rule]] = []
 FALLBACK_TAG = "pxform.fallback"
 
 
@@ -86,8 +91,27 @@ def overloads(*names: str) -> list[Any]:
     return out
 
 
+def register_family(matches: Callable[[Any], bool], rule: Rule) -> None:
+    """Derive rules from op metadata: `rule` serves every overload for which `matches`
+    is true and that has no rule registered for it.
+
+    Example:
+        >>> register_family(lambda t: torch.Tag.pointwise in getattr(t, "tags", ()),
+        ...                 pointwise_info)
+    """
+    _FAMILIES.append((matches, rule))
+
+
+def _rule_for(target: Any) -> Rule | None:
+    rule = _RULES.get(target)
+    if rule is None:
+        rule = next((r for matches, r in _FAMILIES if matches(target)), None)
+    return rule
+
+
 def has_rule(target: Any) -> bool:
-    return target in _RULES
+    """Has `target` a rule, registered or derived from its metadata?"""
+    return _rule_for(target) is not None
 
 
 def rule_info(op: Op) -> OpInfo:
@@ -98,7 +122,7 @@ def rule_info(op: Op) -> OpInfo:
     """
     if op.tag(FALLBACK_TAG):
         return fallback_info(op)
-    rule = _RULES.get(op.target)
+    rule = _rule_for(op.target)
     if rule is None:
         raise unsupported_error(op)
     try:
