@@ -131,3 +131,20 @@ def test_lowering_a_loaded_plan_imports_neither_search_nor_cost_model(tmp_path):
     lines = dict(line.split(" ", 1) for line in out.stdout.splitlines() if " " in line)
     assert lines["STAGES"] == "2"
     assert lines["BANNED"] == "[]", lines["BANNED"]
+
+
+def test_a_plan_missing_an_op_choice_is_refused_by_the_lowering():
+    from pxform.core.mesh import AbstractMesh
+    from pxform.lower.plan import PlanLowering
+    from pxform.passes.expand import prepare
+
+    plan = small_plan()
+    tp_block = plan.blocks[1]
+    broken = dataclasses.replace(tp_block, ops=tuple(t.split("/")[0] + "/-"
+                                                     for t in tp_block.ops))
+    bad = dataclasses.replace(plan, blocks=(plan.blocks[0], broken, *plan.blocks[2:]))
+    graph = prepare(pxform.trace(mlp, *mlp_args()).graph)
+    mesh = AbstractMesh({"outer": 2, "inner": 2, "mb": 2})
+    with pytest.raises(pxform.PxformError, match=r"the plan's block layer 1 has a tensor role "
+                       r"but op 0 has no tensor choice \('s:a/-'\)"):
+        PlanLowering(bad, "auto(mlp)").strategies(graph, mesh, [])

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import pytest
 import spmd_workers as W
+import torch
 
+import pxform
 from pxform import P
 from pxform.tools.testing import World
 
@@ -214,3 +216,18 @@ def test_dp_by_tp_on_four_ranks():
         assert "all_reduce(tp)" in r["fwd"] and "all_reduce(dp)" in r["bwd"]
         r = check(w4.run(W.gpt2_shard, {"dp": 2, "tp": 2}, "tp", GPT2_BATCH), loss_tol=1e-5)
         assert r["fwd"].count("all_reduce(tp)") == 2 and r["fwd"].count("all_reduce(dp)") == 1
+
+
+def test_a_spec_prefix_error_shows_the_arguments_types_not_their_values():
+    def fn(p, b):
+        return (b["x"] @ p["w"]).sum()
+
+    params, batch = {"w": torch.randn(4, 3)}, {"x": torch.randn(8, 4)}
+    step = pxform.shard(fn, mesh=pxform.AbstractMesh({"dp": 2}), in_specs=(None,))
+    with pytest.raises(pxform.SpecError) as err:
+        step.lower(params, batch)
+    msg = str(err.value)
+    assert msg.startswith("pxform.shard(fn): in_specs is not a pytree prefix of the arguments "
+                          "(tuple arity mismatch): in_specs=(None,) for ({'w': f32[4,3]}, "
+                          "{'x': f32[8,4]}).\n  Fix: give one spec per argument")
+    assert "tensor(" not in msg

@@ -10,6 +10,7 @@ import optree
 import torch
 
 from pxform.core.errors import SpecError
+from pxform.core.ir import TensorType
 from pxform.core.layout import Layout
 from pxform.core.mesh import AbstractMesh, check_spec
 from pxform.core.spec import P
@@ -60,6 +61,17 @@ def out_spec_layouts(out_specs: Any, traced: Traced, mesh: AbstractMesh, name: s
     return layouts
 
 
+class _Shown(str):
+    """A leaf's description that repr shows without quotes (`f32[16,4]`)."""
+
+    def __repr__(self) -> str:
+        return str(self)
+
+
+def _type_text(leaf: Any) -> Any:
+    return _Shown(str(TensorType.of(leaf))) if isinstance(leaf, torch.Tensor) else leaf
+
+
 def broadcast_specs(specs: Any, tree: Any, name: str, what: str = "in_specs") -> list[Any]:
     """One spec per leaf of `tree`, from a pytree prefix `specs` (P and None are leaves)."""
     def is_spec(x: Any) -> bool:
@@ -68,9 +80,12 @@ def broadcast_specs(specs: Any, tree: Any, name: str, what: str = "in_specs") ->
     try:
         per_leaf = optree.broadcast_prefix(specs, tree, is_leaf=is_spec, none_is_leaf=True)
     except ValueError as exc:
+        # optree's message prints the tree with every tensor's values: show types instead
+        reason = str(exc).split(";")[0]
+        shapes = optree.tree_map(_type_text, tree, none_is_leaf=True)
         raise SpecError(
             f"pxform.{name}: {what} is not a pytree prefix of the "
-            f"{'arguments' if what == 'in_specs' else 'outputs'}: {exc}\n  Fix: give one spec "
-            f"per argument (a P, None, or a dict/list/tuple mirroring it), e.g. "
-            f"in_specs=(None, {{'x': P('dp')}}).") from None
+            f"{'arguments' if what == 'in_specs' else 'outputs'} ({reason}): {what}={specs!r} "
+            f"for {shapes!r}.\n  Fix: give one spec per argument (a P, None, or a "
+            f"dict/list/tuple mirroring it), e.g. in_specs=(None, {{'x': P('dp')}}).") from None
     return list(per_leaf)

@@ -79,6 +79,11 @@ class PlanLowering:
             roles = dict(b.roles)
             for k, text in zip(range(b.start, b.stop), b.ops):
                 data, tensor = _choices(text, self.fn)
+                if tensor is None and "tp" in roles.values():
+                    raise PxformError(
+                        f"pxform.{self.fn}: the plan's block {b.label} has a tensor role but "
+                        f"op {k - b.start} has no tensor choice ({text!r}).\n  Fix: write the "
+                        f"plan again with Plan.save (or search again).")
                 combo = tuple(tensor if roles.get(ax) == "tp" else data for ax in mesh.names)
                 out.append(strategy_for(graph.ops[k], mesh, combo))
         flags = [b.recompute for b in self.plan.blocks]
