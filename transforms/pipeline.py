@@ -51,7 +51,7 @@ from pxform.runtime.boundary import (
 from pxform.runtime.buckets import DEFAULT_BUCKET_MB
 from pxform.runtime.collectives import AxisGroups
 from pxform.runtime.mesh import Mesh
-from pxform.runtime.pipeline import PipelineGroup, run_pipeline
+from pxform.runtime.pipeline import PipelineGroup, reads, run_pipeline
 from pxform.transforms.base import Enclosing, Nested
 from pxform.transforms.compile import Fallback, op_strategies
 from pxform.transforms.specs import out_spec_layouts
@@ -330,13 +330,8 @@ class Pipelined(Nested):
         _, place, _, sub = self._placement(enclosing)
         layouts = list(enclosing.layouts) if enclosing is not None else None
         program, _ = self._compile(args, sub, layouts, enclosing)
-        reads = self._reads(program, place)
-        return [j in reads for j in range(len(self._inputs(args)[1]))]
-
-    @staticmethod
-    def _reads(program: PipelineProgram, place: Any) -> set[int]:
-        return {j for st in program.stages if st.stage % place.size == place.rank
-                for j in st.graph_inputs}
+        held = reads(program, place)
+        return [j in held for j in range(len(self._inputs(args)[1]))]
 
     def _check_trainable(self, program: PipelineProgram) -> None:
         """A stage the schedule runs no backward for must not need one (nF1B's sweeps

@@ -433,6 +433,13 @@ def share_grads(program: PipelineProgram, place: PipelineGroup, grads: dict[int,
     return grads
 
 
+def reads(program: PipelineProgram, place: PipelineGroup) -> set[int]:
+    """The graph inputs this pipeline rank's stages read: the argument leaves it slices,
+    computes with and gets gradients for (a tied weight on every rank that reads it)."""
+    return {j for st in program.stages if st.stage % place.size == place.rank
+            for j in st.graph_inputs}
+
+
 def run_pipeline(program: PipelineProgram, out_tree: Any, actions: Sequence[Action | None],
                  weight_stages: set[int], args: tuple[Any, ...], grad_argnums: tuple[int, ...],
                  arg_of: Sequence[int], leaves: Sequence[Any], layouts: Sequence[Layout],
@@ -447,11 +454,10 @@ def run_pipeline(program: PipelineProgram, out_tree: Any, actions: Sequence[Acti
     sliced. Gradients of leaves read on several ranks (tied weights) are summed over the
     pipeline (`share_grads`); DTensor arguments and sharded layouts get DTensor gradients.
     """
-    reads = {j for st in program.stages if st.stage % place.size == place.rank
-             for j in st.graph_inputs}
+    held = reads(program, place)
     full_axes = mesh_axes(mesh) if mesh is not None else AxisGroups({}, {}, {})
     local = [(local_input(leaf, layout, full_axes, mesh.abstract) if mesh is not None
-              else leaf) if j in reads else None
+              else leaf) if j in held else None
              for j, (leaf, layout) in enumerate(zip(leaves, layouts))]
     want = [n in grad_argnums for n in arg_of]
     with torch.set_grad_enabled(bool(grad_argnums) or torch.is_grad_enabled()):
