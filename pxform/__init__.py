@@ -54,6 +54,8 @@ _EXPORTS: dict[str, str] = {
                     "pxform.transforms.recompute"),
     **dict.fromkeys(["Sharded", "shard"], "pxform.transforms.shard"),
     "gather": "pxform.runtime.boundary",
+    "load_checkpoint": "pxform.runtime.checkpoint",
+    "module_init": "pxform.frontend.module_init",
     **dict.fromkeys(["MemoryMeter", "MemoryReport", "MemoryStats", "memory_report"],
                     "pxform.tools.memory"),
     "measure": "pxform.tools.measure",
@@ -105,11 +107,13 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time, names load on firs
     from pxform.core.mesh import AbstractMesh
     from pxform.core.spec import UNCONSTRAINED, P
     from pxform.frontend.boundary import stage_boundary
+    from pxform.frontend.module_init import module_init
     from pxform.frontend.regions import Policy, RegionError
     from pxform.frontend.trace import Traced, module_fn, trace
     from pxform.lower.check import check
     from pxform.ops import OpInfo, Signature, register_rule
     from pxform.runtime.boundary import gather
+    from pxform.runtime.checkpoint import load_checkpoint
     from pxform.runtime.mesh import Mesh
     from pxform.runtime.worker import exit_worker
     from pxform.search import Pin, SearchError

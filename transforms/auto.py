@@ -44,6 +44,7 @@ from pxform.runtime.mesh import Mesh
 from pxform.search.plan import Plan
 from pxform.transforms.base import Executable, fn_name
 from pxform.transforms.compile import Fallback
+from pxform.transforms.initialize import stand_ins
 from pxform.transforms.pipeline import Pipelined
 from pxform.transforms.shard import Sharded
 
@@ -104,7 +105,26 @@ class Auto(Executable):
         """The plan for these arguments: searched on fake tensors (no devices, no
         processes), once per argument signature; or the plan given with `plan=`, checked
         to fit these arguments. Arguments may be on `meta`."""
+        self._cache["planned"] = stand_ins(args)
         return self._planned(args)[0]
+
+    def init(self, init_fn: Any, *init_args: Any) -> Any:
+        """The parameters computed by `init_fn(*init_args)`, laid out as the plan of the
+        last `plan(...)` call runs them (see `Sharded.init`): each rank computes only its
+        own pieces; in a pipelined plan, only its stages' leaves (None for the rest).
+
+        Example:
+            >>> step = pxform.auto(loss_fn, mesh=4, memory_budget="8GiB")
+            >>> step.plan(params_on_meta, batch)
+            >>> params = step.init(init_fn)
+        """
+        args = self._cache.get("planned")
+        if args is None:
+            raise PxformError(
+                f"pxform.auto({self.__name__}).init: the layout comes from the plan, and no "
+                f"plan was made yet.\n  Fix: call step.plan(params, batch) first (meta "
+                f"tensors do: params = pxform.trace-able shapes, e.g. from a model on meta).")
+        return self.executable(*args).init(init_fn, *init_args, batch=args[1:])
 
     def _planned(self, args: tuple[Any, ...]) -> tuple[Plan, set[str], tuple[Any, ...]]:
         """(plan, names of the batch inputs, the graph's inputs), once per signature."""

@@ -29,7 +29,7 @@ from pxform.frontend.trace import Traced, trace
 from pxform.lower.spmd import Program, lower
 from pxform.ops.strategy import Strategy
 from pxform.passes.expand import prepare
-from pxform.passes.propagate import propagate
+from pxform.passes.propagate import propagate, split_constants
 
 
 @dataclass(frozen=True)
@@ -51,18 +51,20 @@ class Planner(Protocol):
 
 
 def op_strategies(graph: Graph, mesh: AbstractMesh, layouts: Sequence[Layout],
-                  planner: Planner | None = None) -> tuple[Graph, list[Strategy]]:
-    """The graph to lower and one strategy per op: the planner's, or propagation's."""
+                  planner: Planner | None = None,
+                  sequential: frozenset[str] = frozenset()) -> tuple[Graph, list[Strategy]]:
+    """The graph to lower and one strategy per op: the planner's, or propagation's
+    (`sequential`: axes no collective can run over, a pipeline's microbatches)."""
     if planner is not None:
         return planner.strategies(graph, mesh, layouts)
-    return graph, propagate(graph, mesh, list(layouts))
+    return graph, propagate(graph, mesh, list(layouts), sequential)
 
 
 def compile_program(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
                     mesh: AbstractMesh, layouts: Sequence[Layout] | None = None,
                     out_layouts: Callable[[Traced], list[Layout | None]] | None = None,
-                    planner: Planner | None = None, fallback: Fallback | None = None
-                    ) -> tuple[Traced, Program]:
+                    planner: Planner | None = None, fallback: Fallback | None = None,
+                    keep: Sequence[bool] | None = None) -> tuple[Traced, Program]:
     """Trace `fn(*args, **kwargs)` and lower it for one rank of `mesh`.
 
     Args:
@@ -71,14 +73,21 @@ def compile_program(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
             them).
         planner: chooses the strategies instead of propagation.
         fallback: whether ops without a rule run replicated (default: they are refused).
+        keep: which outputs to compute (None: all); the program returns only those, and
+            computes nothing only the others need (`step.init` on a pipeline rank).
     """
     fallback = fallback or Fallback()
     traced = trace(fn, *args, allow_fallback=fallback.allow, report_fallbacks=fallback.report,
                    **kwargs)
     if layouts is None:
         layouts = [Layout.replicated(v.type.rank) for v in traced.graph.inputs]
-    graph = prepare(traced.graph, mesh, list(layouts))  # recompute and coshard regions
+    graph = traced.graph if keep is None else traced.graph.pruned(keep)
+    graph = prepare(graph, mesh, list(layouts))  # recompute and coshard regions
     graph, strategies = op_strategies(graph, mesh, layouts, planner)
     outs: list[Layout | None] = (out_layouts(traced) if out_layouts is not None
-                                 else [None] * len(graph.outputs))
+                                 else [None] * len(traced.graph.outputs))
+    if keep is not None:
+        outs = [lay for lay, k in zip(outs, keep) if k]
+    if planner is None:  # values of no input are computed in the pieces wanted
+        strategies = split_constants(graph, mesh, strategies, outs)
     return traced, lower(graph, mesh, list(layouts), strategies, outs)

@@ -34,6 +34,7 @@ from pxform.core.mesh import AbstractMesh
 from pxform.core.units import parse_bytes
 from pxform.frontend.trace import Traced, cache_key, module_given, trace
 from pxform.lower.mpmd import (
+    MB,
     PipelineProgram,
     lower_pipeline,
     output_layouts,
@@ -54,6 +55,13 @@ from pxform.runtime.mesh import Mesh
 from pxform.runtime.pipeline import PipelineGroup, reads, run_pipeline
 from pxform.transforms.base import Enclosing, Nested
 from pxform.transforms.compile import Fallback, op_strategies
+from pxform.transforms.initialize import (
+    initialize,
+    parameters_like,
+    refuse_meta,
+    stand_ins,
+    with_placeholders_filled,
+)
 from pxform.transforms.specs import out_spec_layouts
 
 if TYPE_CHECKING:  # stage-aware recompute is a search: loaded only when asked for
@@ -203,7 +211,8 @@ class Pipelined(Nested):
             graph = tag_blocks(graph, cuts.blocks, [r for s in plan.stages
                                                     for r in s.recompute], self.__name__)
             self._cache[("plan", key)] = plan
-        graph, strategies = op_strategies(graph, lowering_mesh, in_layouts, self.planner)
+        graph, strategies = op_strategies(graph, lowering_mesh, in_layouts, self.planner,
+                                          frozenset({MB}))
         # an enclosing shard's out_specs lay the outputs out on the sub-mesh
         wanted = (out_spec_layouts(enclosing.out_specs, traced, enclosing.abstract_mesh,
                                    enclosing.name)
@@ -306,6 +315,10 @@ class Pipelined(Nested):
         doc). `enclosing` comes from an enclosing `pxform.shard` (its mesh has the pipeline
         axis)."""
         mesh, place, axes, sub = self._placement(enclosing)
+        if enclosing is None:  # inside a shard, the shard checked
+            refuse_meta(self.fn, args, self.__name__)
+            args = with_placeholders_filled(args, self._cache.get("params_like"))
+            self._cache["rest"] = stand_ins(args[1:])
         layouts = list(enclosing.layouts) if enclosing is not None else None
         program, traced = self._compile(args, sub, layouts, enclosing)
         arg_of, leaves = self._inputs(args)
@@ -322,6 +335,32 @@ class Pipelined(Nested):
             program, traced.out_tree, actions, split, args, grad_argnums, arg_of, leaves,
             layouts or [Layout.replicated(t.dim()) for t in leaves], batch_dims, place, axes,
             mesh, sub, enclosing.bucket_mb if enclosing is not None else DEFAULT_BUCKET_MB)
+
+    def init(self, init_fn: Any, *init_args: Any, batch: tuple[Any, ...] | None = None
+             ) -> Any:
+        """The parameters computed by `init_fn(*init_args)` on this rank, only the leaves
+        its stages read (whole: a pipeline alone runs one device per stage); the others are
+        None. Which leaves those are depends on the traced step: pass the other arguments
+        as `batch=` (shapes suffice), unless an earlier call or `lower` gave them.
+        Inside `pxform.shard`, call the shard's `init` instead.
+
+        Example:
+            >>> step = pxform.pipeline(loss_fn, stages=2, microbatches=4)
+            >>> params = step.init(init_gpt, cfg, batch=(batch,))  # rank 1: None for wte...
+        """
+        _, params = parameters_like(init_fn, init_args)
+        self._cache["params_like"] = params  # the shapes None placeholders stand for
+        leaves = [x for x in optree.tree_leaves(params) if isinstance(x, torch.Tensor)]  # type: ignore[arg-type]
+        rest = batch if batch is not None else self._cache.get("rest")
+        if rest is None:
+            raise PipelineError(
+                f"pxform.{self.__name__}.init: which parameters this rank's stages read "
+                f"depends on the traced step, and no batch is known yet.\n  Fix: pass the "
+                f"step's other arguments (shapes suffice: meta tensors do): "
+                f"step.init(init_fn, batch=(batch,)).")
+        held = self.holds((params, *rest))[:len(leaves)]
+        return initialize(init_fn, init_args, None,
+                          [Layout.replicated(t.dim()) for t in leaves], held, self.__name__)
 
     def holds(self, args: tuple[Any, ...], enclosing: Enclosing | None = None) -> list[bool]:
         """Per tensor leaf of `args`, whether this rank's stages read it: the leaves it

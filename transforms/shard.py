@@ -20,6 +20,7 @@ from typing import Any, ClassVar
 import optree
 import torch
 
+from pxform.core.errors import SpecError
 from pxform.core.layout import Layout
 from pxform.core.mesh import AbstractMesh
 from pxform.frontend.trace import Traced, cache_key, module_given
@@ -30,6 +31,13 @@ from pxform.runtime.mesh import Mesh
 from pxform.runtime.program import run_spmd
 from pxform.transforms.base import Enclosing, Executable, Nested, bound_mesh
 from pxform.transforms.compile import Fallback, compile_program
+from pxform.transforms.initialize import (
+    initialize,
+    parameters_like,
+    refuse_meta,
+    stand_ins,
+    with_placeholders_filled,
+)
 from pxform.transforms.specs import in_spec_layouts, out_spec_layouts
 
 
@@ -80,6 +88,7 @@ class Sharded(Executable):
     def lower(self, *args: Any) -> Any:
         """The lowered per-rank program for these arguments (`.as_text()` prints it); for a
         pipelined function, its per-stage programs (`PipelineProgram`)."""
+        self._last["rest"] = stand_ins(args[1:])
         if isinstance(self.fn, Nested):
             return self.fn.lower(*args, enclosing=self.enclosing(args))
         return self._compile(args)[1]
@@ -89,13 +98,54 @@ class Sharded(Executable):
     def distribute(self, *args: Any) -> Any:
         """The arguments as DTensors laid out per the in_specs (needs a bound `Mesh`).
         The DTensors never share memory with the arguments (an optimizer updating them in
-        place leaves the caller's tensors as they were)."""
+        place leaves the caller's tensors as they were). Needs full tensors on every rank;
+        for a model larger than one device use `init` or `pxform.load_checkpoint`."""
         mesh = bound_mesh(self.mesh, self.__name__, "distribute")
+        refuse_meta(self.fn, args, f"{self.__name__}.distribute", self.mesh)
         return distribute(args, self._input_layouts(args), mesh)
+
+    def init(self, init_fn: Any, *init_args: Any, batch: tuple[Any, ...] | None = None
+             ) -> Any:
+        """The step's first argument (the parameters), computed by `init_fn(*init_args)`
+        on this world and laid out exactly as the step runs it: each rank computes only
+        its own pieces, and random fills give the same numbers under every plan (see
+        `pxform.transforms.initialize`). For a pipelined step, a rank computes only the
+        leaves its stages read; the others are None. Which those are depends on the traced
+        step, so a pipeline needs the other arguments: `batch=` (shapes only: meta tensors
+        do), or those of an earlier call, `lower` or `holds`.
+
+        Example:
+            >>> step = pxform.shard(loss_fn, mesh=mesh, in_specs=({"w": P("dp")}, P("dp")))
+            >>> params = step.init(lambda: {"w": torch.randn(1024, 1024) * 0.02})
+        """
+        mesh = bound_mesh(self.mesh, self.__name__, "init")
+        _, params = parameters_like(init_fn, init_args)
+        self._last["params_like"] = params  # the shapes None placeholders stand for
+        num = sum(isinstance(x, torch.Tensor) for x in optree.tree_leaves(params))  # type: ignore[arg-type]
+        if isinstance(self.fn, Nested):
+            rest = batch if batch is not None else self._last.get("rest")
+            if rest is None:
+                raise SpecError(
+                    f"pxform.{self.__name__}.init: which parameters this rank's pipeline "
+                    f"stages read depends on the traced step, and no batch is known yet.\n  "
+                    f"Fix: pass the step's other arguments (shapes suffice: meta tensors do): "
+                    f"step.init(init_fn, batch=(batch,)).")
+            full = (params, *rest)
+            enclosing = self.enclosing(full)
+            held = self.fn.holds(full, enclosing)[:num]
+            layouts = list(enclosing.layouts[:num])
+        else:
+            layouts = in_spec_layouts(self.fn, self.in_specs[:1], (params,), mesh.abstract,
+                                      self.__name__)
+            held = [True] * num
+        return initialize(init_fn, init_args, mesh, layouts, held, self.__name__)
 
     def run(self, args: tuple[Any, ...], grad_argnums: tuple[int, ...]) -> tuple[Any, Any]:
         """Run on this rank; with `grad_argnums`, also return gradients of the (scalar)
         output with respect to those arguments, laid out like them (as DTensors)."""
+        refuse_meta(self.fn, args, self.__name__, self.mesh)
+        args = with_placeholders_filled(args, self._last.get("params_like"))
+        self._last["rest"] = stand_ins(args[1:])
         if isinstance(self.fn, Nested):
             return self.fn.run(args, grad_argnums, enclosing=self.enclosing(args))
         mesh = bound_mesh(self.mesh, self.__name__, "call")

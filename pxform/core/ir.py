@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from dataclasses import replace as _dc_replace
 from typing import Any
@@ -307,6 +307,23 @@ class Graph:
             yield c.value
         for op in self.ops:
             yield from op.outputs
+
+    def pruned(self, keep: Sequence[bool]) -> Graph:
+        """This graph returning only the outputs `keep` marks, without the ops none of them
+        needs (a pipeline rank initialises only its stages' parameters). Ops keep their
+        tags, so random ops keep the keys they had in the whole graph.
+
+        Example:
+            >>> graph.pruned([True, False])    # the first output only
+        """
+        outputs = tuple(o for o, k in zip(self.outputs, keep) if k)
+        needed = {o.name for o in outputs if isinstance(o, Value)}
+        ops = []
+        for op in reversed(self.ops):
+            if any(v.name in needed for v in op.outputs):
+                ops.append(op)
+                needed.update(v.name for v in op.inputs)
+        return _dc_replace(self, ops=tuple(reversed(ops)), outputs=outputs)
 
     def producers(self) -> dict[str, Op]:
         """Map from value name to the op that defines it (inputs and constants absent)."""

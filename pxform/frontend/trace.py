@@ -42,9 +42,11 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from pxform.core.errors import PxformError, PxformWarning, SignatureMismatchError, TraceError
-from pxform.core.ir import DEVICE, Constant, Graph, Op, TensorType, Value, map_values
+from pxform.core.ir import DEVICE, Constant, Graph, Op, Renames, TensorType, Value, map_values
+from pxform.core.rng import coordinates, draw_seeds, generator_of, sample
 from pxform.core.units import format_bytes, format_table
-from pxform.ops import FALLBACK_TAG, has_rule, rule_info, unsupported_error
+from pxform.frontend.rng import PLAN_INDEPENDENT, RANDOM, tag_random
+from pxform.ops import FALLBACK_TAG, bind, has_rule, rule_info, unsupported_error
 
 MODULE_KEY = "pxform.module"
 """Key under `node.meta["custom"]` that carries the issuing module's dotted path."""
@@ -283,7 +285,8 @@ def trace(fn: Callable[..., Any], *args: Any, allow_fallback: bool = False,
 
     token = _TRACING.set(True)
     try:
-        with mode, _record_modules(), _record_user_frames(), fx_traceback.preserve_node_meta():
+        with mode, _record_modules(), _record_user_frames(), _traceable_init(), \
+                fx_traceback.preserve_node_meta():
             gm = make_fx(flat_fn, pre_dispatch=True, record_stack_traces=True)(*fakes)
     except (TraceError, SignatureMismatchError, PxformError):
         raise
@@ -345,11 +348,23 @@ def run_graph(graph: Graph, inputs: Sequence[torch.Tensor],
         a = map_values(a, lambda v: env[v.name])
         return device if a is DEVICE else a
 
+    # random ops draw from pxform's counter-based stream, as every plan's program does
+    seeds = draw_seeds([(op.target, op.args, dict(op.kwargs)) for op in graph.ops
+                        if op.tag(RANDOM) is not None])
     for k, op in enumerate(graph.ops):
         args = [resolve(a) for a in op.args]
         kw = {name: resolve(a) for name, a in op.kwargs}
         with torch.set_grad_enabled(op.grad and torch.is_grad_enabled()):
-            result = op.target(*args, **kw)
+            tag = op.tag(RANDOM)
+            if tag is not None and op.name in PLAN_INDEPENDENT:
+                assert seeds is not None
+                shape = op.outputs[0].type.shape
+                coords = coordinates(tag, [()] * len(shape), shape, {}, {}, device)
+                seed = seeds.of(generator_of(op.target, args, kw))
+                result = sample(op.name, op.target, args, kw, coords, tag, seed,
+                                op.outputs[0].type.dtype, device)
+            else:
+                result = op.target(*args, **kw)
         results = [r for r in (result if isinstance(result, (list, tuple)) else [result])
                    if isinstance(r, torch.Tensor)]
         for v, r in zip(op.outputs, results):
@@ -386,13 +401,15 @@ def _to_ir(gm: torch.fx.GraphModule, fn_name: str, input_names: list[str],
     grad = True
     counter = iter(range(sys.maxsize))
     input_ids = set()
-    # value name -> root value name it views (to refuse mutations that would alias)
-    view_root: dict[str, str] = {}
+    views = _Views()  # which values view which (in-place writes through views)
     placeholders = iter(input_names)
     outputs: list[Any] = []
 
     def new_value(val: torch.Tensor) -> Value:
         return Value(str(next(counter)), TensorType.of(val))
+
+    def fresh(t: TensorType) -> Value:
+        return Value(str(next(counter)), t)
 
     for node in gm.graph.nodes:
         if node.op == "placeholder":
@@ -407,7 +424,8 @@ def _to_ir(gm: torch.fx.GraphModule, fn_name: str, input_names: list[str],
             env[node] = v
         elif node.op == "output":
             (flat,) = node.args
-            outputs = [env[a] if isinstance(a, torch.fx.Node) else a for a in flat]
+            outputs = [views.renames.resolve(env[a]) if isinstance(a, torch.fx.Node) else a
+                       for a in flat]
         elif node.target is torch._C._set_grad_enabled:
             grad = bool(node.args[0])
         elif node.target is operator.getitem:
@@ -415,25 +433,28 @@ def _to_ir(gm: torch.fx.GraphModule, fn_name: str, input_names: list[str],
         elif node.target in _ASSERT_OPS:
             continue
         else:
-            op = _convert_call(node, env, new_value, grad)
-            op = _functionalize(op, node, input_ids, view_root, fn_name)
-            if isinstance(op.target, torch._ops.OpOverload) and op.inputs:
-                info_view = op.name in _VIEW_NAMES
-                if info_view:
-                    root = view_root.get(op.inputs[0].name, op.inputs[0].name)
-                    for o in op.outputs:
-                        view_root[o.name] = root
-            if not has_rule(op.target):
-                if not allow_fallback:
-                    raise unsupported_error(op)
-                op = op.replace(tags=op.tags + ((FALLBACK_TAG, True),))
-                fallbacks.append(op)
-            rule_info(op)  # a rule that cannot handle this call fails now, with the op named
-            ops.append(op)
+            op = views.renames.rewire(_convert_call(node, env, new_value, grad))
+            retaken = views.refresh(op, fresh)  # views taken before a write into their base
+            op = views.renames.rewire(op)
+            emitted = [*retaken, *_functionalize(op, input_ids, views, fn_name, fresh)]
+            op = emitted[len(retaken)]
+            if isinstance(op.target, torch._ops.OpOverload) and op.inputs \
+                    and op.name in _VIEW_NAMES:
+                views.add(op)
+            for new in emitted:
+                if not has_rule(new.target):
+                    if not allow_fallback:
+                        raise unsupported_error(new)
+                    new = new.replace(tags=new.tags + ((FALLBACK_TAG, True),))
+                    fallbacks.append(new)
+                rule_info(new)  # a rule that cannot handle this call fails now, named
+                ops.append(new)
             val = node.meta.get("val")
             env[node] = op.outputs if isinstance(val, (list, tuple)) else (
                 op.outputs[0] if op.outputs else None)
-    graph = Graph(tuple(inputs), tuple(ops), tuple(outputs), tuple(constants), fn_name)
+    # random ops get their key and traced shape now, before any pass rewrites them
+    graph = Graph(tuple(inputs), tuple(tag_random(ops)), tuple(outputs), tuple(constants),
+                  fn_name)
     return graph, fallbacks
 
 
@@ -466,40 +487,190 @@ def _convert_call(node: torch.fx.Node, env: dict[torch.fx.Node, Any],
               _source_line(node.meta.get("stack_trace")), grad)
 
 
-def _functionalize(op: Op, node: torch.fx.Node, input_ids: set[str],
-                   view_root: dict[str, str], fn_name: str) -> Op:
-    """Replace an in-place aten op by its functional form. make_fx already routes later
-    uses of the mutated tensor to this op's output, so SSA holds, unless the tensor is a
-    function input (the caller's state) or a view of another tensor (aliasing)."""
+class _Views:
+    """Which values are views of which, while a trace is converted: an in-place write
+    through a view (`x[0].zero_()`, `y[:, 0] = 5`) is written back into the viewed value
+    (`select_scatter`, `slice_scatter`, ...), and readers of the old value read the new one
+    (`renames`). Views of a value taken before a write through another of its views are
+    stale: a reader of one gets the view taken again from the new value."""
+
+    def __init__(self) -> None:
+        self.parent: dict[str, Op] = {}  # view value -> the view op that made it
+        self.children: dict[str, set[str]] = {}  # root -> its views
+        self.renames = Renames()
+        self.stale: dict[str, str] = {}  # stale view -> its root
+
+    def root(self, name: str) -> str:
+        while name in self.parent:
+            name = self.parent[name].inputs[0].name
+        return name
+
+    def add(self, op: Op) -> None:
+        root = self.root(op.inputs[0].name)
+        for o in op.outputs:
+            self.parent[o.name] = op
+            self.children.setdefault(root, set()).add(o.name)
+
+    def chain(self, name: str) -> list[Op]:
+        """The view ops from the root to `name`, outermost first."""
+        out = []
+        while name in self.parent:
+            out.append(self.parent[name])
+            name = self.parent[name].inputs[0].name
+        return out[::-1]
+
+    def written(self, root: str, through: set[str]) -> None:
+        """`root` was written through the views `through`: its other views are stale."""
+        for v in self.children.get(root, set()) - through:
+            self.stale[v] = root
+
+    def refresh(self, op: Op, fresh: Callable[[TensorType], Value]) -> list[Op]:
+        """Ops taking again, from the written value, the stale views `op` reads (as
+        functionalization regenerates views from their base); readers are rewired."""
+        out: list[Op] = []
+        for v in op.inputs:
+            root = self.stale.pop(v.name, None)
+            if root is None:
+                continue
+            base = self.renames.resolve(Value(root, v.type))
+            for vop in self.chain(v.name):
+                if len(vop.outputs) != 1:
+                    raise TraceError(
+                        f"pxform.trace: {op.name}{' at ' + op.source if op.source else ''} "
+                        f"reads a piece of %{root} ({vop.name}) taken before an in-place write "
+                        f"into %{root}.\n  Fix: take the piece again after the write.")
+                new = fresh(vop.outputs[0].type)
+                out.append(vop.replace(args=(base, *vop.args[1:]), outputs=(new,)))
+                base = new
+            self.renames.add(v, base)
+        return out
+
+
+# in-place ops whose functional form has another name (the random fills `torch.nn.init` uses)
+_FUNCTIONAL_NAMES = {("normal_", "default"): ("normal_functional", "default"),
+                     ("bernoulli_", "float"): ("bernoulli", "p"),
+                     ("bernoulli_", "Tensor"): ("bernoulli", "Tensor")}
+# view ops an in-place write can be carried back through (reshape may copy: not a view)
+_WRITE_BACK = {"select", "slice", "narrow", "alias", "detach", "view", "_unsafe_view",
+               "view_as", "squeeze", "unsqueeze", "flatten", "unflatten", "t", "transpose",
+               "permute"}
+
+
+def _functionalize(op: Op, input_ids: set[str], views: _Views, fn_name: str,
+                   fresh: Callable[[TensorType], Value]) -> list[Op]:
+    """An in-place aten op as its functional form, and, when it wrote into a view, the
+    ops writing the new values back into the viewed tensor (DESIGN.md: the IR is SSA). make_fx
+    already routes later uses of the mutated tensor to this op's output; readers of the
+    viewed tensor are rewired through `views.renames`. A function input (the caller's
+    state) must not be written."""
     target = op.target
     if not isinstance(target, torch._ops.OpOverload):
-        return op
+        return [op]
     schema = target._schema
     if not schema.arguments or not schema.is_mutable or not target._opname.endswith("_"):
-        return op
+        return [op]
     mutated = op.args[0] if op.args else None
-    if isinstance(mutated, Value):
-        root = view_root.get(mutated.name, mutated.name)
-        if root in input_ids:
-            raise TraceError(
-                f"pxform.trace({fn_name}): {target} mutates the function's argument "
-                f"%{root} in place{' at ' + op.source if op.source else ''}.\n  Fix: pure "
-                f"functions must not modify their inputs; use the out-of-place op "
-                f"(e.g. `x = x + 1` instead of `x += 1`).")
-        if root != mutated.name:
-            raise TraceError(
-                f"pxform.trace({fn_name}): {target} mutates a view of %{root} in place"
-                f"{' at ' + op.source if op.source else ''}; pxform's IR has no aliasing.\n"
-                f"  Fix: build the new tensor out of place (e.g. torch.where or torch.cat).")
-    functional = getattr(getattr(torch.ops.aten, target._opname[:-1], None),
-                         target._overloadname, None)
+    where = f" at {op.source}" if op.source else ""
+    name, overload = _FUNCTIONAL_NAMES.get((target._opname, target._overloadname),
+                                           (target._opname[:-1], target._overloadname))
+    functional = getattr(getattr(torch.ops.aten, name, None), overload, None)
+    if not isinstance(mutated, Value):
+        return [op.replace(target=functional)] if functional is not None else [op]
+    root = views.root(mutated.name)
+    if root in input_ids:
+        raise TraceError(
+            f"pxform.trace({fn_name}): {target} mutates the function's argument "
+            f"%{root} in place{where}.\n  Fix: pure functions must not modify their "
+            f"inputs; use the out-of-place op (e.g. `x = x + 1` instead of `x += 1`).")
     if functional is None:
         raise TraceError(f"pxform.trace({fn_name}): in-place op {target} has no functional "
-                         f"form{' at ' + op.source if op.source else ''}.")
-    return op.replace(target=functional)
+                         f"form{where}.")
+    chain = views.chain(mutated.name)
+    blocked = next((v for v in chain if v.name not in _WRITE_BACK), None)
+    if blocked is not None:
+        raise TraceError(
+            f"pxform.trace({fn_name}): {target} mutates a view of %{root} made by "
+            f"{blocked.name}{where}; pxform cannot write {blocked.name} views back.\n  Fix: "
+            f"build the new tensor out of place (e.g. torch.where or torch.cat).")
+    new = op.replace(target=functional)
+    out = [new]
+    child = new.outputs[0]
+    for vop in reversed(chain):  # write each level back into its parent
+        base = views.renames.resolve(vop.inputs[0])
+        value = fresh(base.type)
+        out.append(_write_back(vop, base, child, value, op.grad))
+        views.renames.add(vop.outputs[0], child)
+        views.renames.add(vop.inputs[0], value)
+        child = value
+    views.written(root, {v.outputs[0].name for v in chain})
+    return out
+
+
+def _write_back(view: Op, base: Value, child: Value, out: Value, grad: bool) -> Op:
+    """The op making `out`: `base` with the part `view` selects replaced by `child`."""
+    aten = torch.ops.aten
+    b = bind(view)
+
+    def make(target: Any, args: tuple[Any, ...]) -> Op:
+        return Op(target, args, (out,), module=view.module, source=view.source, grad=grad)
+
+    if view.name == "select":
+        return make(aten.select_scatter.default, (base, child, b["dim"], b["index"]))
+    if view.name in ("slice", "narrow"):
+        start = b.get("start") or 0
+        end = start + b["length"] if view.name == "narrow" else b.get("end")
+        step = b.get("step") or 1
+        return make(aten.slice_scatter.default, (base, child, b["dim"], start, end, step))
+    if view.name in ("t", "transpose"):
+        dims = (0, 1) if view.name == "t" else (b["dim0"], b["dim1"])
+        return make(aten.transpose.int, (child, *dims))
+    if view.name == "permute":
+        order = [d % base.type.rank for d in b["dims"]]
+        inverse = [order.index(d) for d in range(len(order))]
+        return make(aten.permute.default, (child, inverse))
+    # alias, detach, view, squeeze, unsqueeze, flatten...: every element, in order
+    return make(aten.reshape.default, (child, list(base.type.shape)))
 
 
 # ---------------------------------------------------------------- tracing helpers
+
+@contextlib.contextmanager
+def _traceable_init() -> Iterator[None]:
+    """While tracing, `torch.nn.init.trunc_normal_` samples by the inverse CDF (uniform,
+    erfinv, scale, clamp: what torch did before 2.6) instead of by rejection, whose loop
+    stops on the drawn values and cannot be traced. Same distribution; every caller of
+    `trunc_normal_` goes through the patched module global."""
+    init = torch.nn.init
+    original = getattr(init, "_no_grad_trunc_normal_", None)
+    if original is None:
+        yield
+        return
+
+    def trunc_normal(tensor: torch.Tensor, mean: float, std: float, a: float, b: float,
+                     generator: Any = None) -> torch.Tensor:
+        import math
+
+        def cdf(x: float) -> float:
+            return (1.0 + math.erf(x / math.sqrt(2.0))) / 2.0
+
+        with torch.no_grad():
+            lo, hi = cdf((a - mean) / std), cdf((b - mean) / std)
+            tensor.uniform_(2 * lo - 1, 2 * hi - 1)
+            # uniform_ can return its lower bound: erfinv(-1) is -inf (a value at `a`)
+            eps = torch.finfo(tensor.dtype).eps
+            tensor.clamp_(min=max(2 * lo - 1, -1 + eps), max=min(2 * hi - 1, 1 - eps))
+            tensor.erfinv_()
+            tensor.mul_(std * math.sqrt(2.0))
+            tensor.add_(mean)
+            tensor.clamp_(min=a, max=b)
+        return tensor
+
+    init._no_grad_trunc_normal_ = trunc_normal  # type: ignore[attr-defined]
+    try:
+        yield
+    finally:
+        init._no_grad_trunc_normal_ = original  # type: ignore[attr-defined]
+
 
 def _to_fake(t: torch.Tensor, mode: FakeTensorMode) -> torch.Tensor:
     """A fake CPU tensor with `t`'s shape, dtype and requires_grad, from any tensor."""

@@ -24,7 +24,7 @@ from pxform.core.errors import UnsupportedOpError
 from pxform.core.ir import Graph, Op, TensorType, Value, map_values
 from pxform.core.layout import Layout, Relayout
 from pxform.core.mesh import AbstractMesh
-from pxform.ops import bind
+from pxform.frontend.rng import PLAN_INDEPENDENT, RANDOM
 from pxform.ops.local import LocalCall, local_call
 from pxform.ops.strategy import Strategy
 from pxform.passes.propagate import (
@@ -225,29 +225,22 @@ def lower(graph: Graph, mesh: AbstractMesh, input_layouts: list[Layout],
     return Program(graph.name, mesh, inputs, tuple(instrs), tuple(outputs), graph.constants)
 
 
-_RANDOM = {"dropout", "feature_dropout", "alpha_dropout", "native_dropout", "bernoulli",
-           "rand", "randn", "randint", "rand_like", "randn_like", "randint_like", "normal",
-           "uniform", "randperm", "multinomial"}
-
-
 def _check_random(graph: Graph, op: Op, strategy: Strategy, mesh: AbstractMesh) -> None:
-    """Refuse random ops whose result is replicated over a mesh axis: every rank draws
-    from its own generator, so the replicas would silently differ."""
-    if op.name not in _RANDOM:
+    """Refuse random ops without a plan-independent form (`multinomial`) whose result is
+    replicated over a mesh axis: they draw from each rank's own generator, so the replicas
+    would silently diverge. Every other random op draws from the counter-based stream
+    (`pxform.frontend.rng`), the same at each position under any layout."""
+    if op.tag(RANDOM) is None or op.name in PLAN_INDEPENDENT:
         return
-    args = bind(op)
-    if op.name.endswith("dropout") and (args.get("p") == 0 or args.get("train") is False):
-        return  # drops nothing
     used = strategy.outputs[0].used_axes() if strategy.outputs else frozenset()
     replicated = [a for a in mesh.names if mesh.axis_size(a) > 1 and a not in used]
     if replicated:
         a = replicated[0]
         raise UnsupportedOpError(
             f"pxform.shard({graph.name}): {op} at {op.source or 'an unknown line'} draws "
-            f"random numbers for a value replicated over mesh axis {a!r} (size "
-            f"{mesh.axis_size(a)}) of {mesh}: each rank would draw its own, and the replicas "
-            f"would silently diverge.\n  Fix: make it deterministic under this mesh (dropout "
-            f"p=0 or eval mode), or lay the value out split over {a!r} (e.g. sequence "
-            f"parallel) so each rank draws for its own piece.")
-
-
+            f"random numbers from torch's generator for a value replicated over mesh axis "
+            f"{a!r} (size {mesh.axis_size(a)}) of {mesh}: each rank would draw its own, and "
+            f"the replicas would silently diverge. pxform's plan-independent stream covers "
+            f"{', '.join(sorted(PLAN_INDEPENDENT))}.\n  Fix: compute it from those (e.g. "
+            f"multinomial by inverse CDF on torch.rand), or lay the value out split over "
+            f"{a!r}.")

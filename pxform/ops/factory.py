@@ -15,10 +15,12 @@ from pxform.ops.signature import LabelMaker, Signature
 
 _FILLS = ["zeros", "ones", "full", "empty.memory_format", "empty.names", "empty_strided",
           "new_zeros", "new_ones", "new_full", "new_empty", "new_empty_strided",
-          "scalar_tensor", "rand", "randn", "randint", "randperm",
-          "normal_functional", "uniform", "bernoulli_functional"]
+          "scalar_tensor", "rand", "randn", "randint", "randperm"]
+# `*_like` ops and the functional forms of in-place fills (`normal_`, `uniform_`, `fill_`,
+# `zero_`: what `torch.nn.init` calls): the output has the template's shape
 _LIKE = ["zeros_like", "ones_like", "full_like", "empty_like", "rand_like", "randn_like",
-         "randint_like"]
+         "randint_like", "normal_functional", "uniform", "fill.Scalar", "zero",
+         "exponential", "geometric", "log_normal", "cauchy", "random"]
 _POSITIONAL = ["arange", "eye", "linspace", "logspace", "tril_indices", "triu_indices"]
 
 

@@ -88,6 +88,19 @@ def _first_linear(op: Op) -> OpInfo:
     return pointwise_info(op, [{0}] if op.inputs else [])
 
 
+@register_rule(*overloads("fill.Tensor"))
+def _fill_tensor(op: Op) -> OpInfo:
+    """`fill(x, value)` with a 0-d tensor value (`x[:, 0] = 5` in a trace)."""
+    return pointwise_info(op, [{1}])
+
+
+@register_rule(*overloads("copy.default"))
+def _copy(op: Op) -> OpInfo:
+    """`copy(x, src)` (a functionalised `x.copy_(src)`): src broadcast into x's shape and
+    dtype; x gives only the shape, so the output is linear in src alone."""
+    return pointwise_info(op, [{1}])
+
+
 @register_rule(*overloads(*_NONLINEAR))
 def _nonlinear(op: Op) -> OpInfo:
     return pointwise_info(op)

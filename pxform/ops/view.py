@@ -379,3 +379,25 @@ def _positional_dims(op: Op, rank: int, out_rank: int) -> list[int]:
         return [i for i, r in enumerate(reps) if r != 1]
     dim = args.get("dim")
     return list(range(rank)) if dim is None else [norm_dim(dim, rank)]
+
+
+@register_rule(*overloads("select_scatter", "slice_scatter"))
+def _scatter_into(op: Op) -> OpInfo:
+    """`select_scatter(x, src, dim, index)` / `slice_scatter(x, src, dim, start, end)`:
+    x with a slice replaced by src (what an in-place write into a view becomes when the
+    trace is functionalised). The written dim is `^` (positions move); the others are
+    shared with src; the output is linear in x and src jointly."""
+    x, src = op.inputs[0], op.inputs[1]
+    dim = norm_dim(bind(op)["dim"], x.type.rank)
+    lm = LabelMaker()
+    sizes: dict[str, int] = {}
+    labels = fresh_labels(x, lm, sizes)
+    src_labels = list(labels)
+    if op.name == "select_scatter":
+        del src_labels[dim]
+    else:
+        src_labels[dim] = lm()
+        sizes[src_labels[dim]] = src.type.shape[dim]
+    fixed = {labels[dim]} | ({src_labels[dim]} if op.name == "slice_scatter" else set())
+    return OpInfo(Signature.make([_terms(labels), _terms(src_labels)], [_terms(labels)],
+                                 sizes, fixed=fixed, linear=[{0, 1}]), src.type.numel)

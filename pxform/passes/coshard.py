@@ -24,6 +24,7 @@ import torch
 from pxform.core.ir import Graph, Op, Renames, TensorType, Value, map_values
 from pxform.core.layout import Layout
 from pxform.core.mesh import AbstractMesh
+from pxform.core.rng import PieceMap
 from pxform.frontend.boundary import is_boundary
 from pxform.frontend.regions import (
     COSHARD,
@@ -34,6 +35,7 @@ from pxform.frontend.regions import (
     RegionError,
     next_region,
 )
+from pxform.frontend.rng import RANDOM
 from pxform.frontend.trace import last_uses
 from pxform.ops.local import local_call
 from pxform.ops.registry import bind, rule_info
@@ -142,13 +144,13 @@ def _expand_region(body: list[Op], tag: CoshardTag, inputs: dict[int, Value],
         one piece is materialised at a time)."""
         return {name: _piece_of(v, d, c, n, g, first, out, suffix, region)
                 for name, (v, d) in split_inputs.items()}
-    counts = _counts(body, chosen, mesh, n, pieces, out, where)
+    counts = _counts(body, chosen, mesh, n, g, pieces, out, where)
 
     envs: list[dict[str, Value]] = []
     for c in range(n):
         region = RecomputeTag(next_region(), Policy(), f"{tag.fn} piece {c}")
         env = pieces(c, f"cs{c}", region)
-        _emit_piece(body, chosen, mesh, env, f"c{c}", region, counts, out)
+        _emit_piece(body, chosen, mesh, env, f"c{c}", (c, n, g), region, counts, out)
         envs.append(env)
 
     for op in body:  # combine the pieces of every value read after the region
@@ -175,10 +177,12 @@ def _expand_region(body: list[Op], tag: CoshardTag, inputs: dict[int, Value],
 
 
 def _emit_piece(ops: list[Op], chosen: list[Strategy], mesh: AbstractMesh,
-                env: dict[str, Value], suffix: str, region: RecomputeTag | None,
-                counts: dict[int, Value], out: list[Op]) -> None:
-    """Append the ops of one piece to `out`, rewritten for piece shapes; `env` maps each
-    value of the region to its piece (filled in as ops are emitted)."""
+                env: dict[str, Value], suffix: str, piece: tuple[int, int, int],
+                region: RecomputeTag | None, counts: dict[int, Value], out: list[Op]) -> None:
+    """Append the ops of piece c of n (the mesh splitting split dims g ways) to `out`,
+    rewritten for piece shapes; `env` maps each value of the region to its piece (filled in
+    as ops are emitted)."""
+    c, n, g = piece
     for op, s in zip(ops, chosen):
         call = local_call(op, s.inputs, s.outputs, mesh)
 
@@ -190,7 +194,12 @@ def _emit_piece(ops: list[Op], chosen: list[Strategy], mesh: AbstractMesh,
         outs = tuple(Value(f"{v.name}.{suffix}",
                            TensorType(lay.local_shape(v.type.shape, mesh), v.type.dtype))
                      for v, lay in zip(op.outputs, s.outputs))
-        kept = [(k, v) for k, v in op.tags if k not in (COSHARD, RECOMPUTE)]
+        kept = [(k, v) for k, v in op.tags if k not in (COSHARD, RECOMPUTE, RANDOM)]
+        random = op.tag(RANDOM)
+        if random is not None:  # its piece's elements keep their traced positions
+            kept.append((RANDOM, random.with_piece(tuple(
+                _piece_map(v_size, c, n, g) if AXIS in axes else None
+                for v_size, axes in zip(op.outputs[0].type.shape, s.outputs[0].dims)))))
         if region is not None:
             kept.append((RECOMPUTE, region))
         tags = tuple(sorted(kept, key=lambda kv: kv[0]))
@@ -203,6 +212,13 @@ def _emit_piece(ops: list[Op], chosen: list[Strategy], mesh: AbstractMesh,
             results = [_rescale(r, call.scale, divisor, new, out) for r in results]
         for v, r in zip(op.outputs, results):
             env[v.name] = r
+
+
+def _piece_map(size: int, c: int, n: int, g: int) -> PieceMap:
+    """Where piece c of n of a dim of `size` takes its elements (`_piece_of`): from each of
+    the g shards, the c-th run of size / (g n)."""
+    block = size // (g * n)
+    return PieceMap(block=block, stride=size // g, offset=c * block)
 
 
 def _piece_of(v: Value, d: int, c: int, n: int, g: int, op: Op, out: list[Op], suffix: str,
@@ -254,7 +270,7 @@ def _join(parts: list[Value], v: Value, d: int, g: int, op: Op, out: list[Op]) -
                   source=op.source))
 
 
-def _counts(body: list[Op], chosen: list[Strategy], mesh: AbstractMesh, n: int,
+def _counts(body: list[Op], chosen: list[Strategy], mesh: AbstractMesh, n: int, g: int,
             pieces: Callable[[int, str, RecomputeTag | None], dict[str, Value]],
             out: list[Op], where: str) -> dict[int, Value]:
     """For losses averaged over counted targets (`cross_entropy(ignore_index=...)`) split
@@ -287,7 +303,7 @@ def _counts(body: list[Op], chosen: list[Strategy], mesh: AbstractMesh, n: int,
         for c in range(n):
             env = pieces(c, f"t{c}_{name}", None)
             _emit_piece([body[k] for k in subset], [chosen[k] for k in subset], mesh, env,
-                        f"t{c}_{name}", None, counts, out)
+                        f"t{c}_{name}", (c, n, g), None, counts, out)
             t = env.get(target.name, target)
             keep = Value(f"{name}.keep{c}", TensorType(t.type.shape, torch.bool))
             got = Value(f"{name}.count{c}", TensorType((), torch.int64))

@@ -51,7 +51,8 @@ def relayout(shape: tuple[int, ...], itemsize: int, src: Layout, dst: Layout,
     return plan_relayout(shape, itemsize, src, dst, mesh)
 
 
-def propagate(graph: Graph, mesh: AbstractMesh, input_layouts: list[Layout]) -> list[Strategy]:
+def propagate(graph: Graph, mesh: AbstractMesh, input_layouts: list[Layout],
+              sequential: frozenset[str] = frozenset()) -> list[Strategy]:
     """Choose a strategy per op, greedily in program order: the one needing the least
     forward communication to bring its inputs into layout (planner's default costs); costs
     within 1% are ties (bytes that small do not matter next to a collective's latency), and
@@ -60,7 +61,11 @@ def propagate(graph: Graph, mesh: AbstractMesh, input_layouts: list[Layout]) -> 
     a layout nothing asked for (sequence parallelism is asked for with specs, or chosen by
     the search). Backward
     communication is what the forward choice implies (DP's gradient all-reduce). The search
-    of a later issue replaces this."""
+    of a later issue replaces this.
+
+    `sequential` names axes whose coordinates run one after another (a pipeline's
+    microbatches): no collective can run over them, so strategies needing one are taken
+    only when nothing else exists (the lowering then explains why the op cannot run)."""
     layouts: dict[str, Layout] = {v.name: lay for v, lay in zip(graph.inputs, input_layouts)}
     for c in graph.constants:
         layouts[c.value.name] = Layout.replicated(c.value.type.rank)
@@ -81,6 +86,9 @@ def propagate(graph: Graph, mesh: AbstractMesh, input_layouts: list[Layout]) -> 
                 fwd = relayout(t.shape, t.dtype.itemsize, layouts[v.name], s.inputs[i], mesh)
                 comm += fwd.cost
                 moves += len(fwd.steps)
+                if any(st.axis in sequential and st.kind not in ("slice", "zero")
+                       for st in fwd.steps):
+                    comm = math.inf
             ways = sum(math.log(mesh.axis_size(a)) for a, c in s.choices if c != REPLICATE)
             key = (comm, moves, ways)
             if best is None or _better(key, best):
@@ -96,6 +104,75 @@ def propagate(graph: Graph, mesh: AbstractMesh, input_layouts: list[Layout]) -> 
 def _better(key: tuple[float, int, float], best: tuple[float, int, float]) -> bool:
     cost, moves, ways = key
     best_cost, best_moves, best_ways = best
+    if math.isinf(cost) != math.isinf(best_cost):  # impossible ones lose to any other
+        return cost < best_cost
     if abs(cost - best_cost) > 0.01 * max(cost, best_cost):
         return cost < best_cost
     return (moves, ways) < (best_moves, best_ways)
+
+
+def split_constants(graph: Graph, mesh: AbstractMesh, chosen: list[Strategy],
+                    output_layouts: list[Layout | None]) -> list[Strategy]:
+    """Re-choose, backward from what their consumers need, the strategies of ops whose
+    values depend on no graph input (factories and what is computed from them: an
+    initialiser's whole body, masks built from `ones`), so each rank computes only its own
+    piece of a value that is wanted split instead of the whole value then a slice of it.
+    That is how `pxform.shard(init_fn, in_specs=(), out_specs=...)` initialises each shard
+    in place, as JAX's `jit(init, out_shardings=...)` does.
+
+    An op is changed only when every reader wants its output in one layout that slices
+    alone reach from the current one, and a strategy produces exactly that layout from
+    inputs that slices alone reach too: no communication is added, none needs a gradient.
+
+    Example:
+        >>> strategies = split_constants(graph, mesh, propagate(graph, mesh, layouts), outs)
+    """
+    inputs = {v.name for v in graph.inputs}
+    dependent: set[str] = set(inputs)
+    for op in graph.ops:
+        if any(v.name in dependent for v in op.inputs):
+            dependent.update(v.name for v in op.outputs)
+    chosen = list(chosen)
+    readers: dict[str, list[tuple[int, int]]] = {}
+    for k, op in enumerate(graph.ops):
+        for i, v in enumerate(op.inputs):
+            readers.setdefault(v.name, []).append((k, i))
+    outputs: dict[str, list[Layout | None]] = {}
+    for o, want in zip(graph.outputs, output_layouts):
+        if hasattr(o, "name"):
+            outputs.setdefault(o.name, []).append(want)
+    producer = {v.name: k for k, op in enumerate(graph.ops) for v in op.outputs}
+
+    def layout(name: str) -> Layout | None:
+        k = producer.get(name)
+        if k is None:
+            return None  # an input or a captured constant: as it is
+        op = graph.ops[k]
+        return chosen[k].outputs[[v.name for v in op.outputs].index(name)]
+
+    def slices_only(t: TensorType, src: Layout, dst: Layout) -> bool:
+        steps = relayout(t.shape, t.dtype.itemsize, src, dst, mesh).steps
+        return all(s.kind == "slice" or mesh.axis_size(s.axis) == 1 for s in steps)
+
+    for k in range(len(graph.ops) - 1, -1, -1):
+        op = graph.ops[k]
+        if len(op.outputs) != 1 or op.outputs[0].name in dependent:
+            continue
+        v = op.outputs[0]
+        current = chosen[k].outputs[0]
+        wanted = {chosen[j].inputs[i] for j, i in readers.get(v.name, [])}
+        wanted |= {w if w is not None else current for w in outputs.get(v.name, [])}
+        if len(wanted) != 1:
+            continue
+        (want,) = wanted
+        if want == current or want.partial or not slices_only(v.type, current, want):
+            continue
+        for s in all_strategies(op, mesh):
+            if s.outputs[0] != want:
+                continue
+            if all((have := layout(x.name)) is None and not s.inputs[i].used_axes()
+                   or have is not None and slices_only(x.type, have, s.inputs[i])
+                   for i, x in enumerate(op.inputs)):
+                chosen[k] = s
+                break
+    return chosen

@@ -22,30 +22,48 @@ import contextvars
 import functools
 import operator
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.fx
 
-from pxform.core.ir import DEVICE, Value
+from pxform.core import rng
+from pxform.core.ir import DEVICE, Op, Value
 from pxform.core.layout import Step
+from pxform.core.rng import RandomTag
 from pxform.frontend.regions import RECOMPUTE, SAVE, RecomputeTag
+from pxform.frontend.rng import PLAN_INDEPENDENT, RANDOM
 from pxform.lower.mpmd import StageProgram
 from pxform.lower.spmd import CallInstr, ConvertInstr, Instr, Program
 from pxform.ops import bind as bind_args
 from pxform.ops.local import CountSpec
+from pxform.passes.propagate import layout_of
 from pxform.runtime import collectives
 from pxform.runtime.buckets import GradSink
 from pxform.runtime.collectives import AxisGroups, all_reduce_sum, convert
 
-_ACTIVE: contextvars.ContextVar[tuple[AxisGroups, GradSink | None] | None] = \
-    contextvars.ContextVar("pxform_runtime", default=None)
+
+@dataclass(frozen=True)
+class Active:
+    """What program modules read while they run: this rank's process groups, where
+    parameter gradients go, and the call's random seed (`pxform.core.rng`)."""
+
+    axes: AxisGroups
+    buckets: GradSink | None = None
+    seeds: rng.Seeds | None = None
+
+
+_ACTIVE: contextvars.ContextVar[Active | None] = contextvars.ContextVar("pxform_runtime",
+                                                                       default=None)
 
 
 @contextlib.contextmanager
-def with_groups(axes: AxisGroups, buckets: GradSink | None = None) -> Iterator[None]:
-    """Run program modules on this rank's process groups (and gradient buckets)."""
-    token = _ACTIVE.set((axes, buckets))
+def with_groups(axes: AxisGroups, buckets: GradSink | None = None,
+                seeds: rng.Seeds | None = None) -> Iterator[None]:
+    """Run program modules on this rank's process groups (and gradient buckets); random
+    ops draw under `seeds` (one set per call of a step, `rng.draw_seeds`)."""
+    token = _ACTIVE.set(Active(axes, buckets, seeds))
     try:
         yield
     finally:
@@ -75,7 +93,7 @@ def regions_off() -> Iterator[None]:
         _REGIONS_OFF.reset(token)
 
 
-def _active() -> tuple[AxisGroups, GradSink | None]:
+def _active() -> Active:
     active = _ACTIVE.get()
     if active is None:
         raise RuntimeError("pxform: a program module ran outside "
@@ -97,7 +115,8 @@ class Convert(torch.nn.Module):
         self.param = param
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        axes, buckets = _active()
+        active = _active()
+        axes, buckets = active.axes, active.buckets
         if (buckets is not None and self.param is not None and x.requires_grad
                 and torch.is_grad_enabled()
                 and any(s.kind not in ("slice", "zero") for s in self.backward_steps)):
@@ -198,6 +217,53 @@ def saved_call(target: Any, *args: Any, **kwargs: Any) -> Any:
         _SAVING.reset(token)
 
 
+class RandomDraw(torch.nn.Module):
+    """A random op evaluated at this rank's global element positions with the call's seed
+    (`pxform.core.rng`): the same numbers at each position under every plan. `dims`
+    are the mesh axes splitting each dim of the output (its layout), `shape` its shape in
+    the lowered graph."""
+
+    def __init__(self, op: Op, dims: tuple[tuple[str, ...], ...]) -> None:
+        super().__init__()
+        self.target = op.target
+        self.op_name = op.name
+        self.tag: RandomTag = op.tag(RANDOM)
+        self.dims = dims
+        self.shape = op.outputs[0].type.shape
+        self.dtype = op.outputs[0].type.dtype
+        self.grad = op.grad
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        active = _active()
+        if active.seeds is None:
+            raise RuntimeError(f"pxform: random op {self.op_name} ran without a seed; run "
+                               f"programs through pxform.runtime.program.execute")
+        seed = active.seeds.of(rng.generator_of(self.target, args, kwargs))
+        device = next((a.device for a in (*args, *kwargs.values())
+                       if isinstance(a, torch.Tensor)), None) or kwargs.get("device") or \
+            torch.device("cpu")
+        axes = active.axes
+        coords = rng.coordinates(self.tag, self.dims, self.shape, axes.index, axes.sizes,
+                                 torch.device(device))
+        with torch.set_grad_enabled(self.grad and torch.is_grad_enabled()):
+            return rng.sample(self.op_name, self.target, args, kwargs, coords, self.tag, seed,
+                              self.dtype, torch.device(device))
+
+    def extra_repr(self) -> str:
+        return f"{self.op_name}, key={self.tag.key}, traced {list(self.tag.shape)}"
+
+
+def draw_seeds(programs: Sequence[Program | StageProgram]) -> rng.Seeds | None:
+    """One call's seeds for the random ops of `programs` (all of a pipeline's stages, so
+    every rank draws alike), or None without random ops."""
+    calls = []
+    for program in programs:
+        inner = program.program if isinstance(program, StageProgram) else program
+        calls += [(i.op.target, i.op.args, dict(i.op.kwargs)) for i in inner.instrs
+                  if isinstance(i, CallInstr) and i.op.tag(RANDOM) is not None]
+    return rng.draw_seeds(calls)
+
+
 class GlobalCount(torch.nn.Module):
     """The number of counted targets of a mean loss, summed over the axes splitting the
     batch (`cross_entropy(ignore_index=...)` divides by it)."""
@@ -209,7 +275,7 @@ class GlobalCount(torch.nn.Module):
 
     def forward(self, target: torch.Tensor, weight: torch.Tensor | None,
                 like: torch.Tensor) -> torch.Tensor:
-        axes, _ = _active()
+        axes = _active().axes
         for a in self.spec.axes:
             group = axes.groups.get(a)
             if isinstance(group, collectives.Microbatches):
@@ -247,6 +313,16 @@ def call_no_grad(target: Any, *args: Any, **kwargs: Any) -> Any:
 
 def device_of(x: torch.Tensor) -> torch.device:
     return x.device
+
+
+def default_device() -> torch.device:
+    """Where a program with no tensor inputs (an initialiser) creates its tensors: this
+    rank's GPU under NCCL, the CPU under gloo or without torch.distributed."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def _single_tensor(target: Any) -> bool:
@@ -352,7 +428,7 @@ class _Emitter:
         if self.device is None:
             first = next((n for n in self.graph.nodes if n.op == "placeholder"), None)
             self.device = (self.graph.call_function(device_of, (first,)) if first is not None
-                           else torch.device("cpu"))
+                           else self.graph.call_function(default_device, ()))
         return self.device
 
     def emit(self, instrs: Sequence[Instr]) -> None:
@@ -372,6 +448,20 @@ class _Emitter:
             args, kwargs = instr.local_args(lambda name: env[name])
             args = tuple(self.get_device() if a is DEVICE else a for a in args)
             kwargs = {k: self.get_device() if a is DEVICE else a for k, a in kwargs.items()}
+            if instr.op.tag(RANDOM) is not None and instr.op.name in PLAN_INDEPENDENT:
+                name = f"random_{num}"
+                root.add_module(name, RandomDraw(instr.op,
+                                                 layout_of(instr.outputs[0].type).dims))
+                node = graph.call_module(name, args, kwargs)
+                if len(instr.outputs) == 1:
+                    outs = [node]
+                else:
+                    outs = [graph.call_function(operator.getitem, (node, i))
+                            for i in range(len(instr.outputs))]
+                for v, o in zip(instr.outputs, outs):
+                    o.meta["local_shape"] = program.local_shape(v)
+                    env[v.name] = o
+                continue
             target: Any = call.target
             if not instr.op.grad:
                 args, target = (target, *args), call_no_grad

@@ -46,7 +46,13 @@ from pxform.runtime.boundary import (
 )
 from pxform.runtime.buckets import GradAccumulator
 from pxform.runtime.collectives import AxisGroups, Microbatches, all_reduce_sum
-from pxform.runtime.graph_module import local_count, module_of, regions_off, with_groups
+from pxform.runtime.graph_module import (
+    draw_seeds,
+    local_count,
+    module_of,
+    regions_off,
+    with_groups,
+)
 from pxform.runtime.mesh import Mesh
 from pxform.schedules.actions import Action
 
@@ -121,6 +127,9 @@ def run(program: PipelineProgram, actions: Sequence[Action | None], place: Pipel
     """
     m = program.microbatches
     num_stages = len(program.stages)
+    # one seed per call, drawn on every rank (all hold every stage's program) so the
+    # generator advances alike everywhere, whether or not this rank's stages draw
+    seeds = draw_seeds(program.stages)
     micro = Microbatches()
     per_mb = [AxisGroups({**axes.groups, MB: micro}, {**axes.index, MB: i},
                          {**axes.sizes, MB: m}) for i in range(m)]
@@ -141,7 +150,7 @@ def run(program: PipelineProgram, actions: Sequence[Action | None], place: Pipel
         for pre in st.counts:  # counts over all microbatches, before any backward
             total = torch.zeros((), dtype=torch.float64)
             for i in range(m):
-                with with_groups(per_mb[i]), torch.no_grad():
+                with with_groups(per_mb[i], seeds=seeds), torch.no_grad():
                     got = module_of(pre.program)(*[graph_input(j, i)
                                                      for j in pre.graph_inputs])
                 total = total + local_count(got[0], got[1] if len(got) > 1 else None,
@@ -179,7 +188,7 @@ def run(program: PipelineProgram, actions: Sequence[Action | None], place: Pipel
         later = grad and (s, i) in early
         if later:
             sl.rng = _rng_state(args)
-        with with_groups(per_mb[i], accumulator), torch.set_grad_enabled(grad and not later):
+        with with_groups(per_mb[i], accumulator, seeds), torch.set_grad_enabled(grad and not later):
             sl.outputs = tuple(module_of(st)(*args))
         num_sends = len(st.sends)
         if st.num_outputs:
@@ -236,7 +245,7 @@ def run(program: PipelineProgram, actions: Sequence[Action | None], place: Pipel
         if sl.rng is None:
             raise RuntimeError(f"pxform pipeline: {s}R{i} ran before {s}F{i}")
         args = [graph_input(j, i) for j in st.graph_inputs] + sl.leaves
-        with with_groups(per_mb[i], accumulator), torch.enable_grad(), regions_off(), \
+        with with_groups(per_mb[i], accumulator, seeds), torch.enable_grad(), regions_off(), \
                 _restored_rng(sl.rng):
             sl.outputs = tuple(module_of(st)(*args))
         sl.rng = None
@@ -245,7 +254,7 @@ def run(program: PipelineProgram, actions: Sequence[Action | None], place: Pipel
         st, sl = stage(s), slot(s, i)
         dys = iter(sl.weight_grads)
         offset = len(st.sends) + st.num_outputs
-        with with_groups(per_mb[i], accumulator):
+        with with_groups(per_mb[i], accumulator, seeds):
             for num_out, num_w in st.weight_ops:
                 ys = sl.outputs[offset:offset + num_out]
                 ws = sl.outputs[offset + num_out:offset + num_out + num_w]

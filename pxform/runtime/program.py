@@ -29,15 +29,17 @@ from pxform.runtime.boundary import (
 )
 from pxform.runtime.buckets import BucketStats, GradBuckets, GradSink
 from pxform.runtime.collectives import AxisGroups
-from pxform.runtime.graph_module import module_of, with_groups
+from pxform.runtime.graph_module import draw_seeds, module_of, with_groups
 from pxform.runtime.mesh import Mesh
 
 
 def execute(program: Program, inputs: Sequence[torch.Tensor], axes: AxisGroups,
             buckets: GradSink | None = None) -> list[Any]:
     """Evaluate `program` on local input shards; returns local outputs. With `buckets`,
-    gradients of inputs that need a collective are left to `buckets.finish()`."""
-    with with_groups(axes, buckets):
+    gradients of inputs that need a collective are left to `buckets.finish()`. A program
+    with random ops draws new seeds from torch's generators (`draw_seeds`: once per call,
+    the same on every rank seeded alike)."""
+    with with_groups(axes, buckets, draw_seeds([program])):
         return list(module_of(program)(*inputs))
 
 

@@ -1,0 +1,219 @@
+"""Worker functions for tests/test_init.py: `step.init` and `pxform.module_init` on a gloo
+world (issue 17: initialise and hold only your shards, the same numbers under every plan)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from gpt import GPT_CONFIGS, GPTConfig, loss_fn
+
+import pxform
+from pxform import P
+
+CFG = GPT_CONFIGS["tiny"]
+
+
+def init_gpt(cfg: GPTConfig) -> dict:
+    """A GPT initialiser using torch's default generator and torch.nn.init (truncated
+    normal for the embeddings, normal for the rest, constants for norms and biases)."""
+    d = cfg.d_model
+    proj = 0.02 / math.sqrt(2 * cfg.num_layers)
+
+    def normal(*shape, s=0.02):
+        return torch.randn(*shape) * s
+
+    wte = torch.empty(cfg.vocab_size, d)
+    torch.nn.init.trunc_normal_(wte, std=0.02)
+    blocks = [{
+        "ln1_w": torch.ones(d), "ln1_b": torch.zeros(d),
+        "qkv_w": normal(3 * d, d), "qkv_b": torch.zeros(3 * d),
+        "proj_w": normal(d, d, s=proj), "proj_b": torch.zeros(d),
+        "ln2_w": torch.ones(d), "ln2_b": torch.zeros(d),
+        "fc_w": normal(4 * d, d), "fc_b": torch.zeros(4 * d),
+        "out_w": normal(d, 4 * d, s=proj), "out_b": torch.zeros(d),
+    } for _ in range(cfg.num_layers)]
+    return {"wte": wte, "wpe": normal(cfg.seq_len, d, s=0.01), "blocks": blocks,
+            "lnf_w": torch.ones(d), "lnf_b": torch.zeros(d)}
+
+
+def gpt_loss(params, batch):
+    return loss_fn(params, batch, CFG)
+
+
+def batch_meta(cfg=CFG, batch_size=8):
+    shape = (batch_size, cfg.seq_len)
+    return {"idx": torch.empty(shape, dtype=torch.long, device="meta"),
+            "targets": torch.empty(shape, dtype=torch.long, device="meta")}
+
+
+def tp_specs(params):
+    def spec(name):
+        return {"qkv_w": P("tp"), "qkv_b": P("tp"), "fc_w": P("tp"), "fc_b": P("tp"),
+                "proj_w": P(None, "tp"), "out_w": P(None, "tp")}.get(name)
+    return {**{k: None for k in ("wte", "wpe", "lnf_w", "lnf_b")},
+            "blocks": [{k: spec(k) for k in b} for b in params["blocks"]]}
+
+
+def make_step(plan, num_ranks, params_like=None):
+    if plan == "dp":
+        return pxform.shard(gpt_loss, mesh=pxform.Mesh({"dp": num_ranks}),
+                            in_specs=(None, P("dp")))
+    if plan == "zero3":
+        return pxform.shard(gpt_loss, mesh=pxform.Mesh({"dp": num_ranks}),
+                            in_specs=(P("dp"), P("dp")))
+    if plan == "tp":
+        return pxform.shard(gpt_loss, mesh=pxform.Mesh({"tp": num_ranks}),
+                            in_specs=(tp_specs(params_like), None))
+    if plan == "pp_dp":
+        return pxform.shard(pxform.pipeline(gpt_loss, stages=2, microbatches=2),
+                            mesh=pxform.Mesh({"pp": 2, "dp": num_ranks // 2}),
+                            in_specs=(None, P("dp")))
+    if plan == "pp_zero3":
+        return pxform.shard(pxform.pipeline(gpt_loss, stages=2, microbatches=2),
+                            mesh=pxform.Mesh({"pp": 2, "dp": num_ranks // 2}),
+                            in_specs=(P("dp"), P("dp")))
+    raise ValueError(plan)
+
+
+def init_matches(plan, num_ranks):
+    """Initialise under `plan`; gather what this rank holds and compare bitwise with the
+    1-process run (the traced initialiser on this process, same generator state)."""
+    import optree
+    like = pxform.trace(init_gpt, CFG)  # the parameters' structure, for tp_specs
+    params_like = optree.tree_unflatten(like.out_tree, [None] * len(like.graph.outputs))
+    step = make_step(plan, num_ranks, params_like)
+    torch.manual_seed(11)
+    params = step.init(init_gpt, CFG, batch=(batch_meta(),)) if plan.startswith("pp") \
+        else step.init(init_gpt, CFG)
+    after = torch.get_rng_state()
+    torch.manual_seed(11)
+    ref = pxform.trace(init_gpt, CFG)(CFG)
+    same_state = torch.equal(after, torch.get_rng_state())
+    mine = optree.tree_leaves(params, none_is_leaf=True)
+    theirs = optree.tree_leaves(ref)
+    paths = optree.tree_paths(ref)
+    held, equal, types = [], True, set()
+    for path, a, b in zip(paths, mine, theirs):
+        if a is None:
+            continue
+        types.add(type(a).__name__)
+        held.append(".".join(map(str, path)))
+        full = a.full_tensor()
+        equal = equal and torch.equal(full, b)
+    return {"held": held, "equal": equal, "same_state": same_state, "types": sorted(types),
+            "num": len(theirs)}
+
+
+def init_memory(num_ranks):
+    """ZeRO-3 init of a GPT: this rank's metered peak during init, the model's size and
+    the largest single shard."""
+    cfg = GPTConfig(vocab_size=4096, seq_len=128, num_layers=2, num_heads=4, d_model=512)
+    step = pxform.shard(lambda p, b: loss_fn(p, b, cfg), mesh=pxform.Mesh({"dp": num_ranks}),
+                        in_specs=(P("dp"), P("dp")))
+    torch.manual_seed(0)
+    with pxform.MemoryMeter() as meter:
+        params = step.init(init_gpt, cfg)
+    leaves = [p for p in __import__("optree").tree_leaves(params)]
+    total = sum(p.numel() * p.element_size() for p in leaves)
+    largest = max(p.to_local().numel() * p.element_size() for p in leaves)
+    return {"peak": meter.stats.peak_bytes, "total": total, "largest_shard": largest,
+            "held": sum(p.to_local().numel() * p.element_size() for p in leaves)}
+
+
+def meta_error():
+    step = pxform.shard(gpt_loss, mesh=pxform.Mesh({"dp": 2}), in_specs=(None, P("dp")))
+    from gpt import init_params, make_batch
+    params = init_params(CFG, device="meta")
+    batch = make_batch(CFG, 4)
+    out = {}
+    try:
+        step(params, batch)
+    except pxform.PxformError as exc:
+        out["call"] = str(exc)
+    try:
+        step.distribute(params)
+    except pxform.PxformError as exc:
+        out["distribute"] = str(exc)
+    return out
+
+
+def trains_after_init(plan, num_ranks, steps=3):
+    """Init under `plan`, then a few AdamW steps; compared with one process starting from
+    the same init (the traced initialiser) with the same data."""
+    import optree
+    from gpt import make_batch
+    step = make_step(plan, num_ranks)
+    torch.manual_seed(5)
+    params = step.init(init_gpt, CFG, batch=(batch_meta(),)) if plan.startswith("pp") \
+        else step.init(init_gpt, CFG)
+    torch.manual_seed(5)
+    ref = pxform.trace(init_gpt, CFG)(CFG)
+    mine = [p for p in optree.tree_leaves(params) if p is not None]
+    opt = torch.optim.AdamW(mine, lr=1e-2)
+    ref_leaves = optree.tree_leaves(ref)
+    ref_leaves = [t.clone().requires_grad_(True) for t in ref_leaves]
+    ref_params = optree.tree_unflatten(optree.tree_structure(ref), ref_leaves)
+    ref_opt = torch.optim.AdamW(ref_leaves, lr=1e-2)
+    losses, ref_losses = [], []
+    for k in range(steps):
+        batch = make_batch(CFG, 8, seed=k)
+        loss, grads = pxform.value_and_grad(step)(params, batch)
+        for p, g in zip(optree.tree_leaves(params, none_is_leaf=True),
+                        optree.tree_leaves(grads, none_is_leaf=True)):
+            if p is not None:
+                p.grad = g
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss))
+        ref_loss = gpt_loss(ref_params, batch)
+        ref_loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        ref_losses.append(float(ref_loss.detach()))
+    err = 0.0
+    for p, r in zip(optree.tree_leaves(params, none_is_leaf=True), ref_leaves):
+        if p is not None:
+            err = max(err, float((p.full_tensor() - r.detach()).abs().max()))
+    return {"losses": losses, "ref_losses": ref_losses, "param_err": err}
+
+
+def llama_from_meta():
+    """HF Llama built on meta, initialised by module_init under ZeRO-3 on 2 ranks."""
+    import transformers
+    transformers.logging.set_verbosity_error()
+    cfg = transformers.LlamaConfig(vocab_size=2048, hidden_size=256, num_attention_heads=4,
+                                   num_key_value_heads=2, intermediate_size=1024,
+                                   num_hidden_layers=2, max_position_embeddings=64)
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(cfg)
+    fn, params = pxform.module_fn(model)
+
+    def loss(params, batch):
+        return fn(params, input_ids=batch["ids"], labels=batch["ids"]).loss
+
+    step = pxform.shard(loss, mesh=pxform.Mesh({"dp": 2}), in_specs=(P("dp"), P("dp")))
+
+    def rss():
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmRSS"):
+                    return int(line.split()[1]) * 1024
+        return 0
+
+    torch.manual_seed(0)
+    with pxform.MemoryMeter() as meter:
+        params = step.init(pxform.module_init(model))
+    total = sum(p.numel() * p.element_size() for p in params.values())
+    held = sum(p.to_local().numel() * p.element_size() for p in params.values())
+    largest = max(p.to_local().numel() * p.element_size() for p in params.values())
+    ids = torch.randint(0, cfg.vocab_size, (4, 16), generator=torch.Generator().manual_seed(1))
+    first = float(step(params, {"ids": ids}))
+    eager = transformers.LlamaForCausalLM(cfg)  # real weights: its rotary buffer
+    rotary = [k for k in params if k.endswith("inv_freq")]
+    rot_err = max(float((params[k].full_tensor() - dict(eager.named_buffers())[k]).abs().max())
+                  for k in rotary)
+    std = float(params["model.layers.0.mlp.up_proj.weight"].full_tensor().std())
+    return {"first_loss": first, "ln_vocab": math.log(cfg.vocab_size), "total": total,
+            "held": held, "peak": meter.stats.peak_bytes, "rotary": rotary, "largest": largest,
+            "rot_err": rot_err, "std": std, "init_range": cfg.initializer_range, "rss": rss()}
