@@ -253,13 +253,17 @@ the shard it fills)."""
 
 
 def field(coords: Sequence[torch.Tensor], shape: Sequence[int], dtype: torch.dtype,
-          fill: Any, device: torch.device | None = None) -> torch.Tensor:
+          fill: Any, device: torch.device | None = None,
+          into: torch.Tensor | None = None) -> torch.Tensor:
     """A tensor over the grid `coords` (per-dim traced indices; its shape is their
     lengths), filled chunk by chunk: `fill(linear, start, stop)` gets the traced linear
     indices (in `shape`) of flat elements [start, stop) and returns their values."""
     lengths = [c.numel() for c in coords]
     device = coords[0].device if coords else device
-    out = torch.empty(lengths, dtype=dtype, device=device)
+    fits = (into is not None and into.dtype == dtype and list(into.shape) == lengths
+            and into.is_contiguous() and not into.requires_grad)
+    out = into if fits else torch.empty(lengths, dtype=dtype, device=device)
+    assert out is not None
     flat = out.view(-1)
     strides = [1] * len(shape)
     for d in range(len(shape) - 2, -1, -1):
@@ -286,7 +290,7 @@ def _piece(t: Any, shape: Sequence[int], start: int, stop: int) -> Any:
 
 def sample(name: str, target: Any, args: Sequence[Any], kwargs: dict[str, Any],
            coords: list[torch.Tensor], tag: RandomTag, seed: int, dtype: torch.dtype,
-           device: torch.device | None = None) -> Any:
+           device: torch.device | None = None, into: torch.Tensor | None = None) -> Any:
     """Evaluate random op `name` (an aten call with local arguments) on this rank's
     elements, whose traced indices are `coords` (per dim), for the call's `seed`, on
     `device`. `dtype` is the op's output dtype. The semantics follow torch's ops; the
@@ -302,7 +306,8 @@ def sample(name: str, target: Any, args: Sequence[Any], kwargs: dict[str, Any],
         def fill(linear: torch.Tensor, start: int, stop: int) -> torch.Tensor:
             w0, w1 = bits(linear, seed, key)
             return values(w0, w1, start, stop)
-        return field(grid, tag.shape, out_dtype, fill, device)
+        return field(grid, tag.shape, out_dtype, fill, device,
+                     into if grid is coords else None)
 
     if name in ("dropout", "native_dropout", "feature_dropout", "alpha_dropout",
                 "feature_alpha_dropout"):

@@ -22,6 +22,12 @@ from pxform.ops import bind
 RANDOM = "pxform.random"
 """Tag key of ops that draw random numbers (value: `RandomTag`)."""
 
+INPLACE = "pxform.inplace"
+"""Tag key of the functional form of a user's in-place op (`w.normal_()` ->
+`normal_functional(w)`): its first input is never read again, so the runtime may write the
+result into it instead of allocating (an initialiser then needs no second copy of a
+shard)."""
+
 RANDOM_OPS = frozenset({
     "dropout", "feature_dropout", "alpha_dropout", "feature_alpha_dropout", "native_dropout",
     "bernoulli", "rand", "randn", "randint", "rand_like", "randn_like", "randint_like",

@@ -45,7 +45,7 @@ from pxform.core.errors import PxformError, PxformWarning, SignatureMismatchErro
 from pxform.core.ir import DEVICE, Constant, Graph, Op, Renames, TensorType, Value, map_values
 from pxform.core.rng import coordinates, draw_seeds, generator_of, sample
 from pxform.core.units import format_bytes, format_table
-from pxform.frontend.rng import PLAN_INDEPENDENT, RANDOM, tag_random
+from pxform.frontend.rng import INPLACE, PLAN_INDEPENDENT, RANDOM, tag_random
 from pxform.ops import FALLBACK_TAG, bind, has_rule, rule_info, unsupported_error
 
 MODULE_KEY = "pxform.module"
@@ -592,7 +592,9 @@ def _functionalize(op: Op, input_ids: set[str], views: _Views, fn_name: str,
             f"pxform.trace({fn_name}): {target} mutates a view of %{root} made by "
             f"{blocked.name}{where}; pxform cannot write {blocked.name} views back.\n  Fix: "
             f"build the new tensor out of place (e.g. torch.where or torch.cat).")
-    new = op.replace(target=functional)
+    # the value written is dead after this op (later readers read the new one): the
+    # runtime may write the result into it (`INPLACE`), as the user's in-place op did
+    new = op.replace(target=functional, tags=op.tags + ((INPLACE, True),))
     out = [new]
     child = new.outputs[0]
     for vop in reversed(chain):  # write each level back into its parent

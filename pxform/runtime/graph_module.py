@@ -33,7 +33,7 @@ from pxform.core.ir import DEVICE, Op, Value
 from pxform.core.layout import Step
 from pxform.core.rng import RandomTag
 from pxform.frontend.regions import RECOMPUTE, SAVE, RecomputeTag
-from pxform.frontend.rng import PLAN_INDEPENDENT, RANDOM
+from pxform.frontend.rng import INPLACE, PLAN_INDEPENDENT, RANDOM
 from pxform.lower.mpmd import StageProgram
 from pxform.lower.spmd import CallInstr, ConvertInstr, Instr, Program
 from pxform.ops import bind as bind_args
@@ -232,6 +232,7 @@ class RandomDraw(torch.nn.Module):
         self.shape = op.outputs[0].type.shape
         self.dtype = op.outputs[0].type.dtype
         self.grad = op.grad
+        self.inplace = bool(op.tag(INPLACE))  # its first input is dead: write into it
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         active = _active()
@@ -246,8 +247,10 @@ class RandomDraw(torch.nn.Module):
         coords = rng.coordinates(self.tag, self.dims, self.shape, axes.index, axes.sizes,
                                  torch.device(device))
         with torch.set_grad_enabled(self.grad and torch.is_grad_enabled()):
+            into = args[0] if self.inplace and args and isinstance(args[0], torch.Tensor) \
+                else None
             return rng.sample(self.op_name, self.target, args, kwargs, coords, self.tag, seed,
-                              self.dtype, torch.device(device))
+                              self.dtype, torch.device(device), into)
 
     def extra_repr(self) -> str:
         return f"{self.op_name}, key={self.tag.key}, traced {list(self.tag.shape)}"
