@@ -3,11 +3,12 @@
 What it shows: an unmodified `transformers` model becomes a pure function of a dict of
 tensors (`pxform.module_fn`); `pxform.auto` searches a parallel plan for that function
 (data parallel, ZeRO-3, tensor parallel, pipeline stages, recompute) under a memory budget
-and runs it on the ranks `torchrun` starts; the parameters are laid out per the plan as
-DTensors, the gradients come back as DTensors with the same placements, and a stock
-`torch.optim.AdamW` updates them. Each rank's optimizer holds only the parameters its part
-of the plan computes with (`step.holds`): with pipeline stages a rank gets `None` gradients
-for the layers of the other stages.
+and runs it on the ranks `torchrun` starts. The model is built on `meta`; each rank
+initialises only its pieces with the model's own initialisation (`pxform.module_init` and
+`step.init`), laid out per the plan as DTensors; the gradients come back as DTensors with
+the same placements, and a stock `torch.optim.AdamW` updates them. Each rank's optimizer
+holds only the parameters its part of the plan computes with: with pipeline stages a rank
+holds None for the layers of the other stages, and gets None gradients for them.
 
 The models are small random-init configs built here (no download, no tokenizer): 2 layers,
 hidden 64, vocabulary 128, 16-token sequences. The batches are seeded and deterministic
@@ -123,7 +124,8 @@ def parse_args(argv: list[str] | None = None) -> Args:
 
 
 def build_model(name: str, dtype: torch.dtype, seed: int) -> torch.nn.Module:
-    """A small random-init HF model. Seeded, so every rank builds the same weights."""
+    """A small HF model (built on meta by the caller: shapes only; `pxform.module_init`
+    gives its initial weights)."""
     import transformers
 
     transformers.logging.set_verbosity_error()
@@ -179,9 +181,10 @@ def rank0_print(*what: Any) -> None:
 
 
 def train_distributed(args: Args, loss: Any, params: dict[str, torch.Tensor],
-                      trainable: set[str], device: torch.device) -> Run:
-    """Search a plan, lay the parameters out per it and train. The result is the same on
-    every rank (its gradients only with `--check`: gathering them costs collectives)."""
+                      init_fn: Any, trainable: set[str], device: torch.device) -> Run:
+    """Search a plan on the parameters' shapes (`params` are on meta), initialise them
+    where they live per the plan (`step.init`) and train. The result is the same on every
+    rank (its gradients only with `--check`: gathering them costs collectives)."""
     world = dist.get_world_size()
     step = pxform.auto(loss, mesh=world, memory_budget=args.memory, hardware=args.hardware)
     first = to_device(make_batch(args.model, 0, args.batch, args.seed), device)
@@ -194,8 +197,12 @@ def train_distributed(args: Args, loss: Any, params: dict[str, torch.Tensor],
         rank0_print("\nno pipeline: BERT's padding mask mixes the whole batch into one "
                     "function, which microbatches cannot split (expected)")
     rank0_print()
-    dparams, _ = step.distribute(params, first)
-    held = step.holds(dparams, first)[0]
+    # each rank initialises only its own pieces, with the model's own initialisation
+    # (`_init_weights`, rotary frequencies included); in a pipeline a rank gets None for
+    # the other stages' leaves
+    torch.manual_seed(args.seed)
+    dparams = step.init(init_fn)
+    held = {k: v is not None for k, v in dparams.items()}
     mine = [k for k in dparams if held[k] and k in trainable]
     opt = torch.optim.AdamW([dparams[k] for k in mine], lr=args.lr)
     rank0_print(f"rank 0 holds {len(mine)} of {len(trainable)} trainable parameters; "
@@ -338,8 +345,12 @@ def main(argv: list[str] | None = None) -> int:
         dist.init_process_group("gloo")
     try:
         rank = dist.get_rank()
-        model = build_model(args.model, args.dtype, args.seed).to(device)
+        # built on meta: no rank holds the whole model; module_init runs its own
+        # initialisation later, on each rank's pieces only
+        with torch.device("meta"):
+            model = build_model(args.model, args.dtype, args.seed)
         fn, params = pxform.module_fn(model)
+        init_fn = pxform.module_init(model)
         # buffers (position ids, rotary frequencies) come without requires_grad: train
         # only what the model calls parameters
         trainable = {k for k, v in params.items() if v.requires_grad}
@@ -353,12 +364,14 @@ def main(argv: list[str] | None = None) -> int:
         rank0_print(f"{args.model}: {sum(params[k].numel() for k in trainable):,} parameters, "
                     f"{args.dtype}, batch {args.batch} x {SEQ} tokens, "
                     f"{dist.get_world_size()} ranks ({dist.get_backend()})\n")
-        # `step.distribute` copies, so `params` keep the initial weights for the check
-        initial = {k: v.cpu() for k, v in params.items()} if args.check else {}
-        run = train_distributed(args, loss, params, trainable, device)
+        run = train_distributed(args, loss, params, init_fn, trainable, device)
         ok = True
         if args.check:
             if rank == 0:  # the others wait for the verdict
+                # the same initial weights on one process: pxform's 1-rank run of the
+                # initialiser (its random numbers are the same under every plan)
+                torch.manual_seed(args.seed)
+                initial = {k: v.cpu() for k, v in pxform.trace(init_fn)().items()}
                 ref = train_reference(args, loss, initial, trainable, device)
                 ok = compare(args, run, ref, initial, trainable)
             # every rank exits with the verdict, so torchrun reports one outcome

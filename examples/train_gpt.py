@@ -19,10 +19,12 @@ What each piece does:
 * the plan: `pxform.auto(gpt_loss, mesh=world, ...)` searches on fake tensors (no memory);
   rank 0 prints `plan.explain()`. `--stages N` pins the pipeline depth, `--plan FILE` pins
   a saved plan (`--save-plan FILE` writes one).
-* the parameters: `step.distribute` lays them out per the plan (DTensors); gradients come
-  back as DTensors with the same placements, so `p.grad = g` and `torch.optim.AdamW` work
-  unchanged. In a pipeline a rank computes only its stage: `step.holds` says which leaves
-  it owns, and only those go to the optimizer and the checkpoint.
+* the parameters: the model is planned on `meta` shapes, then `step.init(init_fn)` makes
+  each rank compute only its own pieces, laid out per the plan (DTensors): no rank ever
+  holds the whole model. Gradients come back as DTensors with the same placements, so
+  `p.grad = g` and `torch.optim.AdamW` work unchanged. In a pipeline a rank initialises
+  only its stages' leaves (the others are None); only those go to the optimizer and the
+  checkpoint.
 * data: the batch of step k is a pure function of (--seed, k), the same on every rank
   (`pxform.auto` slices each rank's piece), so a resumed run sees exactly the batches the
   uninterrupted run would have.
@@ -42,6 +44,7 @@ What each piece does:
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -124,7 +127,7 @@ def batch_at(cfg: GPTConfig, args: argparse.Namespace, k: int) -> dict:
 def named(tree: Any) -> dict[str, Any]:
     """Leaves of a parameter pytree by dotted path ("blocks.0.qkv_w")."""
     paths, leaves, _ = optree.tree_flatten_with_path(
-        tree, is_leaf=lambda x: isinstance(x, torch.Tensor))
+        tree, is_leaf=lambda x: isinstance(x, torch.Tensor), none_is_leaf=True)
     return {".".join(str(k) for k in path): leaf for path, leaf in zip(paths, leaves)}
 
 
@@ -182,16 +185,20 @@ class Checkpoints:
         dcp.load(state, checkpoint_id=str(where))
 
 
-def full_params(params: dict[str, torch.Tensor], held: dict[str, bool]) -> dict:
+def full_params(params: dict[str, Any], held: dict[str, bool],
+                shapes: dict[str, torch.Tensor]) -> dict:
     """Every parameter as a full tensor on every rank, each taken from a rank that owns it
-    (in a pipeline, other ranks' copies are never updated)."""
+    (in a pipeline, a rank holds None for other stages' leaves)."""
     from torch.distributed.tensor import DTensor
 
     flags: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(flags, held)
     out = {}
     for name, p in params.items():
-        full = p.full_tensor() if isinstance(p, DTensor) else p
+        if p is None:  # another stage's: receive it
+            full = torch.empty(shapes[name].shape, dtype=shapes[name].dtype)
+        else:
+            full = p.full_tensor() if isinstance(p, DTensor) else p
         owner = min(r for r, f in enumerate(flags) if f[name])
         full = full.detach().clone().contiguous()
         dist.broadcast(full, src=owner)
@@ -199,10 +206,17 @@ def full_params(params: dict[str, torch.Tensor], held: dict[str, bool]) -> dict:
     return out
 
 
+def initializer(cfg: GPTConfig, args: argparse.Namespace, dtype: torch.dtype) -> Any:
+    """The parameters' initialiser (GPT-2 init, seeded by --seed through its generator)."""
+    return functools.partial(init_params, cfg, dtype=dtype, seed=args.seed)
+
+
 def reference(cfg: GPTConfig, args: argparse.Namespace, dtype: torch.dtype, steps: int
               ) -> tuple[list[float], dict]:
-    """The same training on this process alone, with plain autograd: the oracle."""
-    params = init_params(cfg, dtype=dtype, seed=args.seed)
+    """The same training on this process alone, with plain autograd: the oracle. Its
+    initial parameters are pxform's 1-rank run of the initialiser (pxform's random numbers
+    are the same under every plan, and differ from eager PyTorch's)."""
+    params = pxform.trace(initializer(cfg, args, dtype))()
     leaves = named(params)
     for p in leaves.values():
         p.requires_grad_(True)
@@ -232,18 +246,21 @@ def main(argv: list[str] | None = None) -> int:
         (Pin(stages=args.stages) if args.stages else None)
     step = pxform.auto(gpt_loss, mesh=world, hardware=args.hardware,
                        memory_budget=args.memory, plan=pin)
-    params = init_params(cfg, dtype=dtype, seed=args.seed)
+    # plan on shapes only: the model is built on meta, no rank ever holds all of it
+    shapes = init_params(cfg, dtype=dtype, device="meta")
     first = batch_at(cfg, args, 0)
-    plan = step.plan(params, first)
+    plan = step.plan(shapes, first)
     say(f"GPT {args.size} ({cfg.num_params() / 1e6:.2f} M parameters), {args.dtype}, "
         f"global batch {args.batch} x {cfg.seq_len} tokens, {world} rank(s)")
     say(plan.explain())
     if args.save_plan and rank == 0:
         plan.save(args.save_plan)
 
-    params, _ = step.distribute(params, first)
-    held = named(step.holds(params, first)[0])
+    # each rank initialises only its pieces (in a pipeline, only its stages' leaves: the
+    # others are None); the numbers are the same under every plan
+    params = step.init(initializer(cfg, args, dtype))
     leaves = named(params)
+    held = {name: p is not None for name, p in leaves.items()}
     owned = {n: p for n, p in leaves.items() if held[n]}
     opt = make_optimizer(list(owned.values()), args)
     init_adam_state(opt)
@@ -292,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"rank {rank}: simulated failure after step {k + 1}", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
 
-    final = full_params(leaves, held)
+    final = full_params(leaves, held, named(shapes))
     status = 0
     if rank == 0 and args.save_final:
         torch.save(final, args.save_final)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from gpt import GPT_CONFIGS, GPTConfig, loss_fn
 
 import pxform
@@ -217,3 +218,81 @@ def llama_from_meta():
     return {"first_loss": first, "ln_vocab": math.log(cfg.vocab_size), "total": total,
             "held": held, "peak": meter.stats.peak_bytes, "rotary": rotary, "largest": largest,
             "rot_err": rot_err, "std": std, "init_range": cfg.initializer_range, "rss": rss()}
+
+
+BIG = GPTConfig(vocab_size=1024, seq_len=32, num_layers=4, num_heads=4, d_model=256)
+
+
+def big_loss(params, batch):
+    """GPT loss with every block recomputed: the weights a block gathers (ZeRO-3) are
+    freed after its forward and gathered again for its backward."""
+    import gpt
+    cfg = BIG
+    idx = batch["idx"]
+    pos = torch.arange(idx.shape[1], device=idx.device)
+    x = F.embedding(idx, params["wte"]) + F.embedding(pos, params["wpe"])
+    for p in params["blocks"]:
+        x = pxform.recompute(lambda p, x: gpt.block(p, x, cfg))(p, x)
+    x = F.layer_norm(x, (cfg.d_model,), params["lnf_w"], params["lnf_b"])
+    logits = F.linear(x, params["wte"])
+    return F.cross_entropy(logits.flatten(0, 1), batch["targets"].flatten())
+
+
+def too_large(plan, num_ranks, steps=3):
+    """A GPT trained from init on `num_ranks` ranks (ZeRO-3, or 2 stages x ZeRO-3), every
+    block recomputed: this rank's metered peak (init, steps and AdamW state included)
+    against the model's float32 training state (parameters, gradients, Adam moments), and
+    the losses against one process from the same init."""
+    import optree
+    from gpt import make_batch
+    if plan == "zero3":
+        step = pxform.shard(big_loss, mesh=pxform.Mesh({"dp": num_ranks}),
+                            in_specs=(P("dp"), P("dp")))
+    else:
+        step = pxform.shard(pxform.pipeline(big_loss, stages=2, microbatches=2),
+                            mesh=pxform.Mesh({"pp": 2, "dp": num_ranks // 2}),
+                            in_specs=(P("dp"), P("dp")))
+    batches = [make_batch(BIG, 8, seed=k) for k in range(steps)]
+    torch.manual_seed(3)
+    losses = []
+    with pxform.MemoryMeter() as meter:
+        params = step.init(init_gpt, BIG, batch=(batches[0],)) if plan != "zero3" \
+            else step.init(init_gpt, BIG)
+        mine = [p for p in optree.tree_leaves(params) if p is not None]
+        opt = torch.optim.AdamW(mine, lr=1e-3)
+        for batch in batches:
+            loss, grads = pxform.value_and_grad(step)(params, batch)
+            for p, g in zip(optree.tree_leaves(params, none_is_leaf=True),
+                            optree.tree_leaves(grads, none_is_leaf=True)):
+                if p is not None:
+                    p.grad = g
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            del grads
+            losses.append(float(loss))
+    peak = meter.stats.peak_bytes
+    held = sum(p.to_local().numel() * 4 for p in mine)
+    final = {".".join(map(str, k)): p for k, p in zip(
+        optree.tree_paths(params, none_is_leaf=True),
+        optree.tree_leaves(params, none_is_leaf=True))}
+    # the 1-process run, outside the meter
+    torch.manual_seed(3)
+    ref = pxform.trace(init_gpt, BIG)(BIG)
+    leaves = [t.clone().requires_grad_(True) for t in optree.tree_leaves(ref)]
+    ref_params = optree.tree_unflatten(optree.tree_structure(ref), leaves)
+    ref_opt = torch.optim.AdamW(leaves, lr=1e-3)
+    ref_losses = []
+    for batch in batches:
+        loss = big_loss(ref_params, batch)
+        loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        ref_losses.append(float(loss.detach()))
+    err = 0.0
+    for k, r in zip(optree.tree_paths(ref), leaves):
+        p = final[".".join(map(str, k))]
+        if p is not None:
+            err = max(err, float((p.full_tensor() - r.detach()).abs().max()))
+    state = 16 * sum(t.numel() for t in leaves)  # fp32 params, grads, two Adam moments
+    return {"peak": peak, "state": state, "held": held, "losses": losses,
+            "ref_losses": ref_losses, "param_err": err}

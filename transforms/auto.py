@@ -44,7 +44,7 @@ from pxform.runtime.mesh import Mesh
 from pxform.search.plan import Plan
 from pxform.transforms.base import Executable, fn_name
 from pxform.transforms.compile import Fallback
-from pxform.transforms.initialize import stand_ins
+from pxform.transforms.initialize import parameters_like, stand_ins, with_placeholders_filled
 from pxform.transforms.pipeline import Pipelined
 from pxform.transforms.shard import Sharded
 
@@ -124,7 +124,13 @@ class Auto(Executable):
                 f"pxform.auto({self.__name__}).init: the layout comes from the plan, and no "
                 f"plan was made yet.\n  Fix: call step.plan(params, batch) first (meta "
                 f"tensors do: params = pxform.trace-able shapes, e.g. from a model on meta).")
+        self._cache["params_like"] = parameters_like(init_fn, init_args)[1]
         return self.executable(*args).init(init_fn, *init_args, batch=args[1:])
+
+    def _filled(self, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        """`args` with the None placeholders `init` left (other stages' leaves) standing
+        for their shapes again, so they plan and run as the parameters they stand for."""
+        return with_placeholders_filled(args, self._cache.get("params_like"))
 
     def _planned(self, args: tuple[Any, ...]) -> tuple[Plan, set[str], tuple[Any, ...]]:
         """(plan, names of the batch inputs, the graph's inputs), once per signature."""
@@ -225,6 +231,7 @@ class Auto(Executable):
         Example:
             >>> held = step.holds(params, batch)[0]    # {"wte": True, "blocks": [...], ...}
         """
+        args = self._filled(args)
         exe = self.executable(*args)
         reads = iter(exe.fn.holds(args, enclosing=exe.enclosing(args))) \
             if isinstance(exe.fn, Pipelined) else None
@@ -241,7 +248,8 @@ class Auto(Executable):
 
     def run(self, args: tuple[Any, ...], grad_argnums: tuple[int, ...]) -> tuple[Any, Any]:
         """Plan (once), lower and run on this rank (what `value_and_grad` calls)."""
-        return self.executable(*args).run(args, grad_argnums)
+        filled = self._filled(args)
+        return self.executable(*filled).run(args, grad_argnums)
 
 
 def auto(fn: Any = None, *, mesh: Any, memory_budget: Any = None, objective: str = "time",

@@ -419,6 +419,9 @@ def _to_ir(gm: torch.fx.GraphModule, fn_name: str, input_names: list[str],
             env[node] = v
         elif node.op == "get_attr":
             data = getattr(gm, node.target)
+            if not isinstance(data, torch.Tensor):  # a torch.Generator: a static argument
+                env[node] = data
+                continue
             v = Value(f"c{len(constants)}", TensorType.of(data))
             constants.append(Constant(v, data))
             env[node] = v

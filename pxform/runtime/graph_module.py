@@ -223,8 +223,10 @@ class RandomDraw(torch.nn.Module):
     are the mesh axes splitting each dim of the output (its layout), `shape` its shape in
     the lowered graph."""
 
-    def __init__(self, op: Op, dims: tuple[tuple[str, ...], ...]) -> None:
+    def __init__(self, op: Op, dims: tuple[tuple[str, ...], ...],
+                 generator: torch.Generator | None = None) -> None:
         super().__init__()
+        self.generator = generator  # the op's `generator=`: its seed is drawn from it
         self.target = op.target
         self.op_name = op.name
         self.tag: RandomTag = op.tag(RANDOM)
@@ -239,7 +241,7 @@ class RandomDraw(torch.nn.Module):
         if active.seeds is None:
             raise RuntimeError(f"pxform: random op {self.op_name} ran without a seed; run "
                                f"programs through pxform.runtime.program.execute")
-        seed = active.seeds.of(rng.generator_of(self.target, args, kwargs))
+        seed = active.seeds.of(self.generator)
         device = next((a.device for a in (*args, *kwargs.values())
                        if isinstance(a, torch.Tensor)), None) or kwargs.get("device") or \
             torch.device("cpu")
@@ -453,8 +455,13 @@ class _Emitter:
             kwargs = {k: self.get_device() if a is DEVICE else a for k, a in kwargs.items()}
             if instr.op.tag(RANDOM) is not None and instr.op.name in PLAN_INDEPENDENT:
                 name = f"random_{num}"
+                # a generator cannot be written into the module's code: the module holds it
+                generator = rng.generator_of(call.target, args, kwargs)
+                args = tuple(None if isinstance(a, torch.Generator) else a for a in args)
+                kwargs = {k: a for k, a in kwargs.items() if not isinstance(a, torch.Generator)}
                 root.add_module(name, RandomDraw(instr.op,
-                                                 layout_of(instr.outputs[0].type).dims))
+                                                 layout_of(instr.outputs[0].type).dims,
+                                                 generator))
                 node = graph.call_module(name, args, kwargs)
                 if len(instr.outputs) == 1:
                     outs = [node]
