@@ -296,3 +296,58 @@ def too_large(plan, num_ranks, steps=3):
     state = 16 * sum(t.numel() for t in leaves)  # fp32 params, grads, two Adam moments
     return {"peak": peak, "state": state, "held": held, "losses": losses,
             "ref_losses": ref_losses, "param_err": err}
+
+
+def pipeline_and_auto_init():
+    """`init` on a pipeline alone (whole tensors, only this stage's leaves) and on `auto`
+    after `plan`; then a step on the initialised parameters equals one process's."""
+    import optree
+    from gpt import init_params, make_batch
+    batch = make_batch(CFG, 8)
+    torch.manual_seed(2)
+    ref = pxform.trace(init_gpt, CFG)(CFG)
+    ref_loss = float(gpt_loss(ref, batch))
+    out = {}
+    pipe = pxform.pipeline(gpt_loss, stages=2, microbatches=2)
+    torch.manual_seed(2)
+    params = pipe.init(init_gpt, CFG, batch=(batch,))
+    leaves = optree.tree_leaves(params, none_is_leaf=True)
+    out["pipe_types"] = sorted({type(p).__name__ for p in leaves})
+    out["pipe_equal"] = all(torch.equal(p, r) for p, r in zip(leaves, optree.tree_leaves(ref))
+                            if p is not None)
+    out["pipe_loss_err"] = abs(float(pipe(params, batch)) - ref_loss)
+    step = pxform.auto(gpt_loss, mesh=2, memory_budget="1GiB", hardware="a100-40gb")
+    try:
+        step.init(init_gpt, CFG)
+    except pxform.PxformError as exc:
+        out["before_plan"] = str(exc)
+    step.plan(init_params(CFG, device="meta"), batch)
+    torch.manual_seed(2)
+    params = step.init(init_gpt, CFG)
+    out["auto_equal"] = all(torch.equal(p.full_tensor(), r) for p, r in zip(
+        optree.tree_leaves(params, none_is_leaf=True), optree.tree_leaves(ref))
+        if p is not None)
+    out["auto_loss_err"] = abs(float(step(params, batch)) - ref_loss)
+    return out
+
+
+def shard_init_direct():
+    """`pxform.shard(init_fn, in_specs=(), out_specs=...)()`: the initialiser itself under
+    shard; each rank's program allocates only its pieces (local shapes in the program)."""
+    import optree
+    specs = {"wte": P("dp"), "wpe": P(None, "dp"), "lnf_w": P("dp"), "lnf_b": None,
+             "blocks": P("dp")}
+    step = pxform.shard(init_gpt, mesh=pxform.Mesh({"dp": 2}), in_specs=(None,),
+                        out_specs=specs)
+    torch.manual_seed(4)
+    params = step(CFG)
+    torch.manual_seed(4)
+    ref = pxform.trace(init_gpt, CFG)(CFG)
+    equal = all(torch.equal(p.full_tensor() if hasattr(p, "full_tensor") else p, r)
+                for p, r in zip(optree.tree_leaves(params), optree.tree_leaves(ref)))
+    program = step.lower(CFG)
+    whole = [str(i.op) for i in program.instrs if hasattr(i, "op")
+             and any(program.local_shape(v) == v.type.shape and v.type.numel > CFG.d_model
+                     for v in i.outputs)]
+    return {"equal": equal, "wte_type": type(params["wte"]).__name__,
+            "lnf_b_type": type(params["lnf_b"]).__name__, "whole": whole}
