@@ -113,11 +113,14 @@ def run(plan, num_ranks, steps=2):
 
 
 def reference_at_state(fn, params, batch):
+    """pxform's 1-rank run: the traced function on this process, with autograd."""
+    import optree
     traced = pxform.trace(fn, params, batch)
-    leaves = {k: v.detach().clone().requires_grad_(True) for k, v in params.items()}
-    loss = traced(leaves, batch)
-    grads = torch.autograd.grad(loss, list(leaves.values()))
-    return loss.detach(), dict(zip(leaves, grads))
+    flat, tree = optree.tree_flatten(params)
+    leaves = [v.detach().clone().requires_grad_(True) for v in flat]
+    loss = traced(optree.tree_unflatten(tree, leaves), batch)
+    grads = torch.autograd.grad(loss, leaves)
+    return loss.detach(), optree.tree_unflatten(tree, list(grads))
 
 
 def masks(num_ranks):
@@ -133,3 +136,37 @@ def masks(num_ranks):
     out = step(x)
     local = out.to_local() if hasattr(out, "to_local") else out
     return (local == 0).to(torch.int8)
+
+
+def attention_dropout(plan, num_ranks):
+    """GPT with dropout everywhere, attention dropout included (written out at trace
+    time), under tensor parallelism (heads split) or ZeRO-3, against the 1-rank run."""
+    import dataclasses
+
+    from gpt import GPT_CONFIGS, init_params, loss_fn, make_batch
+    cfg = dataclasses.replace(GPT_CONFIGS["tiny"], dropout=0.1)
+    params = {k: v for k, v in init_params(cfg, dtype=torch.float64).items()}
+    batch = make_batch(cfg, 4)
+
+    def fn(params, batch):
+        return loss_fn(params, batch, cfg)
+
+    if plan == "tp":
+        heads = {"qkv_w": P("tp"), "qkv_b": P("tp"), "proj_w": P(None, "tp")}
+        specs = {**{k: None for k in params if k != "blocks"},
+                 "blocks": [{k: heads.get(k) for k in b} for b in params["blocks"]]}
+        step = pxform.shard(fn, mesh=pxform.Mesh({"tp": num_ranks}), in_specs=(specs, None))
+    else:
+        step = pxform.shard(fn, mesh=pxform.Mesh({"dp": num_ranks}),
+                            in_specs=(P("dp"), P("dp")))
+    torch.manual_seed(9)
+    loss, grads = pxform.value_and_grad(step)(params, batch)
+    torch.manual_seed(9)
+    ref_loss, ref_grads = reference_at_state(fn, params, batch)
+    traced = pxform.trace(fn, params, batch)
+    import optree
+    grads = pxform.gather(grads)
+    err = max(float((g - r).abs().max()) for g, r in zip(optree.tree_leaves(grads),
+                                                          optree.tree_leaves(ref_grads)))
+    return {"loss": abs(float(loss) - float(ref_loss)), "grad": err,
+            "dropouts": sum(op.name == "dropout" for op in traced.graph.ops)}

@@ -90,3 +90,11 @@ def test_masks_are_real_rate_p_and_different_on_every_shard(world4):
             # independent masks agree where both keep or both drop: about p^2 + (1-p)^2
             agree = float((masks[i] == masks[j]).float().mean())
             assert abs(agree - (W.P_DROP**2 + (1 - W.P_DROP) ** 2)) < 0.01
+
+
+@pytest.mark.parametrize("plan", ["tp", "zero3"])
+def test_attention_dropout_is_plan_independent(world2, plan):
+    for r in world2.run(W.attention_dropout, plan, 2):
+        # 2 layers x (attention probabilities, attention output, MLP output) + embeddings
+        assert r["dropouts"] == 7, r
+        assert r["loss"] < 1e-12 and r["grad"] < 1e-12, r

@@ -286,7 +286,7 @@ def trace(fn: Callable[..., Any], *args: Any, allow_fallback: bool = False,
     token = _TRACING.set(True)
     try:
         with mode, _record_modules(), _record_user_frames(), _traceable_init(), \
-                fx_traceback.preserve_node_meta():
+                _attention_dropout_explicit(), fx_traceback.preserve_node_meta():
             gm = make_fx(flat_fn, pre_dispatch=True, record_stack_traces=True)(*fakes)
     except (TraceError, SignatureMismatchError, PxformError):
         raise
@@ -638,6 +638,48 @@ def _write_back(view: Op, base: Value, child: Value, out: Value, grad: bool) -> 
 
 
 # ---------------------------------------------------------------- tracing helpers
+
+@contextlib.contextmanager
+def _attention_dropout_explicit() -> Iterator[None]:
+    """While tracing, `F.scaled_dot_product_attention` with `dropout_p > 0` is written out
+    (scores, softmax, dropout, weighted sum), so its dropout is an ordinary dropout op that
+    draws from pxform's plan-independent stream at each (batch, head, query, key) position;
+    the fused kernel would draw from each rank's own generator. Without dropout the fused
+    op is kept. The scores are materialised: O(queries x keys) memory per head."""
+    functional = torch.nn.functional
+    fused = functional.scaled_dot_product_attention
+
+    def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                  attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0,
+                  is_causal: bool = False, scale: float | None = None,
+                  enable_gqa: bool = False) -> torch.Tensor:
+        if not dropout_p:
+            return fused(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
+                         is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
+        import math
+
+        if enable_gqa and key.shape[-3] != query.shape[-3]:
+            groups = query.shape[-3] // key.shape[-3]
+            key = key.repeat_interleave(groups, dim=-3)
+            value = value.repeat_interleave(groups, dim=-3)
+        factor = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
+        scores = torch.matmul(query, key.transpose(-2, -1)) * factor
+        if is_causal:
+            keep = torch.ones(query.shape[-2], key.shape[-2], dtype=torch.bool,
+                              device=query.device).tril()
+            scores = scores.masked_fill(~keep, float("-inf"))
+        if attn_mask is not None:
+            scores = (scores.masked_fill(~attn_mask, float("-inf"))
+                      if attn_mask.dtype == torch.bool else scores + attn_mask)
+        probs = functional.dropout(torch.softmax(scores, dim=-1), dropout_p, training=True)
+        return torch.matmul(probs, value)
+
+    functional.scaled_dot_product_attention = attention  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        functional.scaled_dot_product_attention = fused
+
 
 @contextlib.contextmanager
 def _traceable_init() -> Iterator[None]:

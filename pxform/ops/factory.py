@@ -45,6 +45,9 @@ def _factory_info(op: Op, positional: bool) -> OpInfo:
 
 @register_rule(*overloads(*_FILLS))
 def _fill(op: Op) -> OpInfo:
+    if op.name.startswith("new_") and op.inputs and op.outputs \
+            and op.outputs[0].type.shape == op.inputs[0].type.shape:
+        return _like(op)  # `x.new_zeros(x.shape)` is `zeros_like(x)`: shards with x
     return _factory_info(op, positional=op.name == "randperm")
 
 
