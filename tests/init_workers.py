@@ -77,6 +77,19 @@ def make_step(plan, num_ranks, params_like=None):
     raise ValueError(plan)
 
 
+def train_step(step, params, batch, opt):
+    """One step: gradients onto the parameters this rank holds, then the optimizer."""
+    import optree
+    loss, grads = pxform.value_and_grad(step)(params, batch)
+    for p, g in zip(optree.tree_leaves(params, none_is_leaf=True),
+                    optree.tree_leaves(grads, none_is_leaf=True)):
+        if p is not None:
+            p.grad = g
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return float(loss)
+
+
 def init_matches(plan, num_ranks):
     """Initialise under `plan`; gather what this rank holds and compare bitwise with the
     1-process run (the traced initialiser on this process, same generator state)."""
@@ -159,14 +172,7 @@ def trains_after_init(plan, num_ranks, steps=3):
     losses, ref_losses = [], []
     for k in range(steps):
         batch = make_batch(CFG, 8, seed=k)
-        loss, grads = pxform.value_and_grad(step)(params, batch)
-        for p, g in zip(optree.tree_leaves(params, none_is_leaf=True),
-                        optree.tree_leaves(grads, none_is_leaf=True)):
-            if p is not None:
-                p.grad = g
-        opt.step()
-        opt.zero_grad()
-        losses.append(float(loss))
+        losses.append(train_step(step, params, batch, opt))
         ref_loss = gpt_loss(ref_params, batch)
         ref_loss.backward()
         ref_opt.step()
@@ -261,15 +267,7 @@ def too_large(plan, num_ranks, steps=3):
         mine = [p for p in optree.tree_leaves(params) if p is not None]
         opt = torch.optim.AdamW(mine, lr=1e-3)
         for batch in batches:
-            loss, grads = pxform.value_and_grad(step)(params, batch)
-            for p, g in zip(optree.tree_leaves(params, none_is_leaf=True),
-                            optree.tree_leaves(grads, none_is_leaf=True)):
-                if p is not None:
-                    p.grad = g
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            del grads
-            losses.append(float(loss))
+            losses.append(train_step(step, params, batch, opt))
     peak = meter.stats.peak_bytes
     held = sum(p.to_local().numel() * 4 for p in mine)
     final = {".".join(map(str, k)): p for k, p in zip(

@@ -42,6 +42,20 @@ def parameters_like(init_fn: Any, init_args: tuple[Any, ...]) -> tuple[Traced, A
     return traced, optree.tree_unflatten(traced.out_tree, metas)
 
 
+def known_batch(batch: tuple[Any, ...] | None, last: tuple[Any, ...] | None, name: str,
+                error: type[Exception]) -> tuple[Any, ...]:
+    """The step's other arguments for a pipelined `init`: `batch=` if given, else those of
+    an earlier call; which leaves a pipeline rank holds depends on the traced step."""
+    rest = batch if batch is not None else last
+    if rest is None:
+        raise error(
+            f"pxform.{name}.init: which parameters this rank's pipeline stages read depends "
+            f"on the traced step, and no batch is known yet.\n  Fix: pass the step's other "
+            f"arguments (shapes suffice: meta tensors do): step.init(init_fn, "
+            f"batch=(batch,)).")
+    return rest
+
+
 def initialize(init_fn: Any, init_args: tuple[Any, ...], mesh: Mesh | None,
                layouts: Sequence[Layout], held: Sequence[bool], name: str) -> Any:
     """Run `init_fn(*init_args)` on this rank, computing only the outputs `held` marks,

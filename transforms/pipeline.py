@@ -57,6 +57,7 @@ from pxform.transforms.base import Enclosing, Nested
 from pxform.transforms.compile import Fallback, op_strategies
 from pxform.transforms.initialize import (
     initialize,
+    known_batch,
     parameters_like,
     refuse_meta,
     stand_ins,
@@ -351,13 +352,7 @@ class Pipelined(Nested):
         _, params = parameters_like(init_fn, init_args)
         self._cache["params_like"] = params  # the shapes None placeholders stand for
         leaves = [x for x in optree.tree_leaves(params) if isinstance(x, torch.Tensor)]  # type: ignore[arg-type]
-        rest = batch if batch is not None else self._cache.get("rest")
-        if rest is None:
-            raise PipelineError(
-                f"pxform.{self.__name__}.init: which parameters this rank's stages read "
-                f"depends on the traced step, and no batch is known yet.\n  Fix: pass the "
-                f"step's other arguments (shapes suffice: meta tensors do): "
-                f"step.init(init_fn, batch=(batch,)).")
+        rest = known_batch(batch, self._cache.get("rest"), self.__name__, PipelineError)
         held = self.holds((params, *rest))[:len(leaves)]
         return initialize(init_fn, init_args, None,
                           [Layout.replicated(t.dim()) for t in leaves], held, self.__name__)

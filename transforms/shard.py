@@ -33,6 +33,7 @@ from pxform.transforms.base import Enclosing, Executable, Nested, bound_mesh
 from pxform.transforms.compile import Fallback, compile_program
 from pxform.transforms.initialize import (
     initialize,
+    known_batch,
     parameters_like,
     refuse_meta,
     stand_ins,
@@ -123,13 +124,7 @@ class Sharded(Executable):
         self._last["params_like"] = params  # the shapes None placeholders stand for
         num = sum(isinstance(x, torch.Tensor) for x in optree.tree_leaves(params))  # type: ignore[arg-type]
         if isinstance(self.fn, Nested):
-            rest = batch if batch is not None else self._last.get("rest")
-            if rest is None:
-                raise SpecError(
-                    f"pxform.{self.__name__}.init: which parameters this rank's pipeline "
-                    f"stages read depends on the traced step, and no batch is known yet.\n  "
-                    f"Fix: pass the step's other arguments (shapes suffice: meta tensors do): "
-                    f"step.init(init_fn, batch=(batch,)).")
+            rest = known_batch(batch, self._last.get("rest"), self.__name__, SpecError)
             full = (params, *rest)
             enclosing = self.enclosing(full)
             held = self.fn.holds(full, enclosing)[:num]
