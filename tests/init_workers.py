@@ -335,7 +335,7 @@ def shard_init_direct():
     import optree
     specs = {"wte": P("dp"), "wpe": P(None, "dp"), "lnf_w": P("dp"), "lnf_b": None,
              "blocks": P("dp")}
-    step = pxform.shard(init_gpt, mesh=pxform.Mesh({"dp": 2}), in_specs=(None,),
+    step = pxform.shard(init_gpt, mesh=pxform.Mesh({"dp": 2}), in_specs=(),
                         out_specs=specs)
     torch.manual_seed(4)
     params = step(CFG)

@@ -81,7 +81,14 @@ class Sharded(Executable):
         return self._cache[key]
 
     def _input_layouts(self, args: tuple[Any, ...]) -> list[Layout]:
-        return in_spec_layouts(self.fn, self.in_specs, args, self.abstract_mesh, self.__name__)
+        specs = tuple(self.in_specs)
+        rest = args[len(specs):]
+        # arguments past the specs given that hold no tensor (an initialiser's config:
+        # `in_specs=()`) need none; a tensor argument without a spec is still an error
+        leaves: list[Any] = optree.tree_leaves(rest)  # type: ignore[arg-type]
+        if rest and not any(isinstance(x, torch.Tensor) for x in leaves):
+            specs += (None,) * len(rest)
+        return in_spec_layouts(self.fn, specs, args, self.abstract_mesh, self.__name__)
 
     def _output_layouts(self, traced: Traced) -> list[Layout | None]:
         return out_spec_layouts(self.out_specs, traced, self.abstract_mesh, self.__name__)
@@ -172,7 +179,8 @@ def shard(fn: Any, *, mesh: Mesh | AbstractMesh, in_specs: Any, out_specs: Any =
         fn: a pure function of pytrees of tensors.
         mesh: a bound `pxform.Mesh` to run, or an `AbstractMesh` to `.lower()` only.
         in_specs: a pytree prefix of the positional arguments: `P` specs, or None
-            (replicated).
+            (replicated). Arguments without tensors need no spec (`in_specs=()` for an
+            initialiser whose arguments are configuration).
         out_specs: a prefix of the outputs; None returns every output replicated (as full
             tensors).
         bucket_mb: parameter gradients are reduced in buckets of this many MiB, launched
