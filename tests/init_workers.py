@@ -349,3 +349,33 @@ def shard_init_direct():
                      for v in i.outputs)]
     return {"equal": equal, "wte_type": type(params["wte"]).__name__,
             "lnf_b_type": type(params["lnf_b"]).__name__, "whole": whole}
+
+
+def reshard_peak(reshard, num_ranks, layers=4, d_model=256, batch_size=4):
+    """One ZeRO-3 training step of a GPT whose layers are larger than its activations
+    (no recompute): this rank's metered peak, with gathered weights freed after forward or
+    kept until backward; and the loss and gradients against one process."""
+    import optree
+    from gpt import init_params, make_batch
+    cfg = GPTConfig(vocab_size=512, seq_len=16, num_layers=layers, num_heads=4,
+                    d_model=d_model)
+    step = pxform.shard(lambda p, b: loss_fn(p, b, cfg), mesh=pxform.Mesh({"dp": num_ranks}),
+                        in_specs=(P("dp"), P("dp")), reshard_after_forward=reshard)
+    params = init_params(cfg, dtype=torch.float64)
+    batch = make_batch(cfg, batch_size)
+    dparams = step.distribute(params, batch)[0]
+    pxform.value_and_grad(step)(dparams, batch)  # compiled outside the meter
+    with pxform.MemoryMeter() as meter:
+        meter.track(dparams, batch)
+        loss, grads = pxform.value_and_grad(step)(dparams, batch)
+    ref_loss, ref_grads = pxform.value_and_grad(lambda p, b: loss_fn(p, b, cfg))(params, batch)
+    grads = pxform.gather(grads)
+    err = max(float((g - r).abs().max()) for g, r in zip(optree.tree_leaves(grads),
+                                                          optree.tree_leaves(ref_grads)))
+    block = sum(t.numel() * 8 for t in params["blocks"][0].values())
+    shards = sum(t.to_local().numel() * 8 for t in optree.tree_leaves(dparams))
+    return {"peak": meter.stats.peak_bytes, "baseline": meter.stats.baseline_bytes
+            if hasattr(meter.stats, "baseline_bytes") else None,
+            "block": block, "shards": shards,
+            "model": sum(t.numel() * 8 for t in optree.tree_leaves(params)),
+            "loss_err": abs(float(loss) - float(ref_loss)), "grad_err": err}

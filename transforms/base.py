@@ -97,6 +97,8 @@ class Enclosing:
         out_specs: the enclosing shard's out_specs (None: replicated outputs).
         bucket_mb: the gradient bucket size, in MiB.
         fallback: whether the enclosing shard lets ops without a rule run replicated.
+        reshard_after_forward: whether parameters gathered in forward (ZeRO-3) are freed
+            and gathered again for backward.
     """
 
     name: str
@@ -105,6 +107,7 @@ class Enclosing:
     out_specs: Any
     bucket_mb: float
     fallback: Fallback = Fallback()
+    reshard_after_forward: bool = True
 
     @property
     def abstract_mesh(self) -> AbstractMesh:

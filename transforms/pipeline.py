@@ -335,7 +335,8 @@ class Pipelined(Nested):
         return run_pipeline(
             program, traced.out_tree, actions, split, args, grad_argnums, arg_of, leaves,
             layouts or [Layout.replicated(t.dim()) for t in leaves], batch_dims, place, axes,
-            mesh, sub, enclosing.bucket_mb if enclosing is not None else DEFAULT_BUCKET_MB)
+            mesh, sub, enclosing.bucket_mb if enclosing is not None else DEFAULT_BUCKET_MB,
+            enclosing.reshard_after_forward if enclosing is not None else True)
 
     def init(self, init_fn: Any, *init_args: Any, batch: tuple[Any, ...] | None = None
              ) -> Any:

@@ -57,6 +57,8 @@ class Sharded(Executable):
     planner: Any = None
     # ops without a rule: refused, or run replicated (`allow_fallback=True`)
     fallback: Fallback = Fallback()
+    # ZeRO-3: free gathered parameters after forward, gather again for backward
+    reshard_after_forward: bool = True
     _cache: dict = field(default_factory=dict, repr=False)
     _last: dict = field(default_factory=dict, repr=False)
 
@@ -155,7 +157,8 @@ class Sharded(Executable):
         if "axes" not in self._last:  # process groups and coordinates: once per function
             self._last["axes"] = mesh_axes(mesh)
         result = run_spmd(program, traced.out_tree, layouts, args, grad_argnums, mesh,
-                          self._last["axes"], self.bucket_mb, self.__name__)
+                          self._last["axes"], self.bucket_mb, self.__name__,
+                          self.reshard_after_forward)
         if result.bucket_stats is not None:
             self._last["bucket_stats"] = result.bucket_stats
         return result.value, result.grads
@@ -168,11 +171,13 @@ class Sharded(Executable):
     def enclosing(self, args: tuple[Any, ...]) -> Enclosing:
         """What this shard passes to the `Nested` transform it wraps, for these arguments."""
         return Enclosing(self.__name__, self.mesh, tuple(self._input_layouts(args)),
-                         self.out_specs, self.bucket_mb, self.fallback)
+                         self.out_specs, self.bucket_mb, self.fallback,
+                         self.reshard_after_forward)
 
 
 def shard(fn: Any, *, mesh: Mesh | AbstractMesh, in_specs: Any, out_specs: Any = None,
-          bucket_mb: float = DEFAULT_BUCKET_MB, allow_fallback: bool = False) -> Sharded:
+          bucket_mb: float = DEFAULT_BUCKET_MB, allow_fallback: bool = False,
+          reshard_after_forward: bool = True) -> Sharded:
     """Run `fn` SPMD on `mesh` with inputs laid out per `in_specs`.
 
     Args:
@@ -188,6 +193,10 @@ def shard(fn: Any, *, mesh: Mesh | AbstractMesh, in_specs: Any, out_specs: Any =
         allow_fallback: run ops that have no sharding rule replicated (their inputs
             gathered, every rank computing the whole op), reported per op in one
             `PxformWarning`, instead of refusing them.
+        reshard_after_forward: parameters a program gathers (ZeRO-3: `P("dp")` on a
+            parameter that an op needs whole) are freed after their forward use and
+            gathered again for backward, as FSDP2's option of that name; False keeps them
+            from forward to backward (less communication, more memory).
 
     Example:
         >>> step = pxform.shard(loss_fn, mesh=pxform.Mesh({"dp": 2}),
@@ -199,4 +208,5 @@ def shard(fn: Any, *, mesh: Mesh | AbstractMesh, in_specs: Any, out_specs: Any =
     if not isinstance(in_specs, tuple):
         in_specs = (in_specs,)
     return Sharded(fn, mesh, in_specs, out_specs, bucket_mb,
-                   fallback=Fallback(allow=allow_fallback))
+                   fallback=Fallback(allow=allow_fallback),
+                   reshard_after_forward=reshard_after_forward)

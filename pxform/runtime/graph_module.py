@@ -42,6 +42,7 @@ from pxform.passes.propagate import layout_of
 from pxform.runtime import collectives
 from pxform.runtime.buckets import GradSink
 from pxform.runtime.collectives import AxisGroups, all_reduce_sum, convert
+from pxform.runtime.reshard import note_gathered
 
 
 @dataclass(frozen=True)
@@ -120,9 +121,19 @@ class Convert(torch.nn.Module):
         if (buckets is not None and self.param is not None and x.requires_grad
                 and torch.is_grad_enabled()
                 and any(s.kind not in ("slice", "zero") for s in self.backward_steps)):
-            return _BucketedConvert.apply(x, self.forward_steps, self.backward_steps, axes,
-                                          buckets, self.param)
-        return convert(x, self.forward_steps, self.backward_steps, axes)
+            y = _BucketedConvert.apply(x, self.forward_steps, self.backward_steps, axes,
+                                       buckets, self.param)
+        else:
+            y = convert(x, self.forward_steps, self.backward_steps, axes)
+        if self.param is not None and self.gathers:  # ZeRO-3: may be freed after forward
+            note_gathered(y, x, self.forward_steps, axes)
+        return y
+
+    @property
+    def gathers(self) -> bool:
+        """Does the forward gather a parameter (ZeRO-3), with nothing but gathers?"""
+        return bool(self.forward_steps) and all(s.kind == "all_gather"
+                                                for s in self.forward_steps)
 
     def extra_repr(self) -> str:
         fwd = "; ".join(map(str, self.forward_steps)) or "identity"

@@ -54,6 +54,7 @@ from pxform.runtime.graph_module import (
     with_groups,
 )
 from pxform.runtime.mesh import Mesh
+from pxform.runtime.reshard import reshard_after_forward
 from pxform.schedules.actions import Action
 
 _RECORD: contextvars.ContextVar[list[tuple[Action, float, float]] | None] = \
@@ -111,8 +112,8 @@ class PipelineResult:
 
 def run(program: PipelineProgram, actions: Sequence[Action | None], place: PipelineGroup,
         axes: AxisGroups, inputs: Sequence[torch.Tensor | None], batch_dims: dict[int, int],
-        want_grad: Sequence[bool], bucket_bytes: int, split_weights: set[int]
-        ) -> PipelineResult:
+        want_grad: Sequence[bool], bucket_bytes: int, split_weights: set[int],
+        reshard: bool = True) -> PipelineResult:
     """Run this rank's `actions`.
 
     Args:
@@ -120,6 +121,8 @@ def run(program: PipelineProgram, actions: Sequence[Action | None], place: Pipel
             rank reads it); batch inputs are cut into microbatches along `batch_dims`.
         want_grad: per graph input, whether to return its gradient.
         split_weights: stages whose schedule has W actions.
+        reshard: free parameters gathered in forward (ZeRO-3) and gather them again for
+            backward (`pxform.runtime.reshard`).
 
     Returns:
         The function's outputs (combined over microbatches, the same on every pipeline
@@ -188,7 +191,9 @@ def run(program: PipelineProgram, actions: Sequence[Action | None], place: Pipel
         later = grad and (s, i) in early
         if later:
             sl.rng = _rng_state(args)
-        with with_groups(per_mb[i], accumulator, seeds), torch.set_grad_enabled(grad and not later):
+        with with_groups(per_mb[i], accumulator, seeds), \
+                torch.set_grad_enabled(grad and not later), \
+                reshard_after_forward(reshard and grad and not later):
             sl.outputs = tuple(module_of(st)(*args))
         num_sends = len(st.sends)
         if st.num_outputs:
@@ -453,8 +458,8 @@ def run_pipeline(program: PipelineProgram, out_tree: Any, actions: Sequence[Acti
                  weight_stages: set[int], args: tuple[Any, ...], grad_argnums: tuple[int, ...],
                  arg_of: Sequence[int], leaves: Sequence[Any], layouts: Sequence[Layout],
                  batch_dims: dict[int, int], place: PipelineGroup, axes: AxisGroups,
-                 mesh: Mesh | None, sub: AbstractMesh | None, bucket_mb: float
-                 ) -> tuple[Any, Any]:
+                 mesh: Mesh | None, sub: AbstractMesh | None, bucket_mb: float,
+                 reshard: bool = True) -> tuple[Any, Any]:
     """Run this pipeline rank's `actions` on its pieces of `args`, as `pxform.pipeline`
     does (`pxform.value_and_grad` semantics): the value, and with `grad_argnums` the
     gradients laid out like the arguments. `leaves` are the arguments' tensor leaves
@@ -471,7 +476,7 @@ def run_pipeline(program: PipelineProgram, out_tree: Any, actions: Sequence[Acti
     want = [n in grad_argnums for n in arg_of]
     with torch.set_grad_enabled(bool(grad_argnums) or torch.is_grad_enabled()):
         result = run(program, actions, place, axes, local, batch_dims, want,
-                     int(bucket_mb * 2**20), weight_stages)
+                     int(bucket_mb * 2**20), weight_stages, reshard)
     grads = share_grads(program, place, result.grads, want, list(layouts), sub, list(leaves))
     values = [wrap_output(o, _without_mb(v), mesh) if mesh is not None else o
               for o, v in zip(result.outputs, program.outputs)]

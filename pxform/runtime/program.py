@@ -31,15 +31,17 @@ from pxform.runtime.buckets import BucketStats, GradBuckets, GradSink
 from pxform.runtime.collectives import AxisGroups
 from pxform.runtime.graph_module import draw_seeds, module_of, with_groups
 from pxform.runtime.mesh import Mesh
+from pxform.runtime.reshard import reshard_after_forward
 
 
 def execute(program: Program, inputs: Sequence[torch.Tensor], axes: AxisGroups,
-            buckets: GradSink | None = None) -> list[Any]:
+            buckets: GradSink | None = None, reshard: bool = False) -> list[Any]:
     """Evaluate `program` on local input shards; returns local outputs. With `buckets`,
     gradients of inputs that need a collective are left to `buckets.finish()`. A program
     with random ops draws new seeds from torch's generators (`draw_seeds`: once per call,
-    the same on every rank seeded alike)."""
-    with with_groups(axes, buckets, draw_seeds([program])):
+    the same on every rank seeded alike). With `reshard`, parameters the program gathers
+    (ZeRO-3) are freed after their forward use and gathered again in backward."""
+    with with_groups(axes, buckets, draw_seeds([program])), reshard_after_forward(reshard):
         return list(module_of(program)(*inputs))
 
 
@@ -56,12 +58,14 @@ class SpmdResult:
 
 def run_spmd(program: Program, out_tree: Any, layouts: Sequence[Layout], args: tuple[Any, ...],
              grad_argnums: tuple[int, ...], mesh: Mesh, axes: AxisGroups, bucket_mb: float,
-             name: str) -> SpmdResult:
+             name: str, reshard: bool = True) -> SpmdResult:
     """Run `program` on this rank's pieces of `args` (full tensors are sliced, DTensors
     redistributed to `layouts`); with `grad_argnums`, also the gradients of the scalar first
     output with respect to those arguments, laid out like them: DTensors for DTensor
     arguments and for sharded layouts, so `p.grad = g` and torch.optim work directly.
     Parameter-gradient collectives run in buckets of `bucket_mb` MiB during backward.
+    With `reshard`, parameters gathered in forward (ZeRO-3) are not kept for backward but
+    gathered again there (`pxform.runtime.reshard`).
 
     Example:
         >>> result = run_spmd(program, traced.out_tree, layouts, (params, batch), (0,),
@@ -82,7 +86,7 @@ def run_spmd(program: Program, out_tree: Any, layouts: Sequence[Layout], args: t
     # parameter-gradient collectives go to buckets, launched during backward
     buckets = GradBuckets(axes, int(bucket_mb * 2**20)) if grad_argnums else None
     with torch.set_grad_enabled(bool(grad_argnums) or torch.is_grad_enabled()):
-        outs = execute(program, local, axes, buckets)
+        outs = execute(program, local, axes, buckets, reshard=reshard and bool(grad_argnums))
     if not grad_argnums:
         value = optree.tree_unflatten(out_tree, [
             wrap_output(o, v, mesh) for o, v in zip(outs, program.outputs)])

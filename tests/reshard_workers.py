@@ -1,0 +1,50 @@
+"""Worker functions for tests/test_reshard.py: ZeRO-3's gathered parameters freed after
+forward and gathered again for backward (`reshard_after_forward`)."""
+
+from __future__ import annotations
+
+import torch
+
+import pxform
+from pxform import P
+
+WIDTH, LAYERS, ROWS = 384, 4, 1024
+
+
+def mlp(params, batch):
+    h = batch["x"]
+    for w in params["w"]:
+        h = torch.relu(h @ w)
+    return ((h - batch["y"]) ** 2).mean()
+
+
+def setup():
+    g = torch.Generator().manual_seed(0)
+    params = {"w": [torch.randn(WIDTH, WIDTH, generator=g, dtype=torch.float64) / WIDTH**0.5
+                    for _ in range(LAYERS)]}
+    batch = {"x": torch.randn(ROWS, WIDTH, generator=g, dtype=torch.float64),
+             "y": torch.randn(ROWS, WIDTH, generator=g, dtype=torch.float64)}
+    return params, batch
+
+
+def step_memory(reshard):
+    """One ZeRO-3 step (every weight split over dp, the batch too; the rows outnumber the
+    width, so the program gathers the weights): what autograd kept from forward to
+    backward, the peak, and the errors against one process."""
+    import optree
+    params, batch = setup()
+    step = pxform.shard(mlp, mesh=pxform.Mesh({"dp": 2}), in_specs=(P("dp"), P("dp")),
+                        reshard_after_forward=reshard)
+    dparams, dbatch = step.distribute(params, batch)
+    gathers = sum("all_gather" in c for c in step.lower(params, batch).collectives())
+    pxform.value_and_grad(step)(dparams, dbatch)  # compile outside the meter
+    with pxform.MemoryMeter() as meter:
+        meter.track(dparams, dbatch)
+        loss, grads = pxform.value_and_grad(step)(dparams, dbatch)
+    ref_loss, ref_grads = pxform.value_and_grad(mlp)(params, batch)
+    full = pxform.gather(grads)
+    err = max(float((g - r).abs().max()) for g, r in zip(optree.tree_leaves(full),
+                                                          optree.tree_leaves(ref_grads)))
+    return {"saved": meter.stats.saved_bytes, "peak": meter.stats.peak_bytes,
+            "gathers": gathers, "weight_bytes": WIDTH * WIDTH * 8,
+            "loss_err": abs(float(loss) - float(ref_loss)), "grad_err": err}
