@@ -45,5 +45,11 @@ class PipelineError(PxformError):
     """A function cannot be pipelined as asked (stage cuts, microbatches, boundaries)."""
 
 
+class CollectiveError(PxformError):
+    """A collective did not complete: another rank failed, runs another program, or is
+    slower than the mesh's timeout. The message names this rank, the collective and where
+    in the program it ran."""
+
+
 class PxformWarning(UserWarning):
     """Something pxform did on the user's behalf that the user should know about."""

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 import torch.distributed._functional_collectives as fc
 
+from pxform.core.errors import CollectiveError, PxformError
 from pxform.core.layout import Step
 
 
@@ -42,7 +43,28 @@ class Microbatches:
 
 
 def run_step(x: torch.Tensor, step: Step, axes: AxisGroups) -> torch.Tensor:
-    """Execute one step on this rank's local tensor."""
+    """Execute one step on this rank's local tensor. A collective that does not complete
+    (a peer failed or runs another program, and the mesh's timeout passed) raises a
+    `CollectiveError` naming this rank and the step."""
+    try:
+        return _run_step(x, step, axes)
+    except RuntimeError as exc:
+        if isinstance(exc, PxformError) or step.kind in ("slice", "zero"):
+            raise
+        import torch.distributed as dist
+
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        raise CollectiveError(
+            f"pxform: rank {rank}: {step} over mesh axis {step.axis!r} ({axes.sizes[step.axis]} "
+            f"ranks, this one at index {axes.index[step.axis]}) did not complete: "
+            f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}.\n  Another "
+            f"rank failed or runs a different program (its own error says why), or the step "
+            f"is slower than the mesh's timeout.\n  Fix: make every rank run the same "
+            f"program on the same shapes; for a legitimately slow step raise the timeout: "
+            f"pxform.Mesh(..., timeout=seconds) or PXFORM_TIMEOUT_S.") from exc
+
+
+def _run_step(x: torch.Tensor, step: Step, axes: AxisGroups) -> torch.Tensor:
     a = step.axis
     n = axes.sizes[a]
     if n == 1:

@@ -29,6 +29,7 @@ import torch
 import torch.fx
 
 from pxform.core import rng
+from pxform.core.errors import CollectiveError
 from pxform.core.ir import DEVICE, Op, Value
 from pxform.core.layout import Step
 from pxform.core.rng import RandomTag
@@ -109,13 +110,20 @@ class Convert(torch.nn.Module):
     the active `GradBuckets` (if any) instead of running the backward steps in place."""
 
     def __init__(self, forward_steps: tuple[Step, ...], backward_steps: tuple[Step, ...],
-                 param: int | None) -> None:
+                 param: int | None, where: str = "") -> None:
         super().__init__()
         self.forward_steps = forward_steps
         self.backward_steps = backward_steps
         self.param = param
+        self.where = where  # the instruction, for errors: "%w1.1 = convert(%w1)"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        try:
+            return self._forward(x)
+        except CollectiveError as exc:  # say where in the program it stopped
+            raise CollectiveError(f"{exc}\n  In the program: {self.where}") from exc.__cause__
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
         active = _active()
         axes, buckets = active.axes, active.buckets
         if (buckets is not None and self.param is not None and x.requires_grad
@@ -455,7 +463,9 @@ class _Emitter:
             if isinstance(instr, ConvertInstr):
                 name = f"convert_{num}"
                 root.add_module(name, Convert(instr.forward.steps, instr.backward.steps,
-                                              self.index.get(instr.src)))
+                                              self.index.get(instr.src),
+                                              f"{program.name}: %{instr.dst.name} = "
+                                              f"convert(%{instr.src}) [{name}]"))
                 node = graph.call_module(name, (env[instr.src],))
                 node.meta["local_shape"] = program.local_shape(instr.dst)
                 env[instr.dst.name] = node

@@ -5,14 +5,42 @@
 
 from __future__ import annotations
 
+import math
+import os
 from collections.abc import Callable, Mapping
+from datetime import timedelta
 from typing import Any, overload
 
+import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from pxform.core.errors import SpecError
 from pxform.core.mesh import AbstractMesh, abstract_mesh
+
+
+def default_timeout(backend: str) -> float:
+    """Seconds a collective may wait for its peers: `PXFORM_TIMEOUT_S`, else a minute on
+    CPU (gloo) and ten on GPUs (NCCL, where first calls compile kernels)."""
+    env = os.environ.get("PXFORM_TIMEOUT_S")
+    if env:
+        return float(env)
+    return 600.0 if backend == "nccl" else 60.0
+
+
+def _mesh_with_timeout(device: str, abstract: AbstractMesh, timeout_s: float) -> DeviceMesh:
+    """A DeviceMesh over process groups made with `timeout_s` (`init_device_mesh` gives
+    torch's default, 30 minutes on gloo). Every rank makes every group, in one order."""
+    shape = abstract.shape
+    grid = torch.arange(math.prod(shape)).view(shape)
+    me = dist.get_rank()
+    mine = []
+    for d in range(len(shape)):
+        for ranks in grid.movedim(d, -1).reshape(-1, shape[d]).tolist():
+            group = dist.new_group(ranks, timeout=timedelta(seconds=timeout_s))
+            if me in ranks:
+                mine.append(group)
+    return DeviceMesh.from_group(mine, device, mesh=grid, mesh_dim_names=abstract.names)
 
 
 class _Abstract:
@@ -38,13 +66,18 @@ class Mesh:
     axis. Ranks are laid out row-major: with `{"dp": 2, "tp": 2}`, ranks 0 and 1 share a
     tensor-parallel group.
 
+    Every collective on the mesh's groups gives up after `timeout` seconds (default
+    `PXFORM_TIMEOUT_S`, else 60 on gloo and 600 on NCCL): a rank that failed, or runs
+    another program, then ends its peers with a `CollectiveError` instead of a hang.
+
     Example (under `torchrun --nproc-per-node 4`):
         >>> mesh = pxform.Mesh({"dp": 2, "tp": 2})
         >>> mesh.coordinate()        # on rank 3
         {'dp': 1, 'tp': 1}
     """
 
-    def __init__(self, axes: Mapping[str, int] | AbstractMesh) -> None:
+    def __init__(self, axes: Mapping[str, int] | AbstractMesh,
+                 timeout: float | None = None) -> None:
         self._abstract = axes if isinstance(axes, AbstractMesh) else AbstractMesh(axes)
         if not dist.is_available() or not dist.is_initialized():
             raise SpecError(
@@ -57,9 +90,14 @@ class Mesh:
                 f"pxform.{self.abstract}: the mesh has {self.abstract.size} devices but the "
                 f"torch.distributed world has {world} ranks.\n  Fix: make the axis sizes "
                 f"multiply to {world}, or launch {self.abstract.size} processes.")
-        device = "cuda" if dist.get_backend() == "nccl" else "cpu"
-        self.device_mesh = init_device_mesh(device, self.abstract.shape,
-                                            mesh_dim_names=self.abstract.names)
+        backend = dist.get_backend()
+        device = "cuda" if backend == "nccl" else "cpu"
+        self.timeout_s = float(timeout) if timeout is not None else default_timeout(backend)
+        if backend in ("gloo", "nccl"):
+            self.device_mesh = _mesh_with_timeout(device, self.abstract, self.timeout_s)
+        else:  # a fake or custom backend: torch's own groups
+            self.device_mesh = init_device_mesh(device, self.abstract.shape,
+                                                mesh_dim_names=self.abstract.names)
 
     abstract = _Abstract()
 

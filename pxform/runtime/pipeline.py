@@ -47,6 +47,7 @@ from pxform.runtime.boundary import (
 from pxform.runtime.buckets import GradAccumulator
 from pxform.runtime.collectives import AxisGroups, Microbatches, all_reduce_sum
 from pxform.runtime.graph_module import (
+    default_device,
     draw_seeds,
     local_count,
     module_of,
@@ -133,6 +134,7 @@ def run(program: PipelineProgram, actions: Sequence[Action | None], place: Pipel
     # one seed per call, drawn on every rank (all hold every stage's program) so the
     # generator advances alike everywhere, whether or not this rank's stages draw
     seeds = draw_seeds(program.stages)
+    device = default_device()  # every buffer the executor makes lives here
     micro = Microbatches()
     per_mb = [AxisGroups({**axes.groups, MB: micro}, {**axes.index, MB: i},
                          {**axes.sizes, MB: m}) for i in range(m)]
@@ -151,7 +153,7 @@ def run(program: PipelineProgram, actions: Sequence[Action | None], place: Pipel
     trainable = {a.stage for a in actions if a is not None and a.kind == "B"}
     for st in mine:
         for pre in st.counts:  # counts over all microbatches, before any backward
-            total = torch.zeros((), dtype=torch.float64)
+            total = torch.zeros((), dtype=torch.float64, device=device)
             for i in range(m):
                 with with_groups(per_mb[i], seeds=seeds), torch.no_grad():
                     got = module_of(pre.program)(*[graph_input(j, i)
@@ -297,11 +299,11 @@ def run(program: PipelineProgram, actions: Sequence[Action | None], place: Pipel
         elif a.kind == "RF":
             st = stage(s)
             slot(s, i).leaves = _recv([(st.local_shape(v), v.type.dtype) for v in st.receives],
-                                      place, (s - 1) % place.size, a, tag)
+                                      place, (s - 1) % place.size, a, tag, device)
         elif a.kind == "SB":
             sl, st = slot(s, i), stage(s)
             grads = [g if g is not None else
-                     torch.zeros(st.local_shape(v), dtype=v.type.dtype)
+                     torch.zeros(st.local_shape(v), dtype=v.type.dtype, device=device)
                      for v, g in zip(st.receives, sl.input_grads)
                      if v.type.dtype.is_floating_point]
             pending += _send(grads, place, (s - 1) % place.size, a, tag)
@@ -310,7 +312,7 @@ def run(program: PipelineProgram, actions: Sequence[Action | None], place: Pipel
             st = stage(s)
             floats = [v for v in st.sends if v.type.dtype.is_floating_point]
             got = iter(_recv([(st.local_shape(v), v.type.dtype) for v in floats], place,
-                             (s + 1) % place.size, a, tag))
+                             (s + 1) % place.size, a, tag, device))
             slot(s, i).recv_grads = [next(got) if v.type.dtype.is_floating_point else None
                                      for v in st.sends]
         else:
@@ -376,11 +378,12 @@ def _send(tensors: list[torch.Tensor], place: PipelineGroup, to: int, a: Action,
 
 
 def _recv(shapes: list[tuple[tuple[int, ...], torch.dtype]], place: PipelineGroup, frm: int,
-          a: Action, tag: Any) -> list[torch.Tensor]:
+          a: Action, tag: Any, device: torch.device) -> list[torch.Tensor]:
     if not shapes:
         return []
     peer = place.peer(frm)
-    bufs = [torch.empty(shape, dtype=dtype) for shape, dtype in shapes]
+    # on the stage's device: under NCCL a CPU buffer cannot receive
+    bufs = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in shapes]
     ops = [dist.P2POp(dist.irecv, b, peer, place.group, tag(a, k)) for k, b in enumerate(bufs)]
     for work in dist.batch_isend_irecv(ops):
         work.wait()
@@ -411,7 +414,7 @@ def _combine(program: PipelineProgram, finals: list[tuple[Any, ...]],
             shape = list(last.local_shape(value))
             if isinstance(mode, tuple):
                 shape[mode[1]] *= program.microbatches
-            result = torch.empty(shape, dtype=value.type.dtype)
+            result = torch.empty(shape, dtype=value.type.dtype, device=default_device())
         if place.size > 1:
             result = result.contiguous()
             dist.broadcast(result, src=place.peer(owner), group=place.group)
@@ -439,7 +442,7 @@ def share_grads(program: PipelineProgram, place: PipelineGroup, grads: dict[int,
         if g is None:
             shape = layouts[j].local_shape(tuple(leaves[j].shape), sub) if sub else \
                 tuple(leaves[j].shape)
-            g = torch.zeros(shape, dtype=leaves[j].dtype)
+            g = torch.zeros(shape, dtype=leaves[j].dtype, device=default_device())
         g = g.contiguous()
         dist.all_reduce(g, group=place.group)
         if place.rank in owners[j]:

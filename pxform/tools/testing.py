@@ -50,6 +50,9 @@ def _free_port() -> int:
 def _worker(rank: int, world_size: int, port: int, timeout: float, inbox: Any,
             outbox: Any) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # 2-core machines: don't oversubscribe
+    # meshes made in a test time out with the world, not after the default minute: four
+    # ranks on two cores can compile a program for longer than that while a peer waits
+    os.environ.setdefault("PXFORM_TIMEOUT_S", str(timeout))
     import torch
 
     from pxform.runtime import world
