@@ -6,7 +6,8 @@ own pieces (`pxform.passes.propagate.split_constants` pushes the layouts wanted 
 outputs back into the factories), so no rank allocates a full sharded tensor, and random
 fills draw from the plan-independent stream (`pxform.core.rng`): the same numbers under
 every plan as on one process. A pipeline rank computes only the leaves its stages read;
-the others are `None` placeholders.
+the others are `None` placeholders. Ops without a sharding rule (`orthogonal_`'s QR) run
+replicated, named in one warning.
 
 Also here: the check that refuses `meta` tensors reaching a run, with the fix.
 """
@@ -28,7 +29,7 @@ from pxform.runtime.boundary import global_stand_in, is_dtensor, mesh_axes, to_d
 from pxform.runtime.collectives import AxisGroups
 from pxform.runtime.mesh import Mesh
 from pxform.runtime.program import execute
-from pxform.transforms.compile import compile_program
+from pxform.transforms.compile import Fallback, compile_program
 
 _ONE_DEVICE = AbstractMesh({"local": 1})
 
@@ -36,7 +37,9 @@ _ONE_DEVICE = AbstractMesh({"local": 1})
 def parameters_like(init_fn: Any, init_args: tuple[Any, ...]) -> tuple[Traced, Any]:
     """The initialiser traced (no data), and its outputs as `meta` tensors: the shapes of
     the parameters, for planning and lowering the step."""
-    traced = trace(init_fn, *init_args)
+    # ops without a rule (orthogonal_'s QR) run replicated in an initialiser: reported
+    # once, when the initialiser is compiled
+    traced = trace(init_fn, *init_args, allow_fallback=True, report_fallbacks=False)
     metas = [torch.empty(o.type.shape, dtype=o.type.dtype, device="meta")
                  if hasattr(o, "type") else o for o in traced.graph.outputs]
     return traced, optree.tree_unflatten(traced.out_tree, metas)
@@ -78,7 +81,8 @@ def initialize(init_fn: Any, init_args: tuple[Any, ...], mesh: Mesh | None,
     wanted = list(layouts) if mesh is not None else [
         Layout.replicated(o.type.rank) for o in outputs]
     _, program = compile_program(init_fn, init_args, {}, abstract, None,
-                                 lambda _: list(wanted), keep=list(held))
+                                 lambda _: list(wanted), fallback=Fallback(allow=True),
+                                 keep=list(held))
     axes = mesh_axes(mesh) if mesh is not None else \
         AxisGroups({"local": None}, {"local": 0}, {"local": 1})
     leaves: list[Any] = optree.tree_leaves(init_args)  # type: ignore[arg-type]
