@@ -8,7 +8,9 @@ and the matching receive right before the consuming one (rules in `rules.send_af
     trainable s-1 and s on different ranks:  SB(s,i) after B(s,i), RB(s-1,i) before B(s-1,i)
 
 Receives go right before their consumer and not earlier: anything the rank can do first
-(a recompute, say) runs while the data is in flight. Idle slots are kept.
+(a recompute, say) runs while the data is in flight. Idle slots are kept. Where that would
+post two ranks' messages in different orders on the two ends, receives move earlier
+(`in_sender_order`): NCCL matches point-to-point messages by order.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from __future__ import annotations
 from pxform.core.errors import ScheduleError
 from pxform.schedules.actions import Action, Schedule
 from pxform.schedules.rules import receive_before, send_after
-from pxform.schedules.validate import check
+from pxform.schedules.validate import check, message
 
 
 def add_communication(schedule: Schedule) -> Schedule:
@@ -49,4 +51,52 @@ def add_communication(schedule: Schedule) -> Schedule:
             before, after = receive_before(a, shape), send_after(a, shape)
             row += [x for x in (before, a, after) if x is not None]
         out[rank] = row
+    return in_sender_order(out)
+
+
+def in_sender_order(schedule: Schedule) -> Schedule:
+    """Receives reordered so that between every two ranks they are posted in the order
+    the messages were sent. NCCL matches point-to-point messages by order, not by tag: a
+    rank that receives B0 before F2 while its peer sent F2 first would take F2's bytes for
+    B0. A receive only ever moves earlier (to just before the first receive that needs it
+    out of the way), so no rank waits for a send that has not been posted before: no
+    deadlock is added. A new dict; schedules already in order come back equal."""
+    num = len(schedule)
+    sent: dict[tuple[int, int], list[tuple[str, int, int]]] = {}
+    for rank in sorted(schedule):
+        for a in schedule[rank]:
+            m = message(a, num) if isinstance(a, Action) and a.kind in ("SF", "SB") else None
+            if m is not None:
+                sent.setdefault((m[0], m[1]), []).append(m[2])
+    out: Schedule = {}
+    for rank in sorted(schedule):
+        done: set[tuple[int, tuple[str, int, int]]] = set()
+        pending = {key: list(msgs) for key, msgs in sent.items() if key[1] == rank}
+        row: list[Action | None] = []
+        for a in schedule[rank]:
+            m = message(a, num) if isinstance(a, Action) and a.kind in ("RF", "RB") else None
+            if m is None:
+                row.append(a)
+                continue
+            src, _, msg = m
+            if (src, msg) in done:
+                continue  # received earlier, in the sender's order
+            queue = pending.get((src, rank), [])
+            while queue and queue[0] != msg:  # what the peer sent first comes first
+                early = queue.pop(0)
+                row.append(_receive_of(early))
+                done.add((src, early))
+            if queue:
+                queue.pop(0)
+            row.append(a)
+            done.add((src, msg))
+        out[rank] = row
     return out
+
+
+def _receive_of(msg: tuple[str, int, int]) -> Action:
+    """The receive action of a message (direction, sending stage, microbatch)."""
+    direction, stage, microbatch = msg
+    if direction == "F":
+        return Action(stage + 1, "RF", microbatch)
+    return Action(stage - 1, "RB", microbatch)

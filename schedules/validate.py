@@ -11,7 +11,9 @@ Checks, in order (the first failure raises `ScheduleError`):
 7. on each rank: F before R before B before W for the same microbatch;
 8. sends and receives, if the schedule has any, are exactly those it needs
    (`rules.expected_comm`), sends after their producer, receives before their consumer;
-9. no deadlock: each rank runs its list in order, sends never block, a receive waits for its
+9. between every two ranks, receives are posted in the order of the sends (NCCL matches
+   point-to-point messages by order);
+10. no deadlock: each rank runs its list in order, sends never block, a receive waits for its
    send, a compute action waits for what it `needs`. When no rank can move and some have
    actions left, the message says what each stuck rank waits for, and the cycle of waits.
 
@@ -122,8 +124,44 @@ def check(schedule: Schedule, fn: str) -> Shape:
     _check_order(schedule, where, fn)
     if shape.has_comm:
         _check_comm(schedule, shape, where, fn)
+        _check_pair_order(schedule, fn)
     _check_deadlock(schedule, shape, where, fn)
     return shape
+
+
+def message(a: Action, num_ranks: int) -> tuple[int, int, tuple[str, int, int]] | None:
+    """(sender rank, receiver rank, message) of a send or receive action, the message
+    named the same on both ends (direction, sending stage, microbatch); None for compute."""
+    if a.kind == "SF":
+        return a.stage % num_ranks, (a.stage + 1) % num_ranks, ("F", a.stage, a.microbatch)
+    if a.kind == "SB":
+        return a.stage % num_ranks, (a.stage - 1) % num_ranks, ("B", a.stage, a.microbatch)
+    if a.kind == "RF":
+        return (a.stage - 1) % num_ranks, a.stage % num_ranks, ("F", a.stage - 1, a.microbatch)
+    if a.kind == "RB":
+        return (a.stage + 1) % num_ranks, a.stage % num_ranks, ("B", a.stage + 1, a.microbatch)
+    return None
+
+
+def _check_pair_order(schedule: Schedule, fn: str) -> None:
+    """Between every two ranks, receives are posted in the order the sends were: NCCL
+    matches point-to-point messages by order, not by tag."""
+    num = len(schedule)
+    order: dict[tuple[int, int], dict[str, list[tuple[Action, tuple[str, int, int]]]]] = {}
+    for rank in sorted(schedule):
+        for a in schedule[rank]:
+            m = message(a, num) if isinstance(a, Action) else None
+            if m is not None:
+                side = "send" if a.kind in ("SF", "SB") else "receive"
+                order.setdefault((m[0], m[1]), {"send": [], "receive": []})[side].append(
+                    (a, m[2]))
+    for (src, dst), sides in sorted(order.items()):
+        for (s, sm), (r, rm) in zip(sides["send"], sides["receive"]):
+            if sm != rm:
+                raise _fail(fn, schedule, f"rank {dst} posts {r} where rank {src}'s next "
+                            f"message is {s}: messages between two ranks must be received "
+                            f"in the order they are sent (NCCL matches them by order, not by "
+                            f"tag); add_communication orders them", [s, r])
 
 
 def _check_types(schedule: Schedule, fn: str) -> None:

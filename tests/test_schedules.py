@@ -453,3 +453,48 @@ def test_plot_without_matplotlib_says_how_to_install(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
     with pytest.raises(ImportError, match=r"pip install 'pxform\[plot\]'"):
         schedules.plot(simulate(gpipe(1, 1), Costs(1.0, 1.0)), tmp_path / "x.png")
+
+
+def _pair_sequences(schedule):
+    from pxform.schedules.validate import message
+    num = len(schedule)
+    seqs: dict = {}
+    for rank in sorted(schedule):
+        for a in schedule[rank]:
+            m = message(a, num) if a is not None else None
+            if m is not None:
+                side = "send" if a.kind in ("SF", "SB") else "receive"
+                seqs.setdefault((m[0], m[1], side), []).append(m[2])
+    return seqs
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved", "zb", "shifted", "nf1b"])
+@pytest.mark.parametrize("stages, microbatches", [(2, 2), (2, 4), (3, 6), (4, 4), (4, 8)])
+def test_transfers_are_posted_in_the_same_order_on_both_ends(name, stages, microbatches):
+    """NCCL matches point-to-point messages by order (no tags): between every two ranks the
+    receives must follow the sends' order, for every generator."""
+    from pxform.schedules import add_communication, resolve
+    options = {"interleaved": {"virtual_stages": 2}, "nf1b": {"forwards": 2}}.get(name, {})
+    schedule = add_communication(resolve(name, stages, microbatches, **options))
+    seqs = _pair_sequences(schedule)
+    pairs = {(src, dst) for src, dst, _ in seqs}
+    for src, dst in pairs:
+        assert seqs.get((src, dst, "send")) == seqs.get((src, dst, "receive")), (src, dst)
+
+
+def test_receives_move_earlier_to_follow_the_senders_order():
+    # nF1B on 2 ranks: rank 1 sends stage 1's forwards, then stage 3's gradients; rank 0
+    # needed 2B0's gradient before 2F2's activation, so those receives come earlier now
+    from pxform.schedules import add_communication, nf1b, to_text
+    text = to_text(add_communication(nf1b(2, 4, forwards=2)))
+    assert "2RF1 2F1 2SF1 2RF2 2RF3 2RB0 2B0" in text
+
+
+def test_validate_refuses_receives_out_of_the_senders_order():
+    from pxform.schedules import from_text, validate
+    bad = from_text("rank 0: 0F0 0SF0 0F1 0SF1 0RB1 0RB0 0B0 0B1\n"
+                    "rank 1: 1RF0 1F0 1B0 1SB0 1RF1 1F1 1B1 1SB1")
+    with pytest.raises(ScheduleError, match=r"rank 0 posts 0RB1 where rank 1's next "
+                                            r"message is 1SB0: messages between two "
+                                            r"ranks must be received in the order"):
+        validate(bad)
