@@ -72,7 +72,7 @@ def test_dropout_and_noise_equal_the_one_rank_run_on_2_ranks(world2, plan):
         assert r["losses"][0] != r["losses"][1]  # each call draws new numbers
 
 
-@pytest.mark.parametrize("plan", ["dp_tp", "pp_dp", "zero3", "coshard"])
+@pytest.mark.parametrize("plan", ["dp_tp", "pp_dp", "zero3", "tp", "sp", "coshard", "recompute"])
 def test_dropout_and_noise_equal_the_one_rank_run_on_4_ranks(world4, plan):
     results = world4.run(W.run, plan, 4)
     for rank, r in enumerate(results):
