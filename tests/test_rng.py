@@ -9,7 +9,7 @@ import pytest
 import rng_workers as W
 import torch
 
-from pxform.core.rng import PieceMap, RandomTag, coordinates, linear_index, philox, uniform
+from pxform.core.rng import PieceMap, RandomTag, coordinates, field, philox, uniform
 from pxform.tools.testing import World
 
 TIMEOUT_S = 300
@@ -31,6 +31,12 @@ def test_uniform_never_rounds_to_one():
     top = torch.full((4,), 0xFFFFFFFF, dtype=torch.int64)
     for dtype in (torch.float64, torch.float32, torch.float16, torch.bfloat16):
         assert float(uniform(top, top, dtype).max()) < 1.0, dtype
+
+
+def linear_index(coords, shape):
+    """The traced linear index of every element of the grid `coords` (what `field` draws
+    at), via `field` itself."""
+    return field(coords, shape, torch.int64, lambda linear, start, stop: linear)
 
 
 def test_positions_of_shards_and_coshard_pieces_are_the_traced_ones():

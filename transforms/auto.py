@@ -44,7 +44,7 @@ from pxform.runtime.mesh import Mesh
 from pxform.search.plan import Plan
 from pxform.transforms.base import Executable, fn_name
 from pxform.transforms.compile import Fallback
-from pxform.transforms.initialize import parameters_like, stand_ins, with_placeholders_filled
+from pxform.transforms.initialize import stand_ins, with_placeholders_filled
 from pxform.transforms.pipeline import Pipelined
 from pxform.transforms.shard import Sharded
 
@@ -124,8 +124,10 @@ class Auto(Executable):
                 f"pxform.auto({self.__name__}).init: the layout comes from the plan, and no "
                 f"plan was made yet.\n  Fix: call step.plan(params, batch) first (meta "
                 f"tensors do: params = pxform.trace-able shapes, e.g. from a model on meta).")
-        self._cache["params_like"] = parameters_like(init_fn, init_args)[1]
-        return self.executable(*args).init(init_fn, *init_args, batch=args[1:])
+        exe = self.executable(*args)
+        params = exe.init(init_fn, *init_args, batch=args[1:])
+        self._cache["params_like"] = exe._last["params_like"]  # what None stands for
+        return params
 
     def _filled(self, args: tuple[Any, ...]) -> tuple[Any, ...]:
         """`args` with the None placeholders `init` left (other stages' leaves) standing

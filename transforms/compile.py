@@ -64,7 +64,8 @@ def compile_program(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
                     mesh: AbstractMesh, layouts: Sequence[Layout] | None = None,
                     out_layouts: Callable[[Traced], list[Layout | None]] | None = None,
                     planner: Planner | None = None, fallback: Fallback | None = None,
-                    keep: Sequence[bool] | None = None) -> tuple[Traced, Program]:
+                    keep: Sequence[bool] | None = None, traced: Traced | None = None
+                    ) -> tuple[Traced, Program]:
     """Trace `fn(*args, **kwargs)` and lower it for one rank of `mesh`.
 
     Args:
@@ -75,10 +76,12 @@ def compile_program(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
         fallback: whether ops without a rule run replicated (default: they are refused).
         keep: which outputs to compute (None: all); the program returns only those, and
             computes nothing only the others need (`step.init` on a pipeline rank).
+        traced: `fn` already traced on these arguments (not traced again).
     """
     fallback = fallback or Fallback()
-    traced = trace(fn, *args, allow_fallback=fallback.allow, report_fallbacks=fallback.report,
-                   **kwargs)
+    if traced is None:
+        traced = trace(fn, *args, allow_fallback=fallback.allow,
+                       report_fallbacks=fallback.report, **kwargs)
     if layouts is None:
         layouts = [Layout.replicated(v.type.rank) for v in traced.graph.inputs]
     graph = traced.graph if keep is None else traced.graph.pruned(keep)

@@ -37,9 +37,9 @@ _ONE_DEVICE = AbstractMesh({"local": 1})
 def parameters_like(init_fn: Any, init_args: tuple[Any, ...]) -> tuple[Traced, Any]:
     """The initialiser traced (no data), and its outputs as `meta` tensors: the shapes of
     the parameters, for planning and lowering the step."""
-    # ops without a rule (orthogonal_'s QR) run replicated in an initialiser: reported
-    # once, when the initialiser is compiled
-    traced = trace(init_fn, *init_args, allow_fallback=True, report_fallbacks=False)
+    # ops without a rule (orthogonal_'s QR) run replicated in an initialiser, reported
+    # here: `initialize` lowers this trace, not another
+    traced = trace(init_fn, *init_args, allow_fallback=True)
     metas = [torch.empty(o.type.shape, dtype=o.type.dtype, device="meta")
                  if hasattr(o, "type") else o for o in traced.graph.outputs]
     return traced, optree.tree_unflatten(traced.out_tree, metas)
@@ -60,15 +60,18 @@ def known_batch(batch: tuple[Any, ...] | None, last: tuple[Any, ...] | None, nam
 
 
 def initialize(init_fn: Any, init_args: tuple[Any, ...], mesh: Mesh | None,
-               layouts: Sequence[Layout], held: Sequence[bool], name: str) -> Any:
+               layouts: Sequence[Layout], held: Sequence[bool], name: str,
+               traced: Traced | None = None) -> Any:
     """Run `init_fn(*init_args)` on this rank, computing only the outputs `held` marks,
     each laid out per `layouts` (one per output leaf) on `mesh`: DTensors on a mesh, whole
     tensors without one (a pipeline alone: one device per stage). Unheld outputs are None.
+    `traced` is the initialiser's trace from `parameters_like`, when the caller has it.
 
     Example:
         >>> params = initialize(init_gpt, (cfg,), mesh, layouts, [True] * n, "shard(loss)")
     """
-    traced, _ = parameters_like(init_fn, init_args)
+    if traced is None:  # the caller's trace from `parameters_like`, or a new one
+        traced, _ = parameters_like(init_fn, init_args)
     outputs = traced.graph.outputs
     if len(layouts) != len(outputs) or len(held) != len(outputs):
         raise SpecError(f"pxform.{name}.init({getattr(init_fn, '__name__', 'init_fn')}): the "
@@ -82,7 +85,7 @@ def initialize(init_fn: Any, init_args: tuple[Any, ...], mesh: Mesh | None,
         Layout.replicated(o.type.rank) for o in outputs]
     _, program = compile_program(init_fn, init_args, {}, abstract, None,
                                  lambda _: list(wanted), fallback=Fallback(allow=True),
-                                 keep=list(held))
+                                 keep=list(held), traced=traced)
     axes = mesh_axes(mesh) if mesh is not None else \
         AxisGroups({"local": None}, {"local": 0}, {"local": 1})
     leaves: list[Any] = optree.tree_leaves(init_args)  # type: ignore[arg-type]

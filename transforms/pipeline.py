@@ -350,13 +350,14 @@ class Pipelined(Nested):
             >>> step = pxform.pipeline(loss_fn, stages=2, microbatches=4)
             >>> params = step.init(init_gpt, cfg, batch=(batch,))  # rank 1: None for wte...
         """
-        _, params = parameters_like(init_fn, init_args)
+        traced, params = parameters_like(init_fn, init_args)
         self._cache["params_like"] = params  # the shapes None placeholders stand for
         leaves = [x for x in optree.tree_leaves(params) if isinstance(x, torch.Tensor)]  # type: ignore[arg-type]
         rest = known_batch(batch, self._cache.get("rest"), self.__name__, PipelineError)
         held = self.holds((params, *rest))[:len(leaves)]
         return initialize(init_fn, init_args, None,
-                          [Layout.replicated(t.dim()) for t in leaves], held, self.__name__)
+                          [Layout.replicated(t.dim()) for t in leaves], held, self.__name__,
+                          traced)
 
     def holds(self, args: tuple[Any, ...], enclosing: Enclosing | None = None) -> list[bool]:
         """Per tensor leaf of `args`, whether this rank's stages read it: the leaves it

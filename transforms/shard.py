@@ -129,7 +129,7 @@ class Sharded(Executable):
             >>> params = step.init(lambda: {"w": torch.randn(1024, 1024) * 0.02})
         """
         mesh = bound_mesh(self.mesh, self.__name__, "init")
-        _, params = parameters_like(init_fn, init_args)
+        traced, params = parameters_like(init_fn, init_args)
         self._last["params_like"] = params  # the shapes None placeholders stand for
         num = sum(isinstance(x, torch.Tensor) for x in optree.tree_leaves(params))  # type: ignore[arg-type]
         if isinstance(self.fn, Nested):
@@ -142,7 +142,7 @@ class Sharded(Executable):
             layouts = in_spec_layouts(self.fn, self.in_specs[:1], (params,), mesh.abstract,
                                       self.__name__)
             held = [True] * num
-        return initialize(init_fn, init_args, mesh, layouts, held, self.__name__)
+        return initialize(init_fn, init_args, mesh, layouts, held, self.__name__, traced)
 
     def run(self, args: tuple[Any, ...], grad_argnums: tuple[int, ...]) -> tuple[Any, Any]:
         """Run on this rank; with `grad_argnums`, also return gradients of the (scalar)

@@ -180,20 +180,6 @@ def coordinates(tag: RandomTag, dims: Sequence[Sequence[str]], shape: Sequence[i
     return out
 
 
-def linear_index(coords: Sequence[torch.Tensor], shape: Sequence[int]) -> torch.Tensor:
-    """Row-major linear index in `shape` of the grid of per-dim indices `coords`."""
-    rank = len(coords)
-    linear = torch.zeros((), dtype=torch.int64,
-                         device=coords[0].device if coords else None)
-    stride = 1
-    for d in range(rank - 1, -1, -1):
-        view = [1] * rank
-        view[d] = coords[d].numel()
-        linear = linear + (coords[d] * stride).view(view)
-        stride *= shape[d]
-    return linear
-
-
 def bits(linear: torch.Tensor, seed: int, key: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Two independent 32-bit words (int64 tensors) per element of `linear` (global
     indices), for op `key` under `seed`."""

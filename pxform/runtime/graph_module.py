@@ -280,11 +280,15 @@ class RandomDraw(torch.nn.Module):
 def draw_seeds(programs: Sequence[Program | StageProgram]) -> rng.Seeds | None:
     """One call's seeds for the random ops of `programs` (all of a pipeline's stages, so
     every rank draws alike), or None without random ops."""
-    calls = []
+    calls: list[tuple[Any, tuple[Any, ...], dict[str, Any]]] = []
     for program in programs:
         inner = program.program if isinstance(program, StageProgram) else program
-        calls += [(i.op.target, i.op.args, dict(i.op.kwargs)) for i in inner.instrs
-                  if isinstance(i, CallInstr) and i.op.tag(RANDOM) is not None]
+        found = inner.__dict__.get("_random_calls")  # found once per program, not per call
+        if found is None:
+            found = [(i.op.target, i.op.args, dict(i.op.kwargs)) for i in inner.instrs
+                     if isinstance(i, CallInstr) and i.op.tag(RANDOM) is not None]
+            inner.__dict__["_random_calls"] = found  # frozen dataclass: no __setattr__
+        calls += found
     return rng.draw_seeds(calls)
 
 

@@ -181,10 +181,11 @@ def walk(a: Analysis, block: BlockInfo, strats: list[Strategy], outside: Mapping
             fwd_comm += fwd
             if v.name in a.params:
                 if first and have != s.inputs[i] and _floating(v):
-                    # gathered at use (ZeRO-3): the runtime's autograd saves the gathered
-                    # copy for backward (parameters are not in `op_saved`: stored anyway)
-                    need = math.prod(s.inputs[i].local_shape(v.type.shape, cache.mesh))
-                    saved += need * v.type.dtype.itemsize
+                    # gathered at use (ZeRO-3): the runtime frees the gathered copy after
+                    # its forward use and gathers it again for backward (reshard after
+                    # forward, `pxform.runtime.reshard`): transient, not saved; the gather
+                    # runs twice
+                    bwd_comm += fwd
                 if bwd > 0:
                     for kind, axis, sent in cache.steps(v, consumer_gradient_layout(s, i),
                                                         gradient_layout(have)):
