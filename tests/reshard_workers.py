@@ -48,3 +48,36 @@ def step_memory(reshard):
     return {"saved": meter.stats.saved_bytes, "peak": meter.stats.peak_bytes,
             "gathers": gathers, "weight_bytes": WIDTH * WIDTH * 8,
             "loss_err": abs(float(loss) - float(ref_loss)), "grad_err": err}
+
+
+def peak_breakdown(layers=8, width=512, rows=1024):
+    """One ZeRO-3 step on every rank of the world, float64, layers larger than their
+    activations (`width` x `width` weights, `rows` / ranks rows per rank): the metered peak
+    against its parts (module doc of tests/test_reshard.py), and the errors against one
+    process."""
+    import optree
+
+    ranks = torch.distributed.get_world_size()
+    g = torch.Generator().manual_seed(1)
+    params = {"w": [torch.randn(width, width, generator=g, dtype=torch.float64) / width**0.5
+                    for _ in range(layers)]}
+    batch = {"x": torch.randn(rows, width, generator=g, dtype=torch.float64),
+             "y": torch.randn(rows, width, generator=g, dtype=torch.float64)}
+    step = pxform.shard(mlp, mesh=pxform.Mesh({"dp": ranks}), in_specs=(P("dp"), P("dp")))
+    dparams, dbatch = step.distribute(params, batch)
+    program = step.lower(params, batch)
+    pxform.value_and_grad(step)(dparams, dbatch)  # compile outside the meter
+    with pxform.MemoryMeter() as meter:
+        meter.track(dparams, dbatch)
+        loss, grads = pxform.value_and_grad(step)(dparams, dbatch)
+    ref_loss, ref_grads = pxform.value_and_grad(mlp)(params, batch)
+    full = pxform.gather(grads)
+    err = max(float((a - b).abs().max()) for a, b in zip(optree.tree_leaves(full),
+                                                         optree.tree_leaves(ref_grads)))
+    weight = width * width * 8
+    shards = layers * weight // ranks
+    return {"peak": meter.stats.peak_bytes, "saved": meter.stats.saved_bytes,
+            "param_shards": shards, "grad_shards": shards, "two_blocks": 2 * weight,
+            "batch": 2 * rows // ranks * width * 8, "weight": weight,
+            "gathers": sum("all_gather" in c for c in program.collectives()),
+            "loss_err": abs(float(loss) - float(ref_loss)), "grad_err": err}

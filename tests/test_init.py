@@ -90,12 +90,13 @@ def test_init_on_a_pipeline_alone_and_on_auto(world2):
         assert "Fix: call step.plan(params, batch) first" in r["before_plan"]
 
 
-@pytest.mark.parametrize("plan, ratio", [("zero3", 2.5), ("pp", 1.5)])
+@pytest.mark.parametrize("plan, ratio", [("zero3", 2.0), ("pp", 1.5)])
 def test_a_model_larger_than_one_rank_trains_from_init(world4, plan, ratio):
     """The model's float32 training state (parameters, gradients, AdamW moments) is
     `ratio` times or more every rank's metered peak, init and steps included; losses and
-    final parameters match one process. (4x needs ZeRO-3 to free gathered weights after
-    forward without recompute and to reduce-scatter per block: issue 18.)"""
+    final parameters match one process. ZeRO-3 gathers per block, one block ahead (as
+    FSDP2 does), so two of this model's four blocks are held whole at a time: the peak is
+    about the shards plus two blocks (`tests/test_zero3_memory.py` checks that sum)."""
     for r in world4.run(W.too_large, plan, 4):
         assert r["state"] >= ratio * r["peak"], r
         for a, b in zip(r["losses"], r["ref_losses"]):

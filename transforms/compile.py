@@ -26,10 +26,12 @@ from pxform.core.ir import Graph
 from pxform.core.layout import Layout
 from pxform.core.mesh import AbstractMesh
 from pxform.frontend.trace import Traced, trace
+from pxform.lower.comm import comm_cost
+from pxform.lower.defer import defer_reductions
 from pxform.lower.spmd import Program, lower
 from pxform.ops.strategy import Strategy
 from pxform.passes.expand import prepare
-from pxform.passes.propagate import propagate, split_constants
+from pxform.passes.propagate import propagate, split_constants, zero3_axes
 
 
 @dataclass(frozen=True)
@@ -93,4 +95,17 @@ def compile_program(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
         outs = [lay for lay, k in zip(outs, keep) if k]
     if planner is None:  # values of no input are computed in the pieces wanted
         strategies = split_constants(graph, mesh, strategies, outs)
-    return traced, lower(graph, mesh, list(layouts), strategies, outs)
+    # partial gradients stay partial up to their parameters' buckets (DDP's all-reduces)
+    program = defer_reductions(lower(graph, mesh, list(layouts), strategies, outs))
+    zero3 = zero3_axes(graph, list(layouts), mesh) if planner is None else frozenset()
+    if zero3:
+        # ZeRO-3: gathering a block's parameters (packed, prefetched) against moving its
+        # activations; the program whose collectives cost less wins, so small batches keep
+        # moving activations and large ones gather weights
+        other = split_constants(graph, mesh, propagate(graph, mesh, list(layouts),
+                                                       zero3=zero3), outs)
+        if other != strategies:
+            alt = defer_reductions(lower(graph, mesh, list(layouts), other, outs))
+            if comm_cost(alt) < comm_cost(program):
+                program = alt
+    return traced, program

@@ -30,6 +30,7 @@ from pxform.core.errors import PipelineError
 from pxform.core.ir import Graph, Value
 from pxform.core.layout import Layout
 from pxform.core.mesh import AbstractMesh
+from pxform.lower.defer import defer_reductions
 from pxform.lower.spmd import CallInstr, ConvertInstr, Instr, Program, lower
 from pxform.ops import bind
 from pxform.ops.local import CountSpec
@@ -137,7 +138,7 @@ def lower_pipeline(graph: Graph, op_stage: tuple[int, ...], num_stages: int,
             only those return their weight ops' outputs, which keeps them alive until W
             (elsewhere that would defeat recompute regions, whose outputs stay alive).
     """
-    whole = lower(graph, mesh, input_layouts, strategies, output_layouts)
+    whole = defer_reductions(lower(graph, mesh, input_layouts, strategies, output_layouts))
     _refuse_microbatch_collectives(whole, fn)
     instr_stage = _instr_stages(whole, op_stage, num_stages)
     values = _local_values(whole)

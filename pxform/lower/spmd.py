@@ -180,6 +180,7 @@ def lower(graph: Graph, mesh: AbstractMesh, input_layouts: list[Layout],
         else:  # integer values (token ids, positions) have no gradient
             bwd = Relayout(grad_from, grad_to, ())
         dst = Value(new_name(src), typed_layout(t, dst_layout))
+        types[dst.name] = t  # a consumer whose gradient differs converts it again
         instrs.append(ConvertInstr(src, dst, fwd, bwd))
         return dst.name
 

@@ -12,7 +12,7 @@ import math
 from functools import lru_cache
 
 from pxform.core.ir import Graph, TensorType
-from pxform.core.layout import Layout, Relayout, plan_relayout
+from pxform.core.layout import AxisCost, Layout, Relayout, plan_relayout
 from pxform.core.mesh import AbstractMesh
 from pxform.core.spec import P
 from pxform.ops.strategy import REPLICATE, Strategy
@@ -52,7 +52,8 @@ def relayout(shape: tuple[int, ...], itemsize: int, src: Layout, dst: Layout,
 
 
 def propagate(graph: Graph, mesh: AbstractMesh, input_layouts: list[Layout],
-              sequential: frozenset[str] = frozenset()) -> list[Strategy]:
+              sequential: frozenset[str] = frozenset(),
+              zero3: frozenset[str] = frozenset()) -> list[Strategy]:
     """Choose a strategy per op, greedily in program order: the one needing the least
     forward communication to bring its inputs into layout (planner's default costs); costs
     within 1% are ties (bytes that small do not matter next to a collective's latency), and
@@ -65,8 +66,16 @@ def propagate(graph: Graph, mesh: AbstractMesh, input_layouts: list[Layout],
 
     `sequential` names axes whose coordinates run one after another (a pipeline's
     microbatches): no collective can run over them, so strategies needing one are taken
-    only when nothing else exists (the lowering then explains why the op cannot run)."""
+    only when nothing else exists (the lowering then explains why the op cannot run).
+
+    `zero3` names axes (`zero3_axes`) over which gathering a parameter for an op that
+    still splits its work over the axis is priced as the runtime runs it: grouped per
+    block and prefetched (no latency), its bytes moved three times (gathered, gathered
+    again in backward, gradient reduce-scattered), against twice (forward and backward)
+    for every other re-layout. `pxform.shard` propagates both ways and keeps the program
+    that moves less (`pxform.lower.comm.comm_cost`)."""
     layouts: dict[str, Layout] = {v.name: lay for v, lay in zip(graph.inputs, input_layouts)}
+    inputs = {v.name for v in graph.inputs}
     for c in graph.constants:
         layouts[c.value.name] = Layout.replicated(c.value.type.rank)
     # layouts a value is already converted to for an earlier consumer: free to reuse
@@ -79,16 +88,35 @@ def propagate(graph: Graph, mesh: AbstractMesh, input_layouts: list[Layout],
         for s in all_strategies(op, mesh):
             comm = 0.0
             moves = 0
+            splits = {a for a, choice in s.choices if choice != REPLICATE}
             for i, v in enumerate(op.inputs):
                 if (v.name, s.inputs[i]) in made:
                     continue
                 t = v.type
                 fwd = relayout(t.shape, t.dtype.itemsize, layouts[v.name], s.inputs[i], mesh)
-                comm += fwd.cost
+                if v.name in inputs and _zero3_gather(fwd, splits, zero3):
+                    # a parameter stored sharded, gathered for an op that still splits its
+                    # work over the axis (ZeRO-3): the runtime packs a block's gathers into
+                    # one collective launched a block ahead, so no latency; its bytes move
+                    # three times (gathered, gathered again in backward, gradient
+                    # reduce-scattered)
+                    comm += 3 * sum(b for _, b in fwd.volume) * AxisCost().seconds_per_byte
+                    continue
+                comm += 2 * fwd.cost  # forward, and its mirror in backward
                 moves += len(fwd.steps)
                 if any(st.axis in sequential and st.kind not in ("slice", "zero")
                        for st in fwd.steps):
                     comm = math.inf
+            if zero3:
+                # priced as the runtime runs ZeRO-3, a partial sum over its axis is not
+                # free: it is reduced before its first non-linear use (greedy propagation
+                # would otherwise only see that at the next op)
+                for v, lay in zip(op.outputs, s.outputs):
+                    if lay.partial & zero3:
+                        t = v.type
+                        whole = Layout(lay.dims, lay.partial - zero3)
+                        comm += 2 * relayout(t.shape, t.dtype.itemsize, lay, whole,
+                                             mesh).cost
             ways = sum(math.log(mesh.axis_size(a)) for a, c in s.choices if c != REPLICATE)
             key = (comm, moves, ways)
             if best is None or _better(key, best):
@@ -99,6 +127,29 @@ def propagate(graph: Graph, mesh: AbstractMesh, input_layouts: list[Layout],
         for v, lay in zip(op.outputs, pick.outputs):
             layouts[v.name] = lay
     return chosen
+
+
+def _zero3_gather(fwd: Relayout, splits: set[str], zero3: frozenset[str]) -> bool:
+    """Is the re-layout all-gathers over `zero3` axes the op splits its work over?"""
+    return bool(fwd.steps) and all(st.kind == "all_gather" and st.axis in splits
+                                   and st.axis in zero3 for st in fwd.steps)
+
+
+def zero3_axes(graph: Graph, input_layouts: list[Layout], mesh: AbstractMesh
+               ) -> frozenset[str]:
+    """Mesh axes that split inputs as ZeRO-3 does (FSDP's `P("dp")`): every input split
+    over the axis is split on its dim 0 only, and at least two are (parameters and the
+    batch). Propagation may gather parameters over them instead of moving activations."""
+    out = set()
+    for a in mesh.names:
+        if mesh.axis_size(a) == 1:
+            continue
+        split = [lay for lay in input_layouts if a in lay.used_axes()]
+        if len(split) >= 2 and all(a in lay.dims[0] and not lay.partial
+                                   and all(a not in d for d in lay.dims[1:])
+                                   for lay in split if lay.dims):
+            out.add(a)
+    return frozenset(out)
 
 
 def _better(key: tuple[float, int, float], best: tuple[float, int, float]) -> bool:

@@ -24,15 +24,16 @@ Packing one step over many tensors of different shapes:
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 import torch.distributed._functional_collectives as fc
 
+from pxform.core.errors import PxformError
 from pxform.core.layout import Step
-from pxform.runtime.collectives import AxisGroups, run_step
+from pxform.runtime.collectives import AxisGroups, collective_error, run_step
 
 DEFAULT_BUCKET_MB = 25.0
 
@@ -45,10 +46,15 @@ class GradSink(Protocol):
     def add(self, key: int, grad: torch.Tensor, steps: tuple[Step, ...]) -> None: ...
 
 
+# A bucket entry's key: a program input's index (a parameter gradient), or a tuple naming a
+# value the forward pass deferred (`GradBuckets.add_value`: the loss, its target count).
+Key = int | tuple[str, int]
+
+
 @dataclass
 class _Bucket:
     steps: tuple[tuple[str, str], ...]
-    keys: list[int] = field(default_factory=list)
+    keys: list[Key] = field(default_factory=list)
     grads: list[torch.Tensor] = field(default_factory=list)
     step_lists: list[tuple[Step, ...]] = field(default_factory=list)
     nbytes: int = 0
@@ -83,15 +89,23 @@ class GradBuckets:
         >>> grads = buckets.finish()          # {input index: reduced gradient}
     """
 
-    def __init__(self, axes: AxisGroups, bucket_bytes: int) -> None:
+    def __init__(self, axes: AxisGroups, bucket_bytes: int,
+                 blocks: Mapping[int, str] | None = None) -> None:
         self.axes = axes
         self.bucket_bytes = bucket_bytes
+        # the block of each parameter (`pxform.lower.comm.block_name`): reduce-scatters
+        # (ZeRO-3) go out per block, as FSDP's do, so a block's whole gradients are freed
+        # as soon as its backward is done instead of waiting for a full bucket
+        self.blocks = blocks or {}
         self.open: dict[tuple, _Bucket] = {}
         self.launched: list[_Launched] = []
         self.stats = BucketStats()
         self.expected: dict[tuple, int] = {}
         self.arrived: dict[tuple, int] = {}
         self._finishing = False
+        self.values: dict[tuple[str, int], torch.Tensor] = {}  # deferred values, reduced
+        # what the loss was divided by before its count was known (`GlobalCount.final`)
+        self.count_scale: float | None = None
 
     @staticmethod
     def _signature(steps: tuple[Step, ...], like: torch.Tensor) -> tuple:
@@ -102,29 +116,53 @@ class GradBuckets:
         sig = self._signature(steps, like)
         self.expected[sig] = self.expected.get(sig, 0) + 1
 
-    def add(self, key: int, grad: torch.Tensor, steps: tuple[Step, ...]) -> None:
-        """Queue the gradient of program input `key`, to be taken through `steps`."""
-        sig = self._signature(steps, grad)
+    def add_value(self, key: tuple[str, int], value: torch.Tensor,
+                  steps: tuple[Step, ...]) -> None:
+        """Queue a forward value whose reduction (`steps`, all-reduces) can wait for a
+        bucket: it rides in the first bucket of its kind launched after it, instead of a
+        collective of its own (a data-parallel loss). `finish` leaves it in `values`."""
+        sig = self._signature(steps, value)
         bucket = self.open.get(sig)
         if bucket is None:
             bucket = self.open[sig] = _Bucket(sig[0])
-        bucket.keys.append(key)
-        bucket.grads.append(grad.contiguous())
-        bucket.step_lists.append(steps)
-        bucket.nbytes += grad.numel() * grad.element_size()
+        self._put(bucket, key, value.detach(), steps)
+
+    def add(self, key: int, grad: torch.Tensor, steps: tuple[Step, ...]) -> None:
+        """Queue the gradient of program input `key`, to be taken through `steps`."""
+        if not self.arrived:  # backward has begun: deferred values no gradient will join
+            for lone in [sig for sig in self.open if not self.expected.get(sig)]:
+                self._launch(self.open.pop(lone))
+        sig = self._signature(steps, grad)
+        bucket = self.open.get(sig)
+        if bucket is not None and steps[0].kind == "reduce_scatter" and bucket.keys and \
+                self.blocks.get(key) != self.blocks.get(bucket.keys[-1]):  # type: ignore[arg-type]
+            del self.open[sig]  # the previous block's gradients are all in: send them
+            self._launch(bucket)
+            bucket = None
+        if bucket is None:
+            bucket = self.open[sig] = _Bucket(sig[0])
+        self._put(bucket, key, grad, steps)
         self.arrived[sig] = self.arrived.get(sig, 0) + 1
         if bucket.nbytes >= self.bucket_bytes or self.arrived[sig] == self.expected.get(sig):
             del self.open[sig]
             self._launch(bucket)
 
+    @staticmethod
+    def _put(bucket: _Bucket, key: Key, grad: torch.Tensor, steps: tuple[Step, ...]) -> None:
+        bucket.keys.append(key)
+        bucket.grads.append(grad.contiguous())
+        bucket.step_lists.append(steps)
+        bucket.nbytes += grad.numel() * grad.element_size()
+
     def _launch(self, bucket: _Bucket) -> None:
         first = [steps[0] for steps in bucket.step_lists]
         shapes = [tuple(g.shape) for g in bucket.grads]
         pending = _start(bucket.grads, first, self.axes)
+        bucket.grads = []  # packed into `pending`: the whole gradients can be freed now
         self.launched.append(_Launched(bucket, pending, shapes, not self._finishing))
         self.stats.launched += 1
         self.stats.launched_in_backward += not self._finishing
-        self.stats.tensors += len(bucket.grads)
+        self.stats.tensors += len(shapes)
         self.stats.bytes += bucket.nbytes
 
     def finish(self) -> dict[int, torch.Tensor]:
@@ -138,11 +176,18 @@ class GradBuckets:
         for item in self.launched:
             bucket = item.bucket
             first = [steps[0] for steps in bucket.step_lists]
-            grads = _end(fc.wait_tensor(item.pending), first, item.shapes, self.axes)
+            try:
+                done = fc.wait_tensor(item.pending)
+            except RuntimeError as exc:
+                raise _packed_error(exc, first, len(item.shapes), self.axes) from exc
+            grads = _end(done, first, item.shapes, self.axes)
             for key, g, steps in zip(bucket.keys, grads, bucket.step_lists):
                 for step in steps[1:]:
                     g = run_step(g, step, self.axes)
-                out[key] = g if key not in out else out[key] + g
+                if isinstance(key, tuple):
+                    self.values[key] = g
+                else:
+                    out[key] = g if key not in out else out[key] + g
         self.launched.clear()
         return out
 
@@ -193,6 +238,35 @@ def _end(buffer: torch.Tensor, steps: Sequence[Step], shapes: Sequence[tuple[int
         out.append(torch.cat(parts, dim=_dim(step)))
         offset += size
     return out
+
+
+def start_gather(shards: Sequence[torch.Tensor], steps: Sequence[Step], axes: AxisGroups
+                 ) -> torch.Tensor:
+    """Launch one packed all-gather of `shards` (each gathered by its `steps`, all
+    `all_gather` on one axis); returns the pending result for `finish_gather`."""
+    try:
+        return _start(shards, steps, axes)
+    except RuntimeError as exc:
+        raise _packed_error(exc, steps, len(shards), axes) from exc
+
+
+def finish_gather(pending: torch.Tensor, steps: Sequence[Step],
+                  shapes: Sequence[tuple[int, ...]], axes: AxisGroups) -> list[torch.Tensor]:
+    """Wait for a `start_gather` and cut the gathered tensors out of its buffer. A gather
+    that does not complete raises `CollectiveError` naming this rank."""
+    try:
+        done = fc.wait_tensor(pending)
+    except RuntimeError as exc:
+        raise _packed_error(exc, steps, len(shapes), axes) from exc
+    return _end(done, steps, shapes, axes)
+
+
+def _packed_error(exc: RuntimeError, steps: Sequence[Step], num: int,
+                  axes: AxisGroups) -> Exception:
+    if isinstance(exc, PxformError):
+        return exc
+    return collective_error(exc, f"{steps[0]} (one packed collective for {num} tensor(s))",
+                            steps[0].axis, axes)
 
 
 def _dim(step: Step) -> int:

@@ -51,17 +51,23 @@ def run_step(x: torch.Tensor, step: Step, axes: AxisGroups) -> torch.Tensor:
     except RuntimeError as exc:
         if isinstance(exc, PxformError) or step.kind in ("slice", "zero"):
             raise
-        import torch.distributed as dist
+        raise collective_error(exc, str(step), step.axis, axes) from exc
 
-        rank = dist.get_rank() if dist.is_initialized() else 0
-        raise CollectiveError(
-            f"pxform: rank {rank}: {step} over mesh axis {step.axis!r} ({axes.sizes[step.axis]} "
-            f"ranks, this one at index {axes.index[step.axis]}) did not complete: "
-            f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}.\n  Another "
-            f"rank failed or runs a different program (its own error says why), or the step "
-            f"is slower than the mesh's timeout.\n  Fix: make every rank run the same "
-            f"program on the same shapes; for a legitimately slow step raise the timeout: "
-            f"pxform.Mesh(..., timeout=seconds) or PXFORM_TIMEOUT_S.") from exc
+
+def collective_error(exc: BaseException, what: str, axis: str, axes: AxisGroups
+                     ) -> CollectiveError:
+    """The error for a collective `what` over `axis` that did not complete (`exc`)."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    return CollectiveError(
+        f"pxform: rank {rank}: {what} over mesh axis {axis!r} ({axes.sizes[axis]} "
+        f"ranks, this one at index {axes.index[axis]}) did not complete: "
+        f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}.\n  Another "
+        f"rank failed or runs a different program (its own error says why), or the step "
+        f"is slower than the mesh's timeout.\n  Fix: make every rank run the same "
+        f"program on the same shapes; for a legitimately slow step raise the timeout: "
+        f"pxform.Mesh(..., timeout=seconds) or PXFORM_TIMEOUT_S.")
 
 
 def _run_step(x: torch.Tensor, step: Step, axes: AxisGroups) -> torch.Tensor:
@@ -120,26 +126,29 @@ class ConvertFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, forward_steps: tuple[Step, ...],  # type: ignore[override]
-                backward_steps: tuple[Step, ...], axes: AxisGroups) -> torch.Tensor:
+                backward_steps: tuple[Step, ...], axes: AxisGroups,
+                given: torch.Tensor | None = None) -> torch.Tensor:
         ctx.backward_steps = backward_steps
         ctx.axes = axes
-        y = run_steps(x, forward_steps, axes)
+        # `given`: the forward steps' result, computed already (a prefetched gather)
+        y = run_steps(x, forward_steps, axes) if given is None else given
         # autograd needs a new tensor object even when no step ran (identity forward)
         return y.view_as(y) if y is x else y
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
         if grad is None:
-            return None, None, None, None
-        return run_steps(grad, ctx.backward_steps, ctx.axes), None, None, None
+            return None, None, None, None, None
+        return run_steps(grad, ctx.backward_steps, ctx.axes), None, None, None, None
 
 
 def convert(x: torch.Tensor, forward_steps: tuple[Step, ...], backward_steps: tuple[Step, ...],
-            axes: AxisGroups) -> torch.Tensor:
-    """Apply the conversion rule to one local tensor (autograd-aware when x needs grad)."""
+            axes: AxisGroups, given: torch.Tensor | None = None) -> torch.Tensor:
+    """Apply the conversion rule to one local tensor (autograd-aware when x needs grad).
+    `given` is the forward steps' result when it was computed ahead (prefetched)."""
     if not (x.requires_grad and torch.is_grad_enabled()):
-        return run_steps(x, forward_steps, axes)
-    return ConvertFunction.apply(x, forward_steps, backward_steps, axes)
+        return run_steps(x, forward_steps, axes) if given is None else given
+    return ConvertFunction.apply(x, forward_steps, backward_steps, axes, given)
 
 
 def all_reduce_sum(x: torch.Tensor, axes: Sequence[str], groups: AxisGroups) -> torch.Tensor:

@@ -20,8 +20,9 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import math
 import operator
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,8 +42,9 @@ from pxform.ops import bind as bind_args
 from pxform.ops.local import CountSpec
 from pxform.passes.propagate import layout_of
 from pxform.runtime import collectives
-from pxform.runtime.buckets import GradSink
+from pxform.runtime.buckets import GradBuckets, GradSink
 from pxform.runtime.collectives import AxisGroups, all_reduce_sum, convert
+from pxform.runtime.prefetch import Prefetch, gather_plan
 from pxform.runtime.reshard import note_gathered
 
 
@@ -54,6 +56,7 @@ class Active:
     axes: AxisGroups
     buckets: GradSink | None = None
     seeds: rng.Seeds | None = None
+    prefetch: Prefetch | None = None
 
 
 _ACTIVE: contextvars.ContextVar[Active | None] = contextvars.ContextVar("pxform_runtime",
@@ -62,10 +65,12 @@ _ACTIVE: contextvars.ContextVar[Active | None] = contextvars.ContextVar("pxform_
 
 @contextlib.contextmanager
 def with_groups(axes: AxisGroups, buckets: GradSink | None = None,
-                seeds: rng.Seeds | None = None) -> Iterator[None]:
+                seeds: rng.Seeds | None = None, prefetch: Prefetch | None = None
+                ) -> Iterator[None]:
     """Run program modules on this rank's process groups (and gradient buckets); random
-    ops draw under `seeds` (one set per call of a step, `rng.draw_seeds`)."""
-    token = _ACTIVE.set(Active(axes, buckets, seeds))
+    ops draw under `seeds` (one set per call of a step, `rng.draw_seeds`); gathered
+    parameters come from `prefetch` (grouped per block, one block ahead)."""
+    token = _ACTIVE.set(Active(axes, buckets, seeds, prefetch))
     try:
         yield
     finally:
@@ -110,12 +115,18 @@ class Convert(torch.nn.Module):
     the active `GradBuckets` (if any) instead of running the backward steps in place."""
 
     def __init__(self, forward_steps: tuple[Step, ...], backward_steps: tuple[Step, ...],
-                 param: int | None, where: str = "") -> None:
+                 param: int | None, where: str = "", output: int | None = None,
+                 site: int | None = None) -> None:
         super().__init__()
         self.forward_steps = forward_steps
         self.backward_steps = backward_steps
         self.param = param
         self.where = where  # the instruction, for errors: "%w1.1 = convert(%w1)"
+        # the program output this conversion makes, when it only all-reduces a value nothing
+        # else reads (a data-parallel loss): under `GradBuckets` the reduction is deferred
+        # into a gradient bucket, and the partial value goes on (its gradient is the same)
+        self.output = output
+        self.site = site  # its place among the program's parameter gathers (`prefetch`)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         try:
@@ -126,15 +137,25 @@ class Convert(torch.nn.Module):
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
         active = _active()
         axes, buckets = active.axes, active.buckets
+        if self.output is not None and isinstance(buckets, GradBuckets) and \
+                torch.is_grad_enabled():
+            buckets.add_value(("output", self.output), x, self.forward_steps)
+            return x.view_as(x)  # backward: identity, as the steps' own backward
+        given = None
+        if self.site is not None and active.prefetch is not None and not _RECOMPUTING.get():
+            given = active.prefetch.take(self.site)
         if (buckets is not None and self.param is not None and x.requires_grad
                 and torch.is_grad_enabled()
                 and any(s.kind not in ("slice", "zero") for s in self.backward_steps)):
             y = _BucketedConvert.apply(x, self.forward_steps, self.backward_steps, axes,
-                                       buckets, self.param)
+                                       buckets, self.param, given)
         else:
-            y = convert(x, self.forward_steps, self.backward_steps, axes)
+            y = convert(x, self.forward_steps, self.backward_steps, axes, given)
         if self.param is not None and self.gathers:  # ZeRO-3: may be freed after forward
-            note_gathered(y, x, self.forward_steps, axes)
+            group = (active.prefetch.plan.group_of[self.site]
+                     if given is not None and active.prefetch is not None
+                     and self.site is not None else None)
+            note_gathered(y, x, self.forward_steps, axes, group)
         return y
 
     @property
@@ -157,17 +178,18 @@ class _BucketedConvert(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, forward_steps: tuple[Step, ...],  # type: ignore[override]
                 backward_steps: tuple[Step, ...], axes: AxisGroups, buckets: GradSink,
-                param: int) -> torch.Tensor:
+                param: int, given: torch.Tensor | None = None) -> torch.Tensor:
         ctx.buckets, ctx.param = buckets, param
         if not _RECOMPUTING.get():  # announced once, by the first forward
             buckets.expect(backward_steps, x)
-        return collectives.ConvertFunction.forward(ctx, x, forward_steps, backward_steps, axes)
+        return collectives.ConvertFunction.forward(ctx, x, forward_steps, backward_steps, axes,
+                                                   given)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
         if grad is not None:
             ctx.buckets.add(ctx.param, grad, ctx.backward_steps)
-        return (None,) * 6
+        return (None,) * 7
 
 
 class Recompute(torch.nn.Module):
@@ -293,28 +315,53 @@ def draw_seeds(programs: Sequence[Program | StageProgram]) -> rng.Seeds | None:
 
 
 class GlobalCount(torch.nn.Module):
-    """The number of counted targets of a mean loss, summed over the axes splitting the
-    batch (`cross_entropy(ignore_index=...)` divides by it)."""
+    """Divides a counted loss (`cross_entropy(ignore_index=...)`, a sum on each rank) by
+    the number of counted targets, summed over the axes splitting the batch.
 
-    def __init__(self, spec: CountSpec, key: str = "") -> None:
+    With `final` (the loss is the program's first output and nothing else reads it) and
+    under `GradBuckets`, no collective runs here: the local count rides in the gradient
+    bucket with the loss (`GradBuckets.add_value`). The loss is divided by M, the number of
+    targets of the whole batch, known from the shapes; once the buckets finish, the step
+    multiplies the loss and every gradient by M / N, N the reduced count (gradients are
+    linear in the loss). Without ignored targets N = M and nothing is multiplied, so the
+    gradients are those of dividing by N at once; otherwise they differ from it by a
+    rounding of the loss's dtype. So data parallelism needs no collective outside the
+    buckets, as DDP (which returns each rank's own loss) does.
+    """
+
+    def __init__(self, spec: CountSpec, key: str = "", final: bool = False) -> None:
         super().__init__()
         self.spec = spec
         self.key = key  # the loss value's name: where a pipeline's precomputed count is
+        self.final = final
 
-    def forward(self, target: torch.Tensor, weight: torch.Tensor | None,
-                like: torch.Tensor) -> torch.Tensor:
-        axes = _active().axes
+    def forward(self, loss: torch.Tensor, target: torch.Tensor,
+                weight: torch.Tensor | None) -> torch.Tensor:
+        active = _active()
+        axes = active.axes
         for a in self.spec.axes:
             group = axes.groups.get(a)
             if isinstance(group, collectives.Microbatches):
-                return group.counts[self.key].to(like.dtype)  # over all microbatches
+                return loss / group.counts[self.key].to(loss.dtype)  # over all microbatches
+        count = local_count(target, weight, self.spec)
+        if self.final and isinstance(active.buckets, GradBuckets) and torch.is_grad_enabled():
+            if not _RECOMPUTING.get():  # a recompute runs the same count again: once
+                # in the loss's dtype, to share its bucket (exact below 2**24 targets in
+                # float32); half-precision losses count in float32
+                dtype = loss.dtype if loss.dtype in (torch.float32, torch.float64) \
+                    else torch.float32
+                active.buckets.add_value(("count", 0), count.to(dtype).reshape(()),
+                                         tuple(Step("all_reduce", a) for a in self.spec.axes))
+            whole = float(target.numel() * math.prod(axes.sizes[a] for a in self.spec.axes))
+            active.buckets.count_scale = whole
+            return loss / whole
         with torch.no_grad():
-            count = local_count(target, weight, self.spec)
             count = all_reduce_sum(count.reshape(1), self.spec.axes, axes).reshape(())
-        return count.to(like.dtype)
+        return loss / count.to(loss.dtype)
 
     def extra_repr(self) -> str:
-        return f"over {', '.join(self.spec.axes)}, ignore_index={self.spec.ignore_index}"
+        return (f"over {', '.join(self.spec.axes)}, ignore_index={self.spec.ignore_index}"
+                + (", final" if self.final else ""))
 
 
 def local_count(target: torch.Tensor, weight: torch.Tensor | None, spec: CountSpec
@@ -351,6 +398,15 @@ def default_device() -> torch.device:
     if dist.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def runtime_device(tensors: Iterable[Any]) -> torch.device:
+    """Where the runtime makes the tensors of a step (buffers, zeros, counts): the device
+    of its first tensor input, else `default_device()`."""
+    for t in tensors:
+        if isinstance(t, torch.Tensor):
+            return t.device
+    return default_device()
 
 
 def _single_tensor(target: Any) -> bool:
@@ -451,6 +507,8 @@ class _Emitter:
             program, graph, root, env, index
         self.device: Any = None
         self.num = 0
+        self.deferred, self.final = deferred_outputs(program)
+        self.sites = gather_plan(program).site_of()
 
     def get_device(self) -> Any:
         if self.device is None:
@@ -469,7 +527,9 @@ class _Emitter:
                 root.add_module(name, Convert(instr.forward.steps, instr.backward.steps,
                                               self.index.get(instr.src),
                                               f"{program.name}: %{instr.dst.name} = "
-                                              f"convert(%{instr.src}) [{name}]"))
+                                              f"convert(%{instr.src}) [{name}]",
+                                              self.deferred.get(instr.dst.name),
+                                              self.sites.get(instr.dst.name)))
                 node = graph.call_module(name, (env[instr.src],))
                 node.meta["local_shape"] = program.local_shape(instr.dst)
                 env[instr.dst.name] = node
@@ -513,15 +573,50 @@ class _Emitter:
                 outs = [graph.call_function(operator.mul, (o, call.scale)) for o in outs]
             if call.count is not None:
                 name = f"count_{num}"
-                root.add_module(name, GlobalCount(call.count, instr.outputs[0].name))
+                root.add_module(name, GlobalCount(call.count, instr.outputs[0].name,
+                                                  final=instr is self.final))
                 b = _bound_inputs(instr)
-                count = graph.call_module(name, (env[b["target"]],
-                                                 env[b["weight"]] if "weight" in b else None,
-                                                 env[b["self"]]))
-                outs = [graph.call_function(operator.truediv, (o, count)) for o in outs]
+                outs = [graph.call_module(name, (o, env[b["target"]],
+                                                 env[b["weight"]] if "weight" in b else None))
+                        for o in outs]
             for v, o in zip(instr.outputs, outs):
                 o.meta["local_shape"] = program.local_shape(v)
                 env[v.name] = o
+
+
+def deferred_outputs(program: Program) -> tuple[dict[str, int], CallInstr | None]:
+    """Which outputs' reductions may wait for a gradient bucket: {local name: output
+    index} of outputs made by a conversion that only all-reduces (backward: identity) and
+    that nothing else reads; and the counted loss op (`GlobalCount(final=True)`) whose sum
+    is output 0 that way, or None."""
+    found = program.__dict__.get("_deferred")
+    if found is not None:
+        return found
+    read = set(_reads(program.instrs))
+    names = [o.name for o in program.outputs if isinstance(o, Value)]
+    made = {i.dst.name: i for i in program.instrs if isinstance(i, ConvertInstr)}
+    deferred: dict[str, int] = {}
+    for k, o in enumerate(program.outputs):
+        c = made.get(o.name) if isinstance(o, Value) else None
+        if c is None or o.name in read or names.count(o.name) != 1 or c.backward.steps \
+                or not c.forward.steps \
+                or any(s.kind != "all_reduce" for s in c.forward.steps):
+            continue
+        deferred[o.name] = k
+    final = None
+    first = program.outputs[0] if program.outputs else None
+    if isinstance(first, Value) and deferred.get(first.name) == 0:
+        src = made[first.name].src
+        producers = [i for i in program.instrs if isinstance(i, CallInstr)
+                     and any(v.name == src for v in i.outputs)]
+        readers = [r for r in _reads(program.instrs) if r == src]
+        if len(producers) == 1 and len(readers) == 1 and src not in names:
+            p = producers[0]
+            if p.call.count is not None and p.call.scale == 1.0 and len(p.outputs) == 1 \
+                    and set(p.call.count.axes) == {s.axis for s in made[first.name].forward.steps}:
+                final = p
+    program.__dict__["_deferred"] = (deferred, final)  # frozen dataclass: no __setattr__
+    return deferred, final
 
 
 def _region_runs(instrs: Sequence[Instr]) -> list[tuple[RecomputeTag | None, list[Instr]]]:

@@ -69,6 +69,8 @@ class Mesh:
     Every collective on the mesh's groups gives up after `timeout` seconds (default
     `PXFORM_TIMEOUT_S`, else 60 on gloo and 600 on NCCL): a rank that failed, or runs
     another program, then ends its peers with a `CollectiveError` instead of a hang.
+    `device` is the device type of the DTensors it makes (default: "cuda" under NCCL,
+    else "cpu").
 
     Example (under `torchrun --nproc-per-node 4`):
         >>> mesh = pxform.Mesh({"dp": 2, "tp": 2})
@@ -77,7 +79,7 @@ class Mesh:
     """
 
     def __init__(self, axes: Mapping[str, int] | AbstractMesh,
-                 timeout: float | None = None) -> None:
+                 timeout: float | None = None, device: str | None = None) -> None:
         self._abstract = axes if isinstance(axes, AbstractMesh) else AbstractMesh(axes)
         if not dist.is_available() or not dist.is_initialized():
             raise SpecError(
@@ -91,7 +93,9 @@ class Mesh:
                 f"torch.distributed world has {world} ranks.\n  Fix: make the axis sizes "
                 f"multiply to {world}, or launch {self.abstract.size} processes.")
         backend = dist.get_backend()
-        device = "cuda" if backend == "nccl" else "cpu"
+        # the DTensors it returns live on this device type (a fake process group has none
+        # of its own: say "cuda" to test device placement, `tests/test_fake_cuda.py`)
+        device = device or ("cuda" if backend == "nccl" else "cpu")
         self.timeout_s = float(timeout) if timeout is not None else default_timeout(backend)
         if backend in ("gloo", "nccl"):
             self.device_mesh = _mesh_with_timeout(device, self.abstract, self.timeout_s)

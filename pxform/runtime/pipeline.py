@@ -47,14 +47,15 @@ from pxform.runtime.boundary import (
 from pxform.runtime.buckets import GradAccumulator
 from pxform.runtime.collectives import AxisGroups, Microbatches, all_reduce_sum
 from pxform.runtime.graph_module import (
-    default_device,
     draw_seeds,
     local_count,
     module_of,
     regions_off,
+    runtime_device,
     with_groups,
 )
 from pxform.runtime.mesh import Mesh
+from pxform.runtime.prefetch import Prefetch, gather_plan
 from pxform.runtime.reshard import reshard_after_forward
 from pxform.schedules.actions import Action
 
@@ -134,7 +135,7 @@ def run(program: PipelineProgram, actions: Sequence[Action | None], place: Pipel
     # one seed per call, drawn on every rank (all hold every stage's program) so the
     # generator advances alike everywhere, whether or not this rank's stages draw
     seeds = draw_seeds(program.stages)
-    device = default_device()  # every buffer the executor makes lives here
+    device = runtime_device(inputs)  # every buffer the executor makes lives here
     micro = Microbatches()
     per_mb = [AxisGroups({**axes.groups, MB: micro}, {**axes.index, MB: i},
                          {**axes.sizes, MB: m}) for i in range(m)]
@@ -193,7 +194,9 @@ def run(program: PipelineProgram, actions: Sequence[Action | None], place: Pipel
         later = grad and (s, i) in early
         if later:
             sl.rng = _rng_state(args)
-        with with_groups(per_mb[i], accumulator, seeds), \
+        plan = gather_plan(st.program)  # ZeRO-3 gathers: per block, one block ahead
+        prefetch = Prefetch(plan, per_mb[i], args) if plan.groups else None
+        with with_groups(per_mb[i], accumulator, seeds, prefetch), \
                 torch.set_grad_enabled(grad and not later), \
                 reshard_after_forward(reshard and grad and not later):
             sl.outputs = tuple(module_of(st)(*args))
@@ -329,7 +332,7 @@ def run(program: PipelineProgram, actions: Sequence[Action | None], place: Pipel
             g = reduced[j] if g is None else g + reduced[j]
         if want_grad[j] and leaf.dtype.is_floating_point:
             out_grads[j] = torch.zeros_like(leaf) if g is None else g
-    outputs = _combine(program, finals, place) if any(finals) or place.size > 1 else []
+    outputs = _combine(program, finals, place, device) if any(finals) or place.size > 1 else []
     return PipelineResult(outputs, out_grads)
 
 
@@ -391,7 +394,7 @@ def _recv(shapes: list[tuple[tuple[int, ...], torch.dtype]], place: PipelineGrou
 
 
 def _combine(program: PipelineProgram, finals: list[tuple[Any, ...]],
-             place: PipelineGroup) -> list[Any]:
+             place: PipelineGroup, device: torch.device) -> list[Any]:
     """The outputs over all microbatches, broadcast from the last stage's rank."""
     last = program.stages[-1]
     owner = last.stage % place.size
@@ -414,7 +417,7 @@ def _combine(program: PipelineProgram, finals: list[tuple[Any, ...]],
             shape = list(last.local_shape(value))
             if isinstance(mode, tuple):
                 shape[mode[1]] *= program.microbatches
-            result = torch.empty(shape, dtype=value.type.dtype, device=default_device())
+            result = torch.empty(shape, dtype=value.type.dtype, device=device)
         if place.size > 1:
             result = result.contiguous()
             dist.broadcast(result, src=place.peer(owner), group=place.group)
@@ -442,7 +445,7 @@ def share_grads(program: PipelineProgram, place: PipelineGroup, grads: dict[int,
         if g is None:
             shape = layouts[j].local_shape(tuple(leaves[j].shape), sub) if sub else \
                 tuple(leaves[j].shape)
-            g = torch.zeros(shape, dtype=leaves[j].dtype, device=default_device())
+            g = torch.zeros(shape, dtype=leaves[j].dtype, device=leaves[j].device)
         g = g.contiguous()
         dist.all_reduce(g, group=place.group)
         if place.rank in owners[j]:

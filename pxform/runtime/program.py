@@ -17,6 +17,7 @@ import torch
 
 from pxform.core.errors import SpecError
 from pxform.core.layout import Layout
+from pxform.lower.comm import block_name
 from pxform.lower.spmd import Program
 from pxform.passes.propagate import gradient_layout
 from pxform.runtime.boundary import (
@@ -31,6 +32,7 @@ from pxform.runtime.buckets import BucketStats, GradBuckets, GradSink
 from pxform.runtime.collectives import AxisGroups
 from pxform.runtime.graph_module import draw_seeds, module_of, with_groups
 from pxform.runtime.mesh import Mesh
+from pxform.runtime.prefetch import Prefetch, gather_plan
 from pxform.runtime.reshard import reshard_after_forward
 
 
@@ -41,7 +43,10 @@ def execute(program: Program, inputs: Sequence[torch.Tensor], axes: AxisGroups,
     with random ops draws new seeds from torch's generators (`draw_seeds`: once per call,
     the same on every rank seeded alike). With `reshard`, parameters the program gathers
     (ZeRO-3) are freed after their forward use and gathered again in backward."""
-    with with_groups(axes, buckets, draw_seeds([program])), reshard_after_forward(reshard):
+    plan = gather_plan(program)
+    prefetch = Prefetch(plan, axes, inputs) if plan.groups else None
+    with with_groups(axes, buckets, draw_seeds([program]), prefetch), \
+            reshard_after_forward(reshard):
         return list(module_of(program)(*inputs))
 
 
@@ -84,17 +89,15 @@ def run_spmd(program: Program, out_tree: Any, layouts: Sequence[Layout], args: t
         local.append(t)
         wants.append(want)
     # parameter-gradient collectives go to buckets, launched during backward
-    buckets = GradBuckets(axes, int(bucket_mb * 2**20)) if grad_argnums else None
+    buckets = GradBuckets(axes, int(bucket_mb * 2**20),
+                          {k: block_name(v.name) for k, v in enumerate(program.inputs)}
+                          ) if grad_argnums else None
     with torch.set_grad_enabled(bool(grad_argnums) or torch.is_grad_enabled()):
         outs = execute(program, local, axes, buckets, reshard=reshard and bool(grad_argnums))
     if not grad_argnums:
         value = optree.tree_unflatten(out_tree, [
             wrap_output(o, v, mesh) for o, v in zip(outs, program.outputs)])
         return SpmdResult(value, None, None)
-    # value_and_grad returns values, not graphs: detached, as on a plain function
-    value = optree.tree_unflatten(out_tree, [
-        wrap_output(o.detach() if isinstance(o, torch.Tensor) else o, v, mesh)
-        for o, v in zip(outs, program.outputs)])
     loss = outs[0]
     if not (isinstance(loss, torch.Tensor) and loss.dim() == 0):
         raise SpecError(f"pxform.value_and_grad({name}): the function must return "
@@ -105,6 +108,21 @@ def run_spmd(program: Program, out_tree: Any, layouts: Sequence[Layout], args: t
                   if needed and loss.requires_grad else [None] * len(needed))
     assert buckets is not None
     reduced = buckets.finish()  # every bucketed collective has completed here
+    # outputs whose all-reduce rode in a bucket (`Convert.output`), and the loss's count
+    # (`GlobalCount.final`): the loss was divided by the batch's number of targets M, not
+    # the count N of those not ignored, so the loss and every gradient take a factor M / N
+    # (exactly 1.0 when nothing is ignored: multiplying by it changes no bit; a tensor, so
+    # no device-to-host sync)
+    outs = [buckets.values.get(("output", k), o) for k, o in enumerate(outs)]
+    count = buckets.values.get(("count", 0))
+    factor = None
+    if count is not None and buckets.count_scale is not None:
+        factor = buckets.count_scale / count.double()  # in float64: no extra rounding
+        outs[0] = outs[0] * factor.to(outs[0].dtype)
+    # value_and_grad returns values, not graphs: detached, as on a plain function
+    value = optree.tree_unflatten(out_tree, [
+        wrap_output(o.detach() if isinstance(o, torch.Tensor) else o, v, mesh)
+        for o, v in zip(outs, program.outputs)])
     grad_iter = iter(grads)
     wrapped: list[Any] = []
     given = [is_dtensor(leaf) for leaf, _ in tensor_leaves]
@@ -116,6 +134,8 @@ def run_spmd(program: Program, out_tree: Any, layouts: Sequence[Layout], args: t
         if index in reduced:
             g = reduced[index] if g is None else g + reduced[index]
         g = torch.zeros_like(t) if g is None else g
+        if factor is not None:
+            g = g * factor.to(g.dtype)
         grad_layout = gradient_layout(layout)
         # like the arguments: DTensors (as `distribute` makes them) get DTensors with
         # the same placements, so `p.grad = g` and torch.optim work on them directly;

@@ -10,7 +10,11 @@ records its output (`note_gathered`); while the program's forward runs under
 backward unpacks it by gathering again. Activations and everything else are saved as usual.
 
 Gathering again runs the same collectives in backward on every rank, in the order the
-backward graph runs, which is the same everywhere.
+backward graph runs, which is the same everywhere. Parameters gathered per block
+(`pxform.runtime.prefetch`) are gathered again per block: the first saved weight of a
+block that backward unpacks gathers all of the block's saved weights in one packed
+all-gather and launches the block before it (backward prefetch); each gathered weight is
+dropped once its last saved use is unpacked.
 """
 
 from __future__ import annotations
@@ -25,20 +29,78 @@ from typing import Any
 import torch
 
 from pxform.core.layout import Step
-from pxform.runtime.collectives import AxisGroups, run_steps
+from pxform.runtime.buckets import finish_gather, start_gather
+from pxform.runtime.collectives import AxisGroups, run_step, run_steps
 
 _REGISTRY: contextvars.ContextVar[dict[int, _Gathered] | None] = contextvars.ContextVar(
     "pxform_gathered", default=None)
+_REGATHER: contextvars.ContextVar[Regather | None] = contextvars.ContextVar(
+    "pxform_regather", default=None)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class _Gathered:
-    """A parameter gathered in forward: how to gather it again."""
+    """A parameter gathered in forward: how to gather it again, and its block's group
+    (None: gathered on its own)."""
 
     ref: Any  # weakref to the gathered tensor: the registry must not keep it alive
     shard: torch.Tensor
     steps: tuple[Step, ...]
     axes: AxisGroups
+    group: int | None = None
+    regather: Regather | None = None
+
+
+class Regather:
+    """One call's backward gathers, per group: which gathered weights autograd saved
+    (and how many times), the weights gathered again and not yet used up, and the group
+    in flight (backward prefetch)."""
+
+    def __init__(self) -> None:
+        self.members: dict[int, list[_Gathered]] = {}
+        self.uses: dict[int, int] = {}  # id(_Gathered) -> saved uses not yet unpacked
+        self.full: dict[int, torch.Tensor] = {}
+        self.pending: dict[int, tuple[torch.Tensor, list[_Gathered]]] = {}
+        self.done: set[int] = set()
+        self.gathers = 0  # packed all-gathers launched in backward (read by tests)
+
+    def saved(self, g: _Gathered) -> None:
+        assert g.group is not None
+        if id(g) not in self.uses:
+            self.members.setdefault(g.group, []).append(g)
+            self.uses[id(g)] = 0
+        self.uses[id(g)] += 1
+
+    def get(self, g: _Gathered) -> torch.Tensor:
+        """`g` gathered again: with the rest of its group, at the group's first use."""
+        assert g.group is not None
+        if id(g) not in self.full:
+            self._launch(g.group)
+            earlier = [k for k in self.members if k < g.group and k not in self.done]
+            if earlier:
+                self._launch(max(earlier))  # the block backward reaches next
+            pending, members = self.pending.pop(g.group)
+            first = [m.steps[0] for m in members]
+            shapes = [tuple(m.shard.shape) for m in members]
+            for m, full in zip(members, finish_gather(pending, first, shapes, g.axes)):
+                for step in m.steps[1:]:
+                    full = run_step(full, step, m.axes)
+                self.full[id(m)] = full
+        full = self.full[id(g)]
+        self.uses[id(g)] -= 1
+        if self.uses[id(g)] == 0:  # its last saved use: free it
+            del self.full[id(g)]
+        return full
+
+    def _launch(self, group: int) -> None:
+        if group in self.done:
+            return
+        self.done.add(group)
+        members = self.members[group]
+        self.pending[group] = (start_gather([m.shard for m in members],
+                                            [m.steps[0] for m in members], members[0].axes),
+                               members)
+        self.gathers += 1
 
 
 @dataclass(frozen=True)
@@ -53,12 +115,18 @@ class _Handle:
 
 
 def note_gathered(out: torch.Tensor, shard: torch.Tensor, steps: tuple[Step, ...],
-                  axes: AxisGroups) -> None:
-    """Record that `out` is `shard` gathered by `steps` (called by `Convert`); a no-op
-    outside `reshard_after_forward()`."""
+                  axes: AxisGroups, group: int | None = None) -> None:
+    """Record that `out` is `shard` gathered by `steps` (called by `Convert`), with the
+    block group it was gathered with (None: alone); a no-op outside
+    `reshard_after_forward()`."""
     registry = _REGISTRY.get()
     if registry is not None:
-        registry[id(out)] = _Gathered(weakref.ref(out), shard.detach(), steps, axes)
+        # a gather computed ahead (prefetch) comes out of its autograd function as a view
+        # of the gathered tensor: what autograd saves are views of that base
+        base = out._base if out._base is not None else out
+        regather = _REGATHER.get() if group is not None else None
+        registry[id(base)] = _Gathered(weakref.ref(base), shard.detach(), steps, axes,
+                                       group if regather is not None else None, regather)
 
 
 def _pack(t: torch.Tensor) -> Any:
@@ -69,6 +137,8 @@ def _pack(t: torch.Tensor) -> Any:
     g = registry.get(id(base))
     if g is None or g.ref() is not base:
         return t
+    if g.regather is not None:
+        g.regather.saved(g)
     return _Handle(g, tuple(t.size()), tuple(t.stride()), int(t.storage_offset()), t is base)
 
 
@@ -77,7 +147,8 @@ def _unpack(saved: Any) -> torch.Tensor:
         return saved
     g = saved.gathered
     with torch.no_grad():
-        full = run_steps(g.shard, g.steps, g.axes)
+        full = (g.regather.get(g) if g.regather is not None
+                else run_steps(g.shard, g.steps, g.axes))
     if saved.whole:
         return full
     return full.as_strided(saved.size, saved.stride, saved.offset)
@@ -96,10 +167,12 @@ def reshard_after_forward(enabled: bool = True) -> Iterator[None]:
         yield
         return
     token = _REGISTRY.set({})
+    regather = _REGATHER.set(Regather())
     try:
         # the hooks must outlive the registry's use: they run during forward only (pack);
         # unpack needs nothing but the handle
         with torch.autograd.graph.saved_tensors_hooks(_pack, _unpack):
             yield
     finally:
+        _REGATHER.reset(regather)
         _REGISTRY.reset(token)
