@@ -104,7 +104,27 @@ def rank_main(cfg_name: str, batch_size: int, bucket_mb: float, wrap: str, reps:
                                 "fsdp2": fsdp_step}, reps, steps, sync=dist.barrier)
     program = step.lower(dparams, dbatch)
     stats = step.bucket_stats
+
+    # one step of each under the same meter (pxform.MemoryMeter counts tensor storages
+    # below autograd, FSDP2's all-gather buffers too); each side's parameters and batch
+    # are its baseline
+    def metered(run: Any, *held: Any) -> dict[str, int]:
+        with pxform.MemoryMeter() as meter:
+            meter.track(*held)
+            run()
+        return {"peak": meter.stats.peak_bytes, "saved": meter.stats.saved_bytes,
+                "baseline": meter.stats.baseline_bytes}
+
+    memory = {"pxform": metered(lambda: px_step(dparams, dbatch), dparams, dbatch),
+              "fsdp2": metered(fsdp_step, module, local)}
+    # parameter bytes this rank holds: the shards, 1/ranks of the model on both sides
+    param_bytes = {
+        "pxform": sum(g.to_local().numel() * g.element_size()
+                      for g in optree.tree_leaves(dparams)),
+        "fsdp2": sum(p.to_local().numel() * p.element_size() for p in module.parameters()),
+        "whole_model": sum(t.numel() * t.element_size() for t in optree.tree_leaves(params))}
     return {"check": check, "times": times, "first_call_s": first_call,
+            "memory": memory, "param_bytes": param_bytes,
             "pxform_forward_collectives": program.collectives(),
             "pxform_backward_collectives": program.backward_collectives(),
             "pxform_buckets": vars(stats) if stats is not None else None,
@@ -149,6 +169,19 @@ def main() -> None:
     print(f"  goal FSDP2/pxform >= 1.0: "
           f"{'met' if summary['ratio']['of_medians'] >= 1.0 else 'NOT met'} "
           f"({summary['ratio']['of_medians']:.4f})")
+    peaks = {k: max(r["memory"][k]["peak"] for r in per_rank) for k in ("pxform", "fsdp2")}
+    mem_ratio = peaks["pxform"] / peaks["fsdp2"]
+    pb = r0["param_bytes"]
+    print(f"  peak memory (MemoryMeter, worst rank): pxform {peaks['pxform'] / 2**20:.2f} MiB, "
+          f"FSDP2 {peaks['fsdp2'] / 2**20:.2f} MiB, pxform/FSDP2 {mem_ratio:.3f} (goal <= "
+          f"1.05: {'met' if mem_ratio <= 1.05 else 'NOT met'})")
+    print(f"  parameters per rank: pxform {pb['pxform'] / 2**20:.3f} MiB, FSDP2 "
+          f"{pb['fsdp2'] / 2**20:.3f} MiB, of {pb['whole_model'] / 2**20:.3f} MiB "
+          f"({pb['whole_model'] / pb['pxform']:.2f} ranks' worth)")
+    summary["memory"] = {"peak_bytes": peaks, "pxform_over_fsdp2": mem_ratio,
+                         "goal_pxform_over_fsdp2": 1.05,
+                         "per_rank": [r["memory"] for r in per_rank],
+                         "param_bytes_per_rank": pb}
     if args.quick:
         return
     tag = harness.variant(args, parser, {"config": "", "wrap": "wrap-", "batch": "batch",

@@ -380,3 +380,46 @@ def has_aux_case():
             "aux_type": type(aux["h"]).__name__,
             "grad_err": max((grads[k] - ref_grads[k]).abs().max().item() for k in grads),
             "error": error}
+
+
+def collectives_against_ddp(batch_size=16):
+    """One data-parallel training step of the example GPT (small), pxform against DDP (25
+    MiB buckets both), profiled: the gloo collectives each runs (torch.profiler's `gloo:`
+    events, the same meter for both), and pxform's loss and gradients against DDP's."""
+    import sys
+
+    import optree
+    from torch.nn.parallel import DistributedDataParallel
+
+    import pxform
+
+    sys.path.insert(0, "benchmarks")
+    import harness
+
+    cfg, params, batch, local, loss = harness.gpt_case("small", batch_size)
+    step = pxform.value_and_grad(pxform.shard(
+        loss, mesh=pxform.Mesh({"dp": 2}), in_specs=(None, {"idx": P("dp"), "targets": P("dp")})))
+    module = harness.gpt_module(cfg, params)
+    ddp = DistributedDataParallel(module, bucket_cap_mb=25)
+
+    def ddp_step():
+        module.zero_grad(set_to_none=True)
+        value = ddp(local["idx"], local["targets"])
+        value.backward()
+        return value
+
+    step(params, batch)  # compile and warm up both
+    ddp_step()
+    counts = {}
+    for name, run in (("pxform", lambda: step(params, batch)), ("ddp", ddp_step)):
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            out = run()
+        counts[name] = sorted(e.name for e in prof.events() if e.name.startswith("gloo:"))
+        if name == "pxform":
+            px_loss, px_grads = out
+    ddp_loss = ddp_step().detach()
+    torch.distributed.all_reduce(ddp_loss)
+    grad_err = max(float((a - b).abs().max()) for a, b in zip(
+        optree.tree_leaves(px_grads), optree.tree_leaves(module.grad_tree())))
+    return {"pxform": counts["pxform"], "ddp": counts["ddp"], "grad_err": grad_err,
+            "loss_err": abs(float(px_loss) - float(ddp_loss) / 2)}

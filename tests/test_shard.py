@@ -241,3 +241,14 @@ def test_a_spec_prefix_error_shows_the_arguments_types_not_their_values():
                           "(tuple arity mismatch): in_specs=(None,) for ({'w': f32[4,3]}, "
                           "{'x': f32[8,4]}).\n  Fix: give one spec per argument")
     assert "tensor(" not in msg
+
+
+def test_data_parallel_runs_no_more_all_reduces_than_ddp(world2):
+    # DDP: its buckets (1 MiB first, then 25 MiB: two all-reduces here; it also broadcasts
+    # its buffers' state). pxform: one all-reduce for every gradient, the loss and the
+    # target count (the position embedding's partial gradient waits for its parameter's
+    # bucket; the loss and count ride in it)
+    for r in world2.run(W.collectives_against_ddp):
+        assert r["pxform"] == ["gloo:all_reduce"], r
+        assert r["pxform"].count("gloo:all_reduce") <= r["ddp"].count("gloo:all_reduce"), r
+        assert r["loss_err"] < 1e-6 and r["grad_err"] < 1e-6, r

@@ -40,6 +40,7 @@ from pxform.frontend.trace import cache_key, is_tracing
 from pxform.runtime.collectives import AxisGroups
 from pxform.runtime.mesh import Mesh
 from pxform.runtime.program import execute
+from pxform.runtime.reshard import Reshard
 from pxform.transforms.compile import Fallback, compile_program
 
 
@@ -98,7 +99,7 @@ class Enclosing:
         bucket_mb: the gradient bucket size, in MiB.
         fallback: whether the enclosing shard lets ops without a rule run replicated.
         reshard_after_forward: whether parameters gathered in forward (ZeRO-3) are freed
-            and gathered again for backward.
+            and gathered again for backward: all, none, or those of the named blocks.
     """
 
     name: str
@@ -107,7 +108,7 @@ class Enclosing:
     out_specs: Any
     bucket_mb: float
     fallback: Fallback = Fallback()
-    reshard_after_forward: bool = True
+    reshard_after_forward: Reshard = True
 
     @property
     def abstract_mesh(self) -> AbstractMesh:

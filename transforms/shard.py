@@ -14,6 +14,7 @@ signature (shapes, dtypes, static leaves) is traced and lowered once and cached,
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -29,6 +30,7 @@ from pxform.runtime.boundary import distribute, global_stand_in, is_dtensor, mes
 from pxform.runtime.buckets import DEFAULT_BUCKET_MB, BucketStats
 from pxform.runtime.mesh import Mesh
 from pxform.runtime.program import run_spmd
+from pxform.runtime.reshard import Reshard
 from pxform.transforms.base import Enclosing, Executable, Nested, bound_mesh
 from pxform.transforms.compile import Fallback, compile_program
 from pxform.transforms.initialize import (
@@ -58,7 +60,7 @@ class Sharded(Executable):
     # ops without a rule: refused, or run replicated (`allow_fallback=True`)
     fallback: Fallback = Fallback()
     # ZeRO-3: free gathered parameters after forward, gather again for backward
-    reshard_after_forward: bool = True
+    reshard_after_forward: Reshard = True
     _cache: dict = field(default_factory=dict, repr=False)
     _last: dict = field(default_factory=dict, repr=False)
 
@@ -177,7 +179,7 @@ class Sharded(Executable):
 
 def shard(fn: Any, *, mesh: Mesh | AbstractMesh, in_specs: Any, out_specs: Any = None,
           bucket_mb: float = DEFAULT_BUCKET_MB, allow_fallback: bool = False,
-          reshard_after_forward: bool = True) -> Sharded:
+          reshard_after_forward: bool | Collection[str] = True) -> Sharded:
     """Run `fn` SPMD on `mesh` with inputs laid out per `in_specs`.
 
     Args:
@@ -196,7 +198,11 @@ def shard(fn: Any, *, mesh: Mesh | AbstractMesh, in_specs: Any, out_specs: Any =
         reshard_after_forward: parameters a program gathers (ZeRO-3: `P("dp")` on a
             parameter that an op needs whole) are freed after their forward use and
             gathered again for backward, as FSDP2's option of that name; False keeps them
-            from forward to backward (less communication, more memory).
+            from forward to backward (less communication, more memory). A collection of
+            block names reshards those blocks only: a block is a parameter's pytree path
+            up to its first list index (`"blocks.3"`; `""` for parameters outside lists),
+            as `pxform.runtime.prefetch` groups gathers, and the choice is per block as
+            FSDP2's is per module.
 
     Example:
         >>> step = pxform.shard(loss_fn, mesh=pxform.Mesh({"dp": 2}),
@@ -207,6 +213,7 @@ def shard(fn: Any, *, mesh: Mesh | AbstractMesh, in_specs: Any, out_specs: Any =
         raise module_given(fn, "shard")
     if not isinstance(in_specs, tuple):
         in_specs = (in_specs,)
+    reshard: Reshard = reshard_after_forward if isinstance(reshard_after_forward, bool) \
+        else frozenset(reshard_after_forward) or False
     return Sharded(fn, mesh, in_specs, out_specs, bucket_mb,
-                   fallback=Fallback(allow=allow_fallback),
-                   reshard_after_forward=reshard_after_forward)
+                   fallback=Fallback(allow=allow_fallback), reshard_after_forward=reshard)

@@ -104,6 +104,7 @@ class GradBuckets:
         self.arrived: dict[tuple, int] = {}
         self._finishing = False
         self.values: dict[tuple[str, int], torch.Tensor] = {}  # deferred values, reduced
+        self.value_dtypes: dict[tuple[str, int], torch.dtype] = {}  # those sent wider
         # what the loss was divided by before its count was known (`GlobalCount.final`)
         self.count_scale: float | None = None
 
@@ -122,6 +123,15 @@ class GradBuckets:
         bucket: it rides in the first bucket of its kind launched after it, instead of a
         collective of its own (a data-parallel loss). `finish` leaves it in `values`."""
         sig = self._signature(steps, value)
+        if sig not in self.expected:
+            # no gradient of its dtype: ride with gradients of a wider floating dtype
+            # (a float32 loss of float64 parameters), cast back in `finish`, exactly
+            wider = [k for k in self.expected if k[0] == sig[0] and k[2] == sig[2]
+                     and k[1].is_floating_point and k[1].itemsize > value.dtype.itemsize]
+            if wider:
+                sig = wider[0]
+                self.value_dtypes[key] = value.dtype
+                value = value.to(sig[1])
         bucket = self.open.get(sig)
         if bucket is None:
             bucket = self.open[sig] = _Bucket(sig[0])
@@ -185,7 +195,7 @@ class GradBuckets:
                 for step in steps[1:]:
                     g = run_step(g, step, self.axes)
                 if isinstance(key, tuple):
-                    self.values[key] = g
+                    self.values[key] = g.to(self.value_dtypes.get(key, g.dtype))
                 else:
                     out[key] = g if key not in out else out[key] + g
         self.launched.clear()

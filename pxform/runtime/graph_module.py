@@ -36,6 +36,7 @@ from pxform.core.layout import Step
 from pxform.core.rng import RandomTag
 from pxform.frontend.regions import RECOMPUTE, SAVE, RecomputeTag
 from pxform.frontend.rng import INPLACE, PLAN_INDEPENDENT, RANDOM
+from pxform.lower.comm import block_name
 from pxform.lower.mpmd import StageProgram
 from pxform.lower.spmd import CallInstr, ConvertInstr, Instr, Program
 from pxform.ops import bind as bind_args
@@ -116,7 +117,7 @@ class Convert(torch.nn.Module):
 
     def __init__(self, forward_steps: tuple[Step, ...], backward_steps: tuple[Step, ...],
                  param: int | None, where: str = "", output: int | None = None,
-                 site: int | None = None) -> None:
+                 site: int | None = None, block: str = "") -> None:
         super().__init__()
         self.forward_steps = forward_steps
         self.backward_steps = backward_steps
@@ -127,6 +128,7 @@ class Convert(torch.nn.Module):
         # into a gradient bucket, and the partial value goes on (its gradient is the same)
         self.output = output
         self.site = site  # its place among the program's parameter gathers (`prefetch`)
+        self.block = block  # its parameter's block (`reshard_after_forward` per block)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         try:
@@ -155,7 +157,7 @@ class Convert(torch.nn.Module):
             group = (active.prefetch.plan.group_of[self.site]
                      if given is not None and active.prefetch is not None
                      and self.site is not None else None)
-            note_gathered(y, x, self.forward_steps, axes, group)
+            note_gathered(y, x, self.forward_steps, axes, group, self.block)
         return y
 
     @property
@@ -529,7 +531,8 @@ class _Emitter:
                                               f"{program.name}: %{instr.dst.name} = "
                                               f"convert(%{instr.src}) [{name}]",
                                               self.deferred.get(instr.dst.name),
-                                              self.sites.get(instr.dst.name)))
+                                              self.sites.get(instr.dst.name),
+                                              block_name(instr.src)))
                 node = graph.call_module(name, (env[instr.src],))
                 node.meta["local_shape"] = program.local_shape(instr.dst)
                 env[instr.dst.name] = node

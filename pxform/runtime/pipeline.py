@@ -56,7 +56,7 @@ from pxform.runtime.graph_module import (
 )
 from pxform.runtime.mesh import Mesh
 from pxform.runtime.prefetch import Prefetch, gather_plan
-from pxform.runtime.reshard import reshard_after_forward
+from pxform.runtime.reshard import Reshard, reshard_after_forward, reshard_when
 from pxform.schedules.actions import Action
 
 _RECORD: contextvars.ContextVar[list[tuple[Action, float, float]] | None] = \
@@ -115,7 +115,7 @@ class PipelineResult:
 def run(program: PipelineProgram, actions: Sequence[Action | None], place: PipelineGroup,
         axes: AxisGroups, inputs: Sequence[torch.Tensor | None], batch_dims: dict[int, int],
         want_grad: Sequence[bool], bucket_bytes: int, split_weights: set[int],
-        reshard: bool = True) -> PipelineResult:
+        reshard: Reshard = True) -> PipelineResult:
     """Run this rank's `actions`.
 
     Args:
@@ -198,7 +198,7 @@ def run(program: PipelineProgram, actions: Sequence[Action | None], place: Pipel
         prefetch = Prefetch(plan, per_mb[i], args) if plan.groups else None
         with with_groups(per_mb[i], accumulator, seeds, prefetch), \
                 torch.set_grad_enabled(grad and not later), \
-                reshard_after_forward(reshard and grad and not later):
+                reshard_after_forward(reshard_when(reshard, grad and not later)):
             sl.outputs = tuple(module_of(st)(*args))
         num_sends = len(st.sends)
         if st.num_outputs:
@@ -465,7 +465,7 @@ def run_pipeline(program: PipelineProgram, out_tree: Any, actions: Sequence[Acti
                  arg_of: Sequence[int], leaves: Sequence[Any], layouts: Sequence[Layout],
                  batch_dims: dict[int, int], place: PipelineGroup, axes: AxisGroups,
                  mesh: Mesh | None, sub: AbstractMesh | None, bucket_mb: float,
-                 reshard: bool = True) -> tuple[Any, Any]:
+                 reshard: Reshard = True) -> tuple[Any, Any]:
     """Run this pipeline rank's `actions` on its pieces of `args`, as `pxform.pipeline`
     does (`pxform.value_and_grad` semantics): the value, and with `grad_argnums` the
     gradients laid out like the arguments. `leaves` are the arguments' tensor leaves

@@ -33,11 +33,11 @@ from pxform.runtime.collectives import AxisGroups
 from pxform.runtime.graph_module import draw_seeds, module_of, with_groups
 from pxform.runtime.mesh import Mesh
 from pxform.runtime.prefetch import Prefetch, gather_plan
-from pxform.runtime.reshard import reshard_after_forward
+from pxform.runtime.reshard import Reshard, reshard_after_forward, reshard_when
 
 
 def execute(program: Program, inputs: Sequence[torch.Tensor], axes: AxisGroups,
-            buckets: GradSink | None = None, reshard: bool = False) -> list[Any]:
+            buckets: GradSink | None = None, reshard: Reshard = False) -> list[Any]:
     """Evaluate `program` on local input shards; returns local outputs. With `buckets`,
     gradients of inputs that need a collective are left to `buckets.finish()`. A program
     with random ops draws new seeds from torch's generators (`draw_seeds`: once per call,
@@ -63,7 +63,7 @@ class SpmdResult:
 
 def run_spmd(program: Program, out_tree: Any, layouts: Sequence[Layout], args: tuple[Any, ...],
              grad_argnums: tuple[int, ...], mesh: Mesh, axes: AxisGroups, bucket_mb: float,
-             name: str, reshard: bool = True) -> SpmdResult:
+             name: str, reshard: Reshard = True) -> SpmdResult:
     """Run `program` on this rank's pieces of `args` (full tensors are sliced, DTensors
     redistributed to `layouts`); with `grad_argnums`, also the gradients of the scalar first
     output with respect to those arguments, laid out like them: DTensors for DTensor
@@ -93,7 +93,8 @@ def run_spmd(program: Program, out_tree: Any, layouts: Sequence[Layout], args: t
                           {k: block_name(v.name) for k, v in enumerate(program.inputs)}
                           ) if grad_argnums else None
     with torch.set_grad_enabled(bool(grad_argnums) or torch.is_grad_enabled()):
-        outs = execute(program, local, axes, buckets, reshard=reshard and bool(grad_argnums))
+        outs = execute(program, local, axes, buckets,
+                       reshard=reshard_when(reshard, bool(grad_argnums)))
     if not grad_argnums:
         value = optree.tree_unflatten(out_tree, [
             wrap_output(o, v, mesh) for o, v in zip(outs, program.outputs)])

@@ -36,6 +36,19 @@ _REGISTRY: contextvars.ContextVar[dict[int, _Gathered] | None] = contextvars.Con
     "pxform_gathered", default=None)
 _REGATHER: contextvars.ContextVar[Regather | None] = contextvars.ContextVar(
     "pxform_regather", default=None)
+# the blocks that reshard (`pxform.lower.comm.block_name`), None: every block
+_BLOCKS: contextvars.ContextVar[frozenset[str] | None] = contextvars.ContextVar(
+    "pxform_reshard_blocks", default=None)
+
+# Which parameters reshard after forward: all (True), none (False), or those of the named
+# blocks (the choice is per block, as FSDP2's is per module).
+Reshard = bool | frozenset[str]
+
+
+def reshard_when(reshard: Reshard, condition: bool) -> Reshard:
+    """`reshard` where `condition` holds, else False (a forward without backward keeps
+    nothing, so it has nothing to reshard)."""
+    return reshard if condition else False
 
 
 @dataclass(frozen=True, eq=False)
@@ -115,12 +128,13 @@ class _Handle:
 
 
 def note_gathered(out: torch.Tensor, shard: torch.Tensor, steps: tuple[Step, ...],
-                  axes: AxisGroups, group: int | None = None) -> None:
+                  axes: AxisGroups, group: int | None = None, block: str = "") -> None:
     """Record that `out` is `shard` gathered by `steps` (called by `Convert`), with the
-    block group it was gathered with (None: alone); a no-op outside
-    `reshard_after_forward()`."""
+    block group it was gathered with (None: alone) and its block's name; a no-op outside
+    `reshard_after_forward()` and for blocks it does not name."""
     registry = _REGISTRY.get()
-    if registry is not None:
+    blocks = _BLOCKS.get()
+    if registry is not None and (blocks is None or block in blocks):
         # a gather computed ahead (prefetch) comes out of its autograd function as a view
         # of the gathered tensor: what autograd saves are views of that base
         base = out._base if out._base is not None else out
@@ -155,9 +169,10 @@ def _unpack(saved: Any) -> torch.Tensor:
 
 
 @contextlib.contextmanager
-def reshard_after_forward(enabled: bool = True) -> Iterator[None]:
+def reshard_after_forward(enabled: Reshard = True) -> Iterator[None]:
     """Run a program's forward so that the parameters it gathers are not kept for
-    backward (module doc). With `enabled=False`, nothing changes.
+    backward (module doc). With `enabled=False`, nothing changes; with a set of block
+    names, only those blocks' parameters reshard.
 
     Example:
         >>> with with_groups(axes, buckets), reshard_after_forward():
@@ -168,11 +183,13 @@ def reshard_after_forward(enabled: bool = True) -> Iterator[None]:
         return
     token = _REGISTRY.set({})
     regather = _REGATHER.set(Regather())
+    blocks = _BLOCKS.set(None if enabled is True else frozenset(enabled))
     try:
         # the hooks must outlive the registry's use: they run during forward only (pack);
         # unpack needs nothing but the handle
         with torch.autograd.graph.saved_tensors_hooks(_pack, _unpack):
             yield
     finally:
+        _BLOCKS.reset(blocks)
         _REGATHER.reset(regather)
         _REGISTRY.reset(token)
