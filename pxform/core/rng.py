@@ -298,6 +298,12 @@ def sample(name: str, target: Any, args: Sequence[Any], kwargs: dict[str, Any],
     if name in ("dropout", "native_dropout", "feature_dropout", "alpha_dropout",
                 "feature_alpha_dropout"):
         x, p = b["input"], _as_float(b["p"])
+        if p == 0.0 or b.get("train", True) is False:
+            # nothing is dropped (eval mode, or p = 0 as GPT configs often set): no bits
+            # to draw, the input as it is (what torch's dropout gives, bit for bit)
+            if name == "native_dropout":
+                return x.clone(), torch.ones(x.shape, dtype=torch.bool, device=x.device)
+            return x.clone()
         grid = coords
         if name.startswith("feature") and x.dim() > 2:  # one draw per (example, channel)
             grid = [c if d < 2 else c[:1] * 0 for d, c in enumerate(coords)]

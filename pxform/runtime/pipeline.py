@@ -198,7 +198,8 @@ def run(program: PipelineProgram, actions: Sequence[Action | None], place: Pipel
         prefetch = Prefetch(plan, per_mb[i], args) if plan.groups else None
         with with_groups(per_mb[i], accumulator, seeds, prefetch), \
                 torch.set_grad_enabled(grad and not later), \
-                reshard_after_forward(reshard_when(reshard, grad and not later)):
+                reshard_after_forward(reshard_when(reshard, grad and not later
+                                                   and bool(plan.groups))):
             sl.outputs = tuple(module_of(st)(*args))
         num_sends = len(st.sends)
         if st.num_outputs:

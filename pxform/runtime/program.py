@@ -45,8 +45,10 @@ def execute(program: Program, inputs: Sequence[torch.Tensor], axes: AxisGroups,
     (ZeRO-3) are freed after their forward use and gathered again in backward."""
     plan = gather_plan(program)
     prefetch = Prefetch(plan, axes, inputs) if plan.groups else None
+    # without parameter gathers there is nothing to reshard: no saved-tensor hooks (they
+    # would run Python for every tensor autograd saves)
     with with_groups(axes, buckets, draw_seeds([program]), prefetch), \
-            reshard_after_forward(reshard):
+            reshard_after_forward(reshard_when(reshard, bool(plan.groups))):
         return list(module_of(program)(*inputs))
 
 
@@ -125,6 +127,7 @@ def run_spmd(program: Program, out_tree: Any, layouts: Sequence[Layout], args: t
         wrap_output(o.detach() if isinstance(o, torch.Tensor) else o, v, mesh)
         for o, v in zip(outs, program.outputs)])
     grad_iter = iter(grads)
+    factors: dict[torch.dtype, torch.Tensor] = {}
     wrapped: list[Any] = []
     given = [is_dtensor(leaf) for leaf, _ in tensor_leaves]
     for index, (t, w, layout) in enumerate(zip(local, wants, layouts)):
@@ -132,11 +135,15 @@ def run_spmd(program: Program, out_tree: Any, layouts: Sequence[Layout], args: t
             wrapped.append(None)
             continue
         g = next(grad_iter)
+        ours = g is None and index in reduced  # a bucket's own buffer: may be scaled in place
         if index in reduced:
             g = reduced[index] if g is None else g + reduced[index]
         g = torch.zeros_like(t) if g is None else g
         if factor is not None:
-            g = g * factor.to(g.dtype)
+            if g.dtype not in factors:
+                factors[g.dtype] = factor.to(g.dtype)
+            # autograd's gradients may be expanded views (of a sum's backward): not in place
+            g = g.mul_(factors[g.dtype]) if ours else g * factors[g.dtype]
         grad_layout = gradient_layout(layout)
         # like the arguments: DTensors (as `distribute` makes them) get DTensors with
         # the same placements, so `p.grad = g` and torch.optim work on them directly;
