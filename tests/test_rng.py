@@ -9,6 +9,7 @@ import pytest
 import rng_workers as W
 import torch
 
+import pxform
 from pxform.core.rng import PieceMap, RandomTag, coordinates, field, philox, uniform
 from pxform.tools.testing import World
 
@@ -104,3 +105,16 @@ def test_attention_dropout_is_plan_independent(world2, plan):
         # 2 layers x (attention probabilities, attention output, MLP output) + embeddings
         assert r["dropouts"] == 7, r
         assert r["loss"] < 1e-12 and r["grad"] < 1e-12, r
+
+
+def test_dropout_that_drops_nothing_draws_nothing():
+    # eval-mode dropout and p = 0 (GPT configs' default) are the identity, as in torch:
+    # no bits are drawn (before, eval-mode dropout still dropped)
+    import torch.nn.functional as F
+
+    def fn(x):
+        return F.dropout(x, 0.5, training=False) + F.dropout(x, 0.0) + F.dropout(x * 2, 0.0)
+
+    x = torch.randn(4, 8)
+    traced = pxform.trace(fn, x)
+    assert torch.equal(traced(x), x + x + x * 2)
