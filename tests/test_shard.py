@@ -244,10 +244,10 @@ def test_a_spec_prefix_error_shows_the_arguments_types_not_their_values():
 
 
 def test_data_parallel_runs_no_more_all_reduces_than_ddp(world2):
-    # DDP: its buckets (1 MiB first, then 25 MiB: two all-reduces here; it also broadcasts
-    # its buffers' state). pxform: one all-reduce for every gradient, the loss and the
-    # target count (the position embedding's partial gradient waits for its parameter's
-    # bucket; the loss and count ride in it)
+    # DDP: its buckets (1 MiB first, then 25 MiB: two all-reduces here; it also runs two
+    # broadcasts). pxform: one all-reduce for every gradient, the loss and the target count
+    # (the position embedding's partial gradient waits for its parameter's bucket; the loss
+    # and count ride in it)
     for r in world2.run(W.collectives_against_ddp):
         assert r["pxform"] == ["gloo:all_reduce"], r
         assert r["pxform"].count("gloo:all_reduce") <= r["ddp"].count("gloo:all_reduce"), r

@@ -300,10 +300,10 @@ def sample(name: str, target: Any, args: Sequence[Any], kwargs: dict[str, Any],
         x, p = b["input"], _as_float(b["p"])
         if p == 0.0 or b.get("train", True) is False:
             # nothing is dropped (eval mode, or p = 0 as GPT configs often set): no bits
-            # to draw, the input as it is (what torch's dropout gives, bit for bit)
+            # to draw; torch's dropout then returns its input itself, and so does this
             if name == "native_dropout":
                 return x.clone(), torch.ones(x.shape, dtype=torch.bool, device=x.device)
-            return x.clone()
+            return x
         grid = coords
         if name.startswith("feature") and x.dim() > 2:  # one draw per (example, channel)
             grid = [c if d < 2 else c[:1] * 0 for d, c in enumerate(coords)]

@@ -36,7 +36,6 @@ from pxform.core.layout import Step
 from pxform.runtime.collectives import AxisGroups, collective_error, run_step
 
 DEFAULT_BUCKET_MB = 25.0
-FIRST_BUCKET_BYTES = 2**20  # DDP's first bucket: small, to start reducing early
 
 
 class GradSink(Protocol):
@@ -106,7 +105,6 @@ class GradBuckets:
         self._finishing = False
         self.values: dict[tuple[str, int], torch.Tensor] = {}  # deferred values, reduced
         self.value_dtypes: dict[tuple[str, int], torch.dtype] = {}  # those sent wider
-        self.launched_kinds: set[tuple] = set()  # signatures whose first bucket went out
         # what the loss was divided by before its count was known (`GlobalCount.final`)
         self.count_scale: float | None = None
 
@@ -155,12 +153,7 @@ class GradBuckets:
             bucket = self.open[sig] = _Bucket(sig[0])
         self._put(bucket, key, grad, steps)
         self.arrived[sig] = self.arrived.get(sig, 0) + 1
-        # the first bucket of each kind is small (DDP's 1 MiB), so its collective starts
-        # early in backward and overlaps the rest of it
-        cap = self.bucket_bytes if sig in self.launched_kinds else \
-            min(self.bucket_bytes, FIRST_BUCKET_BYTES)
-        if bucket.nbytes >= cap or self.arrived[sig] == self.expected.get(sig):
-            self.launched_kinds.add(sig)
+        if bucket.nbytes >= self.bucket_bytes or self.arrived[sig] == self.expected.get(sig):
             del self.open[sig]
             self._launch(bucket)
 
