@@ -31,13 +31,20 @@ def step_memory(reshard):
     """One ZeRO-3 step (every weight split over dp, the batch too; the rows outnumber the
     width, so the program gathers the weights): what autograd kept from forward to
     backward, the peak, and the errors against one process."""
-    import optree
     params, batch = setup()
     step = pxform.shard(mlp, mesh=pxform.Mesh({"dp": 2}), in_specs=(P("dp"), P("dp")),
                         reshard_after_forward=reshard)
+    return {**metered_step(step, params, batch), "weight_bytes": WIDTH * WIDTH * 8}
+
+
+def metered_step(step, params, batch):
+    """One `value_and_grad` step of `step` on the arguments laid out as it takes them,
+    metered (compiled first, outside the meter): saved and peak bytes, the program's
+    all-gathers, and the loss and gradient errors against one process."""
+    import optree
     dparams, dbatch = step.distribute(params, batch)
     gathers = sum("all_gather" in c for c in step.lower(params, batch).collectives())
-    pxform.value_and_grad(step)(dparams, dbatch)  # compile outside the meter
+    pxform.value_and_grad(step)(dparams, dbatch)
     with pxform.MemoryMeter() as meter:
         meter.track(dparams, dbatch)
         loss, grads = pxform.value_and_grad(step)(dparams, dbatch)
@@ -46,8 +53,8 @@ def step_memory(reshard):
     err = max(float((g - r).abs().max()) for g, r in zip(optree.tree_leaves(full),
                                                           optree.tree_leaves(ref_grads)))
     return {"saved": meter.stats.saved_bytes, "peak": meter.stats.peak_bytes,
-            "gathers": gathers, "weight_bytes": WIDTH * WIDTH * 8,
-            "loss_err": abs(float(loss) - float(ref_loss)), "grad_err": err}
+            "gathers": gathers, "loss_err": abs(float(loss) - float(ref_loss)),
+            "grad_err": err}
 
 
 def peak_breakdown(layers=8, width=512, rows=1024):
@@ -55,8 +62,6 @@ def peak_breakdown(layers=8, width=512, rows=1024):
     activations (`width` x `width` weights, `rows` / ranks rows per rank): the metered peak
     against its parts (module doc of tests/test_reshard.py), and the errors against one
     process."""
-    import optree
-
     ranks = torch.distributed.get_world_size()
     g = torch.Generator().manual_seed(1)
     params = {"w": [torch.randn(width, width, generator=g, dtype=torch.float64) / width**0.5
@@ -64,20 +69,8 @@ def peak_breakdown(layers=8, width=512, rows=1024):
     batch = {"x": torch.randn(rows, width, generator=g, dtype=torch.float64),
              "y": torch.randn(rows, width, generator=g, dtype=torch.float64)}
     step = pxform.shard(mlp, mesh=pxform.Mesh({"dp": ranks}), in_specs=(P("dp"), P("dp")))
-    dparams, dbatch = step.distribute(params, batch)
-    program = step.lower(params, batch)
-    pxform.value_and_grad(step)(dparams, dbatch)  # compile outside the meter
-    with pxform.MemoryMeter() as meter:
-        meter.track(dparams, dbatch)
-        loss, grads = pxform.value_and_grad(step)(dparams, dbatch)
-    ref_loss, ref_grads = pxform.value_and_grad(mlp)(params, batch)
-    full = pxform.gather(grads)
-    err = max(float((a - b).abs().max()) for a, b in zip(optree.tree_leaves(full),
-                                                         optree.tree_leaves(ref_grads)))
     weight = width * width * 8
     shards = layers * weight // ranks
-    return {"peak": meter.stats.peak_bytes, "saved": meter.stats.saved_bytes,
-            "param_shards": shards, "grad_shards": shards, "two_blocks": 2 * weight,
-            "batch": 2 * rows // ranks * width * 8, "weight": weight,
-            "gathers": sum("all_gather" in c for c in program.collectives()),
-            "loss_err": abs(float(loss) - float(ref_loss)), "grad_err": err}
+    return {**metered_step(step, params, batch), "param_shards": shards,
+            "grad_shards": shards, "two_blocks": 2 * weight,
+            "batch": 2 * rows // ranks * width * 8, "weight": weight}

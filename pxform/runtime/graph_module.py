@@ -325,9 +325,9 @@ class GlobalCount(torch.nn.Module):
     bucket with the loss (`GradBuckets.add_value`). The loss is divided by M, the number of
     targets of the whole batch, known from the shapes; once the buckets finish, the step
     multiplies the loss and every gradient by M / N, N the reduced count (gradients are
-    linear in the loss). Without ignored targets N = M and nothing is multiplied, so the
-    gradients are those of dividing by N at once; otherwise they differ from it by a
-    rounding of the loss's dtype. So data parallelism needs no collective outside the
+    linear in the loss). Without ignored targets the factor is exactly 1.0, which changes
+    no bit: the gradients are those of dividing by N at once; otherwise they differ from
+    them by a rounding of the loss's dtype. So data parallelism needs no collective outside the
     buckets, as DDP (which returns each rank's own loss) does.
     """
 

@@ -17,8 +17,8 @@ launches the gather of the group before it, in the order backward runs, which is
 on every rank.
 
 Example:
-    >>> plan = gather_plan(program)          # once per program
-    >>> state = Prefetch(plan, axes)         # once per call, read by `Convert`
+    >>> plan = gather_plan(program)              # once per program
+    >>> state = Prefetch(plan, axes, inputs)     # once per call, read by `Convert`
 """
 
 from __future__ import annotations
@@ -45,12 +45,11 @@ class GatherPlan:
     block_of: tuple[str, ...]
     input_of: tuple[int, ...]
     steps: tuple[tuple[Step, ...], ...]
+    sites: tuple[tuple[str, int], ...]  # (conversion destination name, site), for `build`
 
     def site_of(self) -> dict[str, int]:
         """{conversion destination name: site} (how `build` numbers its `Convert`s)."""
-        return dict(self._names)
-
-    _names: tuple[tuple[str, int], ...] = ()
+        return dict(self.sites)
 
 
 def gather_plan(program: Program) -> GatherPlan:
@@ -66,8 +65,9 @@ def gather_plan(program: Program) -> GatherPlan:
     steps: list[tuple[Step, ...]] = []
     names: list[tuple[str, int]] = []
     last: tuple[object, ...] | None = None
+    inputs = frozenset(position)
     for instr in program.instrs:
-        if not (isinstance(instr, ConvertInstr) and is_gather(instr, set(position))):
+        if not (isinstance(instr, ConvertInstr) and is_gather(instr, inputs)):
             continue
         site = len(group_of)
         block = block_name(instr.src)
