@@ -42,13 +42,15 @@ def defer_reductions(program: Program) -> Program:
     instrs = list(program.instrs)
     k = len(instrs) - 1
     changed = False
+    facts: _Facts | None = None  # rebuilt only after the instructions change
     while k >= 0:
         c = instrs[k]
         if isinstance(c, ConvertInstr) and _ends_in_reduction(c, program):
             axis = c.backward.steps[-1].axis
-            facts = _Facts(program, instrs)
+            facts = facts or _Facts(program, instrs)
             if facts.convert_feasible(k, axis, 0):
                 instrs = facts.apply(k, axis)
+                facts = None
                 changed = True
                 k = min(k, len(instrs) - 1)  # insertions were all before k: rescan from k
                 continue
@@ -115,11 +117,17 @@ class _Facts:
                     and reader.backward.steps[-1] == _reduce(axis)):
                 return False
         producer = self.defined_by.get(src)
-        if producer is None:
-            return False
+        return producer is not None and self._producer_feasible(producer, axis, depth, False)
+
+    def _producer_feasible(self, producer: int, axis: str, depth: int,
+                           no_grad_ends: bool) -> bool:
+        """Can op `producer` take an output gradient partial over `axis` and pass it on up?
+        An op without gradient ends the path (`no_grad_ends`: that counts as success)."""
         call = self.instrs[producer]
-        if not isinstance(call, CallInstr) or not call.op.grad:
+        if not isinstance(call, CallInstr):
             return False
+        if not call.op.grad:
+            return no_grad_ends  # no gradient goes further up
         if not self._unsplit(call, axis):
             return False
         return all(self._input_feasible(local, producer, axis, depth + 1)
@@ -144,34 +152,15 @@ class _Facts:
             if instr.src in self.inputs:
                 return True  # the conversion of a parameter: its reduction is bucketed
             # the conversion will end in the reduction: it must move on up from there
-            return self._convert_src_feasible(instr, axis, depth)
-        if not instr.op.grad:
-            return True  # no gradient goes further up
+            src = instr.src
+            if depth > _MAX_DEPTH or src in self.outputs or \
+                    self.readers[src] != {producer}:
+                return False
+            above = self.defined_by.get(src)
+            return above is not None and self._producer_feasible(above, axis, depth, True)
         # a conversion ending in the reduction is inserted before the consumer; it must
         # move on up into the producer
-        if not self._unsplit(instr, axis):
-            return False
-        return all(self._input_feasible(u, producer, axis, depth + 1)
-                   for u in self._grad_inputs(instr))
-
-    def _convert_src_feasible(self, c: ConvertInstr, axis: str, depth: int) -> bool:
-        src = c.src
-        if depth > _MAX_DEPTH or src in self.outputs:
-            return False
-        if self.readers[src] != {self.defined_by[c.dst.name]}:
-            return False
-        producer = self.defined_by.get(src)
-        if producer is None:
-            return False
-        call = self.instrs[producer]
-        if not isinstance(call, CallInstr):
-            return False
-        if not call.op.grad:
-            return True
-        if not self._unsplit(call, axis):
-            return False
-        return all(self._input_feasible(u, producer, axis, depth + 1)
-                   for u in self._grad_inputs(call))
+        return self._producer_feasible(producer, axis, depth, True)
 
     def apply(self, k: int, axis: str) -> list[Instr]:
         """Move the reduction ending conversion `k` (feasible) one op up: drop it from
