@@ -14,7 +14,7 @@ from pxform import P
 SMALL = dict(vocab_size=96, seq_len=16, num_heads=2, d_model=32)
 
 VARIANTS = ("plain", "nothing", "matmuls", "names", "predicate", "trunk", "coshard_batch",
-            "coshard_seq", "coshard_heads", "coshard_loss")
+            "coshard_seq", "coshard_heads", "coshard_loss", "overlap")
 
 
 def setup(num_layers=2, batch=8, dtype=torch.float64):
@@ -62,6 +62,9 @@ def make_loss(variant, cfg, chunks=2):
     def layer(p, x):
         if variant in ("plain", "coshard_loss", "trunk"):
             return gpt.block(p, x, cfg)
+        if variant == "overlap":  # batch pieces whose collectives overlap the next piece
+            return pxform.coshard(lambda p, x: gpt.block(p, x, cfg), chunks=chunks,
+                                  dim=(None, 0), recompute=False, overlap=True)(p, x)
         if variant == "nothing":
             return pxform.recompute(lambda p, x: gpt.block(p, x, cfg))(p, x)
         if variant == "matmuls":
@@ -222,3 +225,47 @@ def count_collectives(variants):
             pxform.value_and_grad(step)(params, batch)
         out[v] = c.n
     return out
+
+
+def overlap_order(variant="overlap"):
+    """One training step of `variant` under Megatron tensor parallelism of the MLPs (tp=2):
+    how many of its collectives have a matmul run between their launch and the first wait
+    for their result (forward and backward), and the program's text."""
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Order(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.running = {}  # id of a collective's result -> [it, matmuls since launch]
+            self.overlapped = self.collectives = 0
+
+        def waited(self, t):
+            entry = self.running.pop(id(t), None)
+            if entry is not None:
+                self.overlapped += entry[1] > 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = str(func)
+            for a in optree.tree_leaves((args, kwargs)):
+                if isinstance(a, AsyncCollectiveTensor):  # an op reading it waits
+                    self.waited(a.elem)
+            if "wait_tensor" in name:
+                self.waited(args[0])
+            out = func(*args, **(kwargs or {}))
+            if "_c10d_functional" in name and "wait_tensor" not in name:
+                self.collectives += 1
+                self.running[id(out)] = [out, 0]
+            elif any(k in name for k in ("aten.mm", "aten.addmm", "aten.bmm")):
+                for entry in self.running.values():
+                    entry[1] += 1
+            return out
+
+    cfg, params, batch = setup()
+    step = pxform.shard(make_loss(variant, cfg), mesh=pxform.Mesh({"tp": 2}),
+                        in_specs=(tp_specs(params), None))
+    pxform.value_and_grad(step)(params, batch)  # compile first
+    with Order() as order:
+        pxform.value_and_grad(step)(params, batch)
+    return {"overlapped": order.overlapped, "collectives": order.collectives,
+            "text": step.lower(params, batch).as_text()}

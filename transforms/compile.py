@@ -28,6 +28,7 @@ from pxform.core.mesh import AbstractMesh
 from pxform.frontend.trace import Traced, trace
 from pxform.lower.comm import comm_cost
 from pxform.lower.defer import defer_reductions
+from pxform.lower.overlap import interleave
 from pxform.lower.spmd import Program, lower
 from pxform.ops.strategy import Strategy
 from pxform.passes.expand import prepare
@@ -96,7 +97,7 @@ def compile_program(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
     if planner is None:  # values of no input are computed in the pieces wanted
         strategies = split_constants(graph, mesh, strategies, outs)
     # partial gradients stay partial up to their parameters' buckets (DDP's all-reduces)
-    program = defer_reductions(lower(graph, mesh, list(layouts), strategies, outs))
+    program = interleave(defer_reductions(lower(graph, mesh, list(layouts), strategies, outs)))
     zero3 = zero3_axes(graph, list(layouts), mesh) if planner is None else frozenset()
     if zero3:
         # ZeRO-3: gathering a block's parameters (packed, prefetched) against moving its
@@ -105,7 +106,7 @@ def compile_program(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
         other = split_constants(graph, mesh, propagate(graph, mesh, list(layouts),
                                                        zero3=zero3), outs)
         if other != strategies:
-            alt = defer_reductions(lower(graph, mesh, list(layouts), other, outs))
+            alt = interleave(defer_reductions(lower(graph, mesh, list(layouts), other, outs)))
             if comm_cost(alt) < comm_cost(program):
                 program = alt
     return traced, program

@@ -34,10 +34,15 @@ class Cosharded(Region):
     fn: Any
     chunks: int
     dim: Any
+    recompute: bool = True
+    overlap: bool = False
     _cache: dict = field(default_factory=dict, repr=False)
 
     def options_text(self) -> str:
-        return f", chunks={self.chunks}, dim={self.dim!r}"
+        flags = "".join(f", {k}={getattr(self, k)}" for k, default in
+                        (("recompute", True), ("overlap", False))
+                        if getattr(self, k) != default)
+        return f", chunks={self.chunks}, dim={self.dim!r}{flags}"
 
     def traced_call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         where = f"pxform.{self.__name__}"
@@ -46,7 +51,7 @@ class Cosharded(Region):
                               f"positional arguments only.\n  Fix: pass them positionally.")
         dims, paths = self._leaf_dims(args, where)
         tag = CoshardTag(next_region(), self.chunks, dims, paths,
-                         getattr(self.fn, "__name__", "fn"))
+                         getattr(self.fn, "__name__", "fn"), self.recompute, self.overlap)
         with tagging(COSHARD, tag, where) as active:
             if not active:  # inside another coshard: refused by tagging
                 return self.fn(*args)
@@ -102,18 +107,30 @@ class Cosharded(Region):
         return tuple(dims), tuple(paths)
 
 
-def coshard(fn: Any, *, chunks: int, dim: Any) -> Cosharded:
-    """Run `fn` as `chunks` sequential pieces split along `dim`, on the same devices.
+def coshard(fn: Any, *, chunks: int, dim: Any, recompute: bool = True,
+            overlap: bool = False) -> Cosharded:
+    """Run `fn` as `chunks` pieces split along `dim`, on the same devices.
 
     Each piece is recomputed in backward, so only one piece's activations are alive at a
     time: the region's peak activation memory drops to about 1/chunks, for the price of one
     more forward. The results of the pieces are concatenated along the split dim, or summed
     where the region reduces over it.
 
+    With `overlap=True` (Merak's sub-pipelined tensor parallelism, torch's async TP) the
+    pieces run interleaved: each piece's collectives (the all-reduce of a tensor-parallel
+    block, the reduce-scatter or all-gather of sequence parallelism) are launched without
+    waiting, and the next piece computes while they run; a piece waits for its collective
+    where it first reads the result. Backward overlaps the same way. The result is
+    exactly the one without pieces. Pieces that overlap are not recomputed (interleaved
+    pieces are alive together): pass `recompute=False` with it.
+
     Args:
         fn: a pure function of pytrees of tensors (e.g. an attention layer or the head and
             loss of a model with a large vocabulary).
         chunks: the number of pieces; must divide every split dim.
+        recompute: recompute each piece in backward (the memory saving); False keeps the
+            pieces' activations, as without coshard.
+        overlap: interleave the pieces so that their collectives overlap compute.
         dim: per positional argument, as `jax.vmap`'s `in_axes`: an int (split every
             tensor of that argument along that dim), None (pass it whole to every piece),
             or a pytree of those. A single int applies to every argument.
@@ -126,8 +143,19 @@ def coshard(fn: Any, *, chunks: int, dim: Any) -> Cosharded:
         >>> attn = pxform.coshard(attention, chunks=4, dim=(None, 0))   # batch pieces
         >>> heads = pxform.coshard(attention, chunks=2,
         ...                        dim=({"wq": 0, "wk": 0, "wv": 0, "wo": 1}, None))
+        >>> mlp_tp = pxform.coshard(mlp, chunks=2, dim=(None, 0), recompute=False,
+        ...                         overlap=True)   # its all-reduce overlaps the next piece
     """
+    where = f"pxform.coshard({getattr(fn, '__name__', 'fn')})"
     if not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1:
-        raise RegionError(f"pxform.coshard({getattr(fn, '__name__', 'fn')}): chunks must be a "
-                          f"positive int, got {chunks!r}")
-    return Cosharded(fn, chunks, dim)
+        raise RegionError(f"{where}: chunks must be a positive int, got {chunks!r}")
+    for key, flag in (("recompute", recompute), ("overlap", overlap)):
+        if not isinstance(flag, bool):
+            raise RegionError(f"{where}: {key} must be True or False, got {flag!r}")
+    if overlap and recompute:
+        raise RegionError(
+            f"{where}: overlap=True interleaves the pieces, so they are alive together and "
+            f"cannot each be recomputed on its own (recompute=True, the default).\n  Fix: "
+            f"pass recompute=False with overlap=True; to also save activation memory, wrap "
+            f"the cosharded call in pxform.recompute.")
+    return Cosharded(fn, chunks, dim, recompute, overlap)

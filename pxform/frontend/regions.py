@@ -39,6 +39,9 @@ NAME = "pxform.name"
 """Tag key the lowering puts on the op producing a `checkpoint_name`d value (value: names)."""
 SAVE = "pxform.save"
 """Tag key the lowering puts on recompute-region ops whose outputs the policy saves."""
+PIECE = "pxform.piece"
+"""Tag key the coshard expansion puts on the ops of each piece of a region whose pieces
+overlap their collectives (`coshard(..., overlap=True)`; value: `PieceTag`)."""
 
 # Ops whose outputs "save matmul outputs" keeps: the contractions (and attention, which is
 # two of them), as JAX's `dots_saveable` and torch's selective-checkpoint examples do.
@@ -125,16 +128,33 @@ class RecomputeTag:
 @dataclass(frozen=True)
 class CoshardTag:
     """Ops of one call of a `pxform.coshard` function: split into `chunks` pieces along
-    `dims[i]` of its i-th tensor argument leaf (None: passed whole to every piece)."""
+    `dims[i]` of its i-th tensor argument leaf (None: passed whole to every piece). With
+    `recompute`, each piece is recomputed in backward; with `overlap`, the pieces run
+    interleaved and each piece's collectives overlap the next piece's compute."""
 
     region: int
     chunks: int
     dims: tuple[int | None, ...]
     paths: tuple[str, ...]
     fn: str
+    recompute: bool = True
+    overlap: bool = False
 
     def __repr__(self) -> str:
         return f"coshard#{self.region}(chunks={self.chunks})"
+
+
+@dataclass(frozen=True)
+class PieceTag:
+    """Piece `piece` of the pieces of coshard region `region` (`coshard(overlap=True)`):
+    the lowering interleaves the pieces' instructions so that one piece's collectives run
+    while another piece computes (`pxform.lower.overlap`)."""
+
+    region: int
+    piece: int
+
+    def __repr__(self) -> str:
+        return f"piece#{self.region}.{self.piece}"
 
 
 _ids = itertools.count()

@@ -31,7 +31,10 @@ from pxform.core.ir import Graph, Value
 from pxform.core.layout import Layout
 from pxform.core.mesh import AbstractMesh
 from pxform.lower.defer import defer_reductions
-from pxform.lower.spmd import CallInstr, ConvertInstr, Instr, Program, lower
+from pxform.lower.overlap import interleave
+from pxform.lower.spmd import CallInstr, Instr, Program, lower
+from pxform.lower.spmd import defines as _defines
+from pxform.lower.spmd import reads as _reads
 from pxform.ops import bind
 from pxform.ops.local import CountSpec
 from pxform.ops.strategy import Strategy
@@ -138,7 +141,8 @@ def lower_pipeline(graph: Graph, op_stage: tuple[int, ...], num_stages: int,
             only those return their weight ops' outputs, which keeps them alive until W
             (elsewhere that would defeat recompute regions, whose outputs stay alive).
     """
-    whole = defer_reductions(lower(graph, mesh, input_layouts, strategies, output_layouts))
+    whole = interleave(defer_reductions(lower(graph, mesh, input_layouts, strategies,
+                                                 output_layouts)))
     _refuse_microbatch_collectives(whole, fn)
     instr_stage = _instr_stages(whole, op_stage, num_stages)
     values = _local_values(whole)
@@ -236,16 +240,6 @@ def output_layouts(graph: Graph, mesh: AbstractMesh, input_layouts: list[Layout]
 
 
 # ---------------------------------------------------------------- helpers
-
-def _reads(instr: Instr) -> list[str]:
-    if isinstance(instr, ConvertInstr):
-        return [instr.src]
-    return [local for _, local in instr.inputs]
-
-
-def _defines(instr: Instr) -> tuple[Value, ...]:
-    return (instr.dst,) if isinstance(instr, ConvertInstr) else instr.outputs
-
 
 def _defined(program: Program, indices: list[int]) -> set[str]:
     return {v.name for n in indices for v in _defines(program.instrs[n])}

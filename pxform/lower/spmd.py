@@ -38,12 +38,15 @@ from pxform.passes.propagate import (
 
 @dataclass(frozen=True, slots=True)
 class ConvertInstr:
-    """`dst = convert(src)`: forward steps L -> R, backward steps C -> G(L)."""
+    """`dst = convert(src)`: forward steps L -> R, backward steps C -> G(L). An
+    `asynchronous` conversion returns without waiting for its last collective, in forward
+    and in backward; the first op that reads the result waits (`pxform.lower.overlap`)."""
 
     src: str
     dst: Value
     forward: Relayout
     backward: Relayout
+    asynchronous: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,6 +78,18 @@ class CallInstr:
 
 
 Instr = ConvertInstr | CallInstr
+
+
+def reads(instr: Instr) -> list[str]:
+    """The local values an instruction reads."""
+    if isinstance(instr, ConvertInstr):
+        return [instr.src]
+    return [local for _, local in instr.inputs]
+
+
+def defines(instr: Instr) -> tuple[Value, ...]:
+    """The values an instruction defines."""
+    return (instr.dst,) if isinstance(instr, ConvertInstr) else instr.outputs
 
 
 @dataclass(frozen=True)
@@ -123,7 +138,8 @@ class Program:
             if isinstance(instr, ConvertInstr):
                 fwd = "; ".join(map(str, instr.forward.steps)) or "identity"
                 bwd = "; ".join(map(str, instr.backward.steps)) or "identity"
-                lines.append(f"  {typed(instr.dst)} = convert(%{instr.src})  "
+                how = "convert_async" if instr.asynchronous else "convert"
+                lines.append(f"  {typed(instr.dst)} = {how}(%{instr.src})  "
                              f"# fwd: {fwd} | bwd: {bwd}")
             else:
                 types = iter(v.type for v in instr.op.inputs)

@@ -1,5 +1,9 @@
-"""Coshard expansion (nnScaler's coshard): a region becomes `chunks` recomputed copies, one
-per piece of its split arguments, run one after another on the same devices.
+"""Coshard expansion (nnScaler's coshard): a region becomes `chunks` copies, one per piece
+of its split arguments, run one after another on the same devices, each recomputed in
+backward (unless `recompute=False`). With `overlap=True` every op of piece c carries a
+`PieceTag`, by which the lowering interleaves the pieces so that one piece's collectives
+run while the next computes (`pxform.lower.overlap`: Merak's sub-pipelined tensor
+parallelism).
 
 The pieces are a mesh axis that exists only in time: a virtual axis `cs` of size `chunks`.
 Each op of the region gets the strategy on `cs` that takes its inputs exactly as they are
@@ -18,6 +22,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -28,8 +34,10 @@ from pxform.core.rng import PieceMap
 from pxform.frontend.boundary import is_boundary
 from pxform.frontend.regions import (
     COSHARD,
+    PIECE,
     RECOMPUTE,
     CoshardTag,
+    PieceTag,
     Policy,
     RecomputeTag,
     RegionError,
@@ -139,18 +147,23 @@ def _expand_region(body: list[Op], tag: CoshardTag, inputs: dict[int, Value],
                 f"{v.type.shape[d] // g} per shard does not divide into {n} pieces.\n  Fix: "
                 f"choose chunks dividing {v.type.shape[d] // g}.")
 
-    def pieces(c: int, suffix: str, region: RecomputeTag | None) -> dict[str, Value]:
+    def pieces(c: int, suffix: str, tags: _Tags) -> dict[str, Value]:
         """Piece c of every split input, made by ops of the piece's own region (so only
         one piece is materialised at a time)."""
-        return {name: _piece_of(v, d, c, n, g, first, out, suffix, region)
+        return {name: _piece_of(v, d, c, n, g, first, out, suffix, tags)
                 for name, (v, d) in split_inputs.items()}
     counts = _counts(body, chosen, mesh, n, g, pieces, out, where)
 
     envs: list[dict[str, Value]] = []
     for c in range(n):
-        region = RecomputeTag(next_region(), Policy(), f"{tag.fn} piece {c}")
-        env = pieces(c, f"cs{c}", region)
-        _emit_piece(body, chosen, mesh, env, f"c{c}", (c, n, g), region, counts, out)
+        tags = _Tags(grad=True)
+        if tag.recompute:  # each piece its own recompute region
+            tags = tags.plus(RECOMPUTE, RecomputeTag(next_region(), Policy(),
+                                                     f"{tag.fn} piece {c}"))
+        if tag.overlap:  # pieces interleaved by `pxform.lower.overlap`
+            tags = tags.plus(PIECE, PieceTag(tag.region, c))
+        env = pieces(c, f"cs{c}", tags)
+        _emit_piece(body, chosen, mesh, env, f"c{c}", (c, n, g), tags, counts, out)
         envs.append(env)
 
     for op in body:  # combine the pieces of every value read after the region
@@ -176,12 +189,24 @@ def _expand_region(body: list[Op], tag: CoshardTag, inputs: dict[int, Value],
     return out
 
 
+@dataclass(frozen=True)
+class _Tags:
+    """What the ops of one piece carry: `tags` (its recompute region, its `PieceTag`), and
+    whether they are differentiated (`grad`: the count ops ahead of the pieces are not)."""
+
+    grad: bool
+    tags: tuple[tuple[str, Any], ...] = ()
+
+    def plus(self, key: str, value: Any) -> _Tags:
+        return _Tags(self.grad, (*self.tags, (key, value)))
+
+
 def _emit_piece(ops: list[Op], chosen: list[Strategy], mesh: AbstractMesh,
                 env: dict[str, Value], suffix: str, piece: tuple[int, int, int],
-                region: RecomputeTag | None, counts: dict[int, Value], out: list[Op]) -> None:
+                tags: _Tags, counts: dict[int, Value], out: list[Op]) -> None:
     """Append the ops of piece c of n (the mesh splitting split dims g ways) to `out`,
-    rewritten for piece shapes; `env` maps each value of the region to its piece (filled in
-    as ops are emitted)."""
+    rewritten for piece shapes and carrying the piece's `tags`; `env` maps each value of
+    the region to its piece (filled in as ops are emitted)."""
     c, n, g = piece
     for op, s in zip(ops, chosen):
         call = local_call(op, s.inputs, s.outputs, mesh)
@@ -194,17 +219,18 @@ def _emit_piece(ops: list[Op], chosen: list[Strategy], mesh: AbstractMesh,
         outs = tuple(Value(f"{v.name}.{suffix}",
                            TensorType(lay.local_shape(v.type.shape, mesh), v.type.dtype))
                      for v, lay in zip(op.outputs, s.outputs))
-        kept = [(k, v) for k, v in op.tags if k not in (COSHARD, RECOMPUTE, RANDOM)]
+        # the piece's own tags replace the op's (an enclosing recompute region stays when
+        # the pieces are not recomputed on their own)
+        own = {k for k, _ in tags.tags}
+        kept = [(k, v) for k, v in op.tags if k not in (COSHARD, RANDOM, *own)]
+        kept += tags.tags
         random = op.tag(RANDOM)
         if random is not None:  # its piece's elements keep their traced positions
             kept.append((RANDOM, random.with_piece(tuple(
                 _piece_map(v_size, c, n, g) if AXIS in axes else None
                 for v_size, axes in zip(op.outputs[0].type.shape, s.outputs[0].dims)))))
-        if region is not None:
-            kept.append((RECOMPUTE, region))
-        tags = tuple(sorted(kept, key=lambda kv: kv[0]))
-        new = Op(call.target, args, outs, kwargs, tags, op.module, op.source,
-                 op.grad and region is not None)
+        new = Op(call.target, args, outs, kwargs, tuple(sorted(kept, key=lambda kv: kv[0])),
+                 op.module, op.source, op.grad and tags.grad)
         out.append(new)
         results = list(outs)
         if call.scale != 1.0 or call.count is not None:
@@ -222,14 +248,13 @@ def _piece_map(size: int, c: int, n: int, g: int) -> PieceMap:
 
 
 def _piece_of(v: Value, d: int, c: int, n: int, g: int, op: Op, out: list[Op], suffix: str,
-              region: RecomputeTag | None) -> Value:
+              piece: _Tags) -> Value:
     """Piece `c` of `n` of `v` along dim `d`, taken from each of the `g` shards the mesh
     splits that dim into: a slice when `g` is 1; otherwise view the dim as [g, n, rest],
     take index c of the middle and merge back, so the piece stays laid out like `v`."""
     shape, size = v.type.shape, v.type.shape[d]
     piece_shape = shape[:d] + (size // n,) + shape[d + 1:]
-    tags = ((RECOMPUTE, region),) if region is not None else ()
-    grad = region is not None
+    tags, grad = tuple(sorted(piece.tags, key=lambda kv: kv[0])), piece.grad
     res = Value(f"{v.name}.{suffix}", TensorType(piece_shape, v.type.dtype))
     if g == 1:
         out.append(Op(aten.slice.Tensor, (v, d, c * size // n, (c + 1) * size // n), (res,),
@@ -271,7 +296,7 @@ def _join(parts: list[Value], v: Value, d: int, g: int, op: Op, out: list[Op]) -
 
 
 def _counts(body: list[Op], chosen: list[Strategy], mesh: AbstractMesh, n: int, g: int,
-            pieces: Callable[[int, str, RecomputeTag | None], dict[str, Value]],
+            pieces: Callable[[int, str, _Tags], dict[str, Value]],
             out: list[Op], where: str) -> dict[int, Value]:
     """For losses averaged over counted targets (`cross_entropy(ignore_index=...)`) split
     into pieces: the whole batch's count, summed over the pieces before any piece runs (each
@@ -301,9 +326,9 @@ def _counts(body: list[Op], chosen: list[Strategy], mesh: AbstractMesh, n: int, 
         total: Value | None = None
         name = op.outputs[0].name
         for c in range(n):
-            env = pieces(c, f"t{c}_{name}", None)
+            env = pieces(c, f"t{c}_{name}", _Tags(grad=False))
             _emit_piece([body[k] for k in subset], [chosen[k] for k in subset], mesh, env,
-                        f"t{c}_{name}", (c, n, g), None, counts, out)
+                        f"t{c}_{name}", (c, n, g), _Tags(grad=False), counts, out)
             t = env.get(target.name, target)
             keep = Value(f"{name}.keep{c}", TensorType(t.type.shape, torch.bool))
             got = Value(f"{name}.count{c}", TensorType((), torch.int64))

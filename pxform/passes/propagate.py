@@ -15,6 +15,7 @@ from pxform.core.ir import Graph, TensorType
 from pxform.core.layout import AxisCost, Layout, Relayout, plan_relayout
 from pxform.core.mesh import AbstractMesh
 from pxform.core.spec import P
+from pxform.frontend.regions import PIECE
 from pxform.ops.strategy import REPLICATE, Strategy
 from pxform.ops.strategy import strategies as all_strategies
 
@@ -83,7 +84,7 @@ def propagate(graph: Graph, mesh: AbstractMesh, input_layouts: list[Layout],
     made: set[tuple[str, Layout]] = set()
     chosen = []
     for op in graph.ops:
-        best: tuple[float, int, float] | None = None
+        best: tuple[float, int, int, float] | None = None
         pick = None
         for s in all_strategies(op, mesh):
             comm = 0.0
@@ -117,8 +118,20 @@ def propagate(graph: Graph, mesh: AbstractMesh, input_layouts: list[Layout],
                         whole = Layout(lay.dims, lay.partial - zero3)
                         comm += 2 * relayout(t.shape, t.dtype.itemsize, lay, whole,
                                              mesh).cost
+            held = 0  # partial sums a piece of an overlapped region hands on
+            if op.tag(PIECE) is not None:
+                # coshard(overlap=True): a partial sum is reduced inside its piece, where
+                # the collective runs under the next piece's compute, not carried out of
+                # the region to be reduced whole and exposed: carrying it is priced as
+                # reducing it, and the tie goes to reducing
+                for v, lay in zip(op.outputs, s.outputs):
+                    if lay.partial:
+                        t = v.type
+                        held += len(lay.partial)
+                        comm += 2 * relayout(t.shape, t.dtype.itemsize, lay,
+                                             Layout(lay.dims), mesh).cost
             ways = sum(math.log(mesh.axis_size(a)) for a, c in s.choices if c != REPLICATE)
-            key = (comm, moves, ways)
+            key = (comm, held, moves, ways)
             if best is None or _better(key, best):
                 best, pick = key, s
         assert pick is not None  # "replicate everywhere" is always a strategy
@@ -152,14 +165,13 @@ def zero3_axes(graph: Graph, input_layouts: list[Layout], mesh: AbstractMesh
     return frozenset(out)
 
 
-def _better(key: tuple[float, int, float], best: tuple[float, int, float]) -> bool:
-    cost, moves, ways = key
-    best_cost, best_moves, best_ways = best
+def _better(key: tuple[float, int, int, float], best: tuple[float, int, int, float]) -> bool:
+    cost, best_cost = key[0], best[0]
     if math.isinf(cost) != math.isinf(best_cost):  # impossible ones lose to any other
         return cost < best_cost
     if abs(cost - best_cost) > 0.01 * max(cost, best_cost):
         return cost < best_cost
-    return (moves, ways) < (best_moves, best_ways)
+    return key[1:] < best[1:]
 
 
 def split_constants(graph: Graph, mesh: AbstractMesh, chosen: list[Strategy],

@@ -42,12 +42,15 @@ class Microbatches:
     counts: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
-def run_step(x: torch.Tensor, step: Step, axes: AxisGroups) -> torch.Tensor:
+def run_step(x: torch.Tensor, step: Step, axes: AxisGroups, wait: bool = True
+             ) -> torch.Tensor:
     """Execute one step on this rank's local tensor. A collective that does not complete
     (a peer failed or runs another program, and the mesh's timeout passed) raises a
-    `CollectiveError` naming this rank and the step."""
+    `CollectiveError` naming this rank and the step. Without `wait`, an all-gather,
+    reduce-scatter or all-reduce returns as soon as it is launched: the result is waited
+    for where it is first used (`wait_async`, or any op reading it)."""
     try:
-        return _run_step(x, step, axes)
+        return _run_step(x, step, axes, wait)
     except RuntimeError as exc:
         if isinstance(exc, PxformError) or step.kind in ("slice", "zero"):
             raise
@@ -70,7 +73,8 @@ def collective_error(exc: BaseException, what: str, axis: str, axes: AxisGroups
         f"pxform.Mesh(..., timeout=seconds) or PXFORM_TIMEOUT_S.")
 
 
-def _run_step(x: torch.Tensor, step: Step, axes: AxisGroups) -> torch.Tensor:
+def _run_step(x: torch.Tensor, step: Step, axes: AxisGroups, wait: bool = True
+              ) -> torch.Tensor:
     a = step.axis
     n = axes.sizes[a]
     if n == 1:
@@ -81,14 +85,15 @@ def _run_step(x: torch.Tensor, step: Step, axes: AxisGroups) -> torch.Tensor:
             return x
         raise RuntimeError(f"pxform: {step} over the microbatch axis cannot run: "
                            f"microbatches run one at a time")
+    done = fc.wait_tensor if wait else _launched
     if step.kind == "all_gather":
         assert step.dim is not None
-        return fc.wait_tensor(fc.all_gather_single(x.contiguous(), step.dim, group))
+        return done(fc.all_gather_single(x.contiguous(), step.dim, group))
     if step.kind == "reduce_scatter":
         assert step.dim is not None
-        return fc.wait_tensor(fc.reduce_scatter_single(x.contiguous(), "sum", step.dim, group))
+        return done(fc.reduce_scatter_single(x.contiguous(), "sum", step.dim, group))
     if step.kind == "all_reduce":
-        return fc.wait_tensor(fc.all_reduce(x.contiguous(), "sum", group))
+        return done(fc.all_reduce(x.contiguous(), "sum", group))
     if step.kind == "all_to_all":
         assert step.dim is not None and step.to_dim is not None
         send = torch.stack(x.chunk(n, dim=step.to_dim), dim=0).contiguous()
@@ -115,10 +120,45 @@ def local_shard(full: torch.Tensor, layout: Any, axes: AxisGroups) -> torch.Tens
     return out.contiguous()
 
 
-def run_steps(x: torch.Tensor, steps: Sequence[Step], axes: AxisGroups) -> torch.Tensor:
-    for step in steps:
-        x = run_step(x, step, axes)
+def _launched(x: torch.Tensor) -> torch.Tensor:
+    return x  # an AsyncCollectiveTensor: the first op that reads it waits
+
+
+def run_steps(x: torch.Tensor, steps: Sequence[Step], axes: AxisGroups, wait: bool = True
+              ) -> torch.Tensor:
+    """Execute `steps` in turn; without `wait`, the last one's collective is left running
+    (`run_step`)."""
+    for k, step in enumerate(steps):
+        x = run_step(x, step, axes, wait or k < len(steps) - 1)
     return x
+
+
+def wait_async(x: Any, step: Step, axes: AxisGroups) -> Any:
+    """`x` once the collective `step` that makes it (left running by `run_step`) has
+    completed; the identity for autograd. A collective that fails here raises the
+    `CollectiveError` `run_step` would have raised."""
+    if not isinstance(x, fc.AsyncCollectiveTensor):
+        return x
+    return _Wait.apply(x, step, axes)
+
+
+class _Wait(torch.autograd.Function):
+    """Wait for a collective left running, keeping its place in autograd (the collective
+    tensor's own `wait()` returns a tensor outside the graph)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, step: Step,  # type: ignore[override]
+                axes: AxisGroups) -> torch.Tensor:
+        try:
+            return fc.wait_tensor(x)
+        except RuntimeError as exc:
+            if isinstance(exc, PxformError):
+                raise
+            raise collective_error(exc, str(step), step.axis, axes) from exc
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        return grad, None, None
 
 
 class ConvertFunction(torch.autograd.Function):
@@ -127,28 +167,33 @@ class ConvertFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, forward_steps: tuple[Step, ...],  # type: ignore[override]
                 backward_steps: tuple[Step, ...], axes: AxisGroups,
-                given: torch.Tensor | None = None) -> torch.Tensor:
+                given: torch.Tensor | None = None, wait: bool = True) -> torch.Tensor:
         ctx.backward_steps = backward_steps
         ctx.axes = axes
+        ctx.wait = wait
         # `given`: the forward steps' result, computed already (a prefetched gather)
-        y = run_steps(x, forward_steps, axes) if given is None else given
+        y = run_steps(x, forward_steps, axes, wait) if given is None else given
         # autograd needs a new tensor object even when no step ran (identity forward)
         return y.view_as(y) if y is x else y
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
         if grad is None:
-            return None, None, None, None, None
-        return run_steps(grad, ctx.backward_steps, ctx.axes), None, None, None, None
+            return (None,) * 6
+        # not waiting: autograd goes on with other work (another coshard piece's backward)
+        # and the op that reads this gradient waits for it
+        return (run_steps(grad, ctx.backward_steps, ctx.axes, ctx.wait),) + (None,) * 5
 
 
 def convert(x: torch.Tensor, forward_steps: tuple[Step, ...], backward_steps: tuple[Step, ...],
-            axes: AxisGroups, given: torch.Tensor | None = None) -> torch.Tensor:
+            axes: AxisGroups, given: torch.Tensor | None = None, wait: bool = True
+            ) -> torch.Tensor:
     """Apply the conversion rule to one local tensor (autograd-aware when x needs grad).
-    `given` is the forward steps' result when it was computed ahead (prefetched)."""
+    `given` is the forward steps' result when it was computed ahead (prefetched). Without
+    `wait`, the last collective of each direction is left running (`run_step`)."""
     if not (x.requires_grad and torch.is_grad_enabled()):
-        return run_steps(x, forward_steps, axes) if given is None else given
-    return ConvertFunction.apply(x, forward_steps, backward_steps, axes, given)
+        return run_steps(x, forward_steps, axes, wait) if given is None else given
+    return ConvertFunction.apply(x, forward_steps, backward_steps, axes, given, wait)
 
 
 def all_reduce_sum(x: torch.Tensor, axes: Sequence[str], groups: AxisGroups) -> torch.Tensor:

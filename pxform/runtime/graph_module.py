@@ -117,7 +117,8 @@ class Convert(torch.nn.Module):
 
     def __init__(self, forward_steps: tuple[Step, ...], backward_steps: tuple[Step, ...],
                  param: int | None, where: str = "", output: int | None = None,
-                 site: int | None = None, block: str = "") -> None:
+                 site: int | None = None, block: str = "", asynchronous: bool = False
+                 ) -> None:
         super().__init__()
         self.forward_steps = forward_steps
         self.backward_steps = backward_steps
@@ -129,6 +130,8 @@ class Convert(torch.nn.Module):
         self.output = output
         self.site = site  # its place among the program's parameter gathers (`prefetch`)
         self.block = block  # its parameter's block (`reshard_after_forward` per block)
+        # its last collective (each direction) is left running (`pxform.lower.overlap`)
+        self.asynchronous = asynchronous
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         try:
@@ -152,7 +155,8 @@ class Convert(torch.nn.Module):
             y = _BucketedConvert.apply(x, self.forward_steps, self.backward_steps, axes,
                                        buckets, self.param, given)
         else:
-            y = convert(x, self.forward_steps, self.backward_steps, axes, given)
+            y = convert(x, self.forward_steps, self.backward_steps, axes, given,
+                        wait=not self.asynchronous)
         if self.param is not None and self.gathers:  # ZeRO-3: may be freed after forward
             group = (active.prefetch.plan.group_of[self.site]
                      if given is not None and active.prefetch is not None
@@ -169,8 +173,24 @@ class Convert(torch.nn.Module):
     def extra_repr(self) -> str:
         fwd = "; ".join(map(str, self.forward_steps)) or "identity"
         bwd = "; ".join(map(str, self.backward_steps)) or "identity"
-        return f"fwd: {fwd} | bwd: {bwd}" + (f", param={self.param}" if self.param is not None
-                                               else "")
+        return (f"fwd: {fwd} | bwd: {bwd}"
+                + (f", param={self.param}" if self.param is not None else "")
+                + (", async" if self.asynchronous else ""))
+
+
+class Wait(torch.nn.Module):
+    """Waits for the collective of an asynchronous conversion (its last step `step`) where
+    the program first reads its result (`collectives.wait_async`)."""
+
+    def __init__(self, step: Step) -> None:
+        super().__init__()
+        self.step = step
+
+    def forward(self, x: Any) -> Any:
+        return collectives.wait_async(x, self.step, _active().axes)
+
+    def extra_repr(self) -> str:
+        return str(self.step)
 
 
 class _BucketedConvert(torch.autograd.Function):
@@ -511,6 +531,8 @@ class _Emitter:
         self.num = 0
         self.deferred, self.final = deferred_outputs(program)
         self.sites = gather_plan(program).site_of()
+        # asynchronous conversions not yet waited for: value -> its last forward step
+        self.running: dict[str, Step] = {}
 
     def get_device(self) -> Any:
         if self.device is None:
@@ -524,6 +546,11 @@ class _Emitter:
         for instr in instrs:
             self.num += 1
             num = self.num
+            for name in dict.fromkeys(_reads([instr])):  # its inputs' collectives end here
+                if name in self.running:
+                    wait = f"wait_{_ident(name)}"
+                    root.add_module(wait, Wait(self.running.pop(name)))
+                    env[name] = graph.call_module(wait, (env[name],))
             if isinstance(instr, ConvertInstr):
                 name = f"convert_{num}"
                 root.add_module(name, Convert(instr.forward.steps, instr.backward.steps,
@@ -532,8 +559,10 @@ class _Emitter:
                                               f"convert(%{instr.src}) [{name}]",
                                               self.deferred.get(instr.dst.name),
                                               self.sites.get(instr.dst.name),
-                                              block_name(instr.src)))
+                                              block_name(instr.src), instr.asynchronous))
                 node = graph.call_module(name, (env[instr.src],))
+                if instr.asynchronous and instr.forward.steps:
+                    self.running[instr.dst.name] = instr.forward.steps[-1]
                 node.meta["local_shape"] = program.local_shape(instr.dst)
                 env[instr.dst.name] = node
                 continue
