@@ -62,9 +62,14 @@ def make_loss(variant, cfg, chunks=2):
     def layer(p, x):
         if variant in ("plain", "coshard_loss", "trunk"):
             return gpt.block(p, x, cfg)
-        if variant == "overlap":  # batch pieces whose collectives overlap the next piece
-            return pxform.coshard(lambda p, x: gpt.block(p, x, cfg), chunks=chunks,
-                                  dim=(None, 0), recompute=False, overlap=True)(p, x)
+        if variant in ("overlap", "pieces", "overlap_recomputed"):
+            # batch pieces, overlapping their collectives (and all recomputed together)
+            pieces = pxform.coshard(lambda p, x: gpt.block(p, x, cfg), chunks=chunks,
+                                    dim=(None, 0), recompute=False,
+                                    overlap=variant != "pieces")
+            if variant == "overlap_recomputed":
+                return pxform.recompute(pieces)(p, x)
+            return pieces(p, x)
         if variant == "nothing":
             return pxform.recompute(lambda p, x: gpt.block(p, x, cfg))(p, x)
         if variant == "matmuls":
@@ -157,6 +162,8 @@ def run_sharded(variants, axes, batch_axis=None, tp=False):
         program = step.lower(params, batch)
         out[v]["recompute_modules"] = sum(1 for n, _ in module_of(program).named_children()
                                           if n.startswith("recompute_"))
+        # collectives launched and never waited for (a recompute that stopped early)
+        out[v]["unwaited"] = torch._C._distributed_c10d._get_work_registry_size()
     return out
 
 

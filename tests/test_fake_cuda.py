@@ -21,7 +21,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import fakecuda  # noqa: E402
 
-FORMS = ("dp", "zero3", "tp", "sp", "pp")
+FORMS = ("dp", "zero3", "tp", "sp", "pp", "tp_overlap")
 NEGATIVE = ("dp:cpu-leak", "pp:runtime-cpu")
 
 

@@ -11,6 +11,8 @@ recomputing fewer blocks than uniform recompute. Errors name the op, dim and fix
 
 from __future__ import annotations
 
+import re
+
 import optree
 import pytest
 import region_workers as R
@@ -215,6 +217,23 @@ def test_a_stage_boundary_inside_a_coshard_region():
         pxform.coshard(f, chunks=2, dim=0)(torch.randn(4, 2))
 
 
+def test_coshard_overlap_needs_pieces_that_are_not_recomputed():
+    def mlp(w, x):
+        return x @ w
+
+    with pytest.raises(pxform.RegionError) as err:
+        pxform.coshard(mlp, chunks=2, dim=(None, 0), overlap=True)
+    assert str(err.value) == (
+        "pxform.coshard(mlp): overlap=True interleaves the pieces, so they are alive together "
+        "and cannot each be recomputed on its own (recompute=True, the default).\n  Fix: pass "
+        "recompute=False with overlap=True; to also save activation memory, wrap the "
+        "cosharded call in pxform.recompute.")
+    with pytest.raises(pxform.RegionError, match="overlap must be True or False, got 'yes'"):
+        pxform.coshard(mlp, chunks=2, dim=(None, 0), recompute=False, overlap="yes")
+    assert "overlap=True" in repr(pxform.coshard(mlp, chunks=2, dim=(None, 0),
+                                                 recompute=False, overlap=True))
+
+
 def test_coshard_regions_cannot_nest():
     inner = pxform.coshard(lambda x: x.sin(), chunks=2, dim=0)
     with pytest.raises(pxform.RegionError, match="coshard regions cannot nest"):
@@ -287,13 +306,49 @@ def test_every_variant_under_shard_on_two_ranks(world2, axes, batch_axis, tp):
         assert got["coshard_batch"]["recompute_modules"] == 4  # 2 layers x 2 pieces
 
 
+def test_overlapped_pieces_run_their_collectives_under_the_other_pieces_compute(world2):
+    """coshard(overlap=True) under Megatron TP of the MLPs: each piece's all-reduce (forward)
+    and its column-parallel input's gradient all-reduce (backward) are launched and waited
+    for only after a matmul of another piece ran; the same pieces without overlap, and the
+    model without pieces, overlap only their gradient buckets."""
+    got = {v: world2.run(R.overlap_order, v) for v in ("overlap", "pieces", "plain")}
+    for overlap, pieces, plain in zip(got["overlap"], got["pieces"], got["plain"]):
+        assert pieces["overlapped"] == plain["overlapped"], (pieces, plain)
+        # 2 layers x 2 pieces x (forward all-reduce + backward all-reduce) = 8 collectives;
+        # the last piece's forward all-reduce of each layer overlaps no matmul (only its
+        # partner's residual add): 6 of them at least
+        assert overlap["overlapped"] >= plain["overlapped"] + 6, (overlap, plain)
+        text = overlap["text"]
+        assert text.count("convert_async") == 8, text
+        # piece 1 of the first layer starts before piece 0 reads its all-reduced output
+        lines = text.splitlines()
+        first = next(k for k, line in enumerate(lines) if "fwd: all_reduce(tp)" in line)
+        name = lines[first].split(":")[0].strip()
+        reader = next(k for k, line in enumerate(lines)
+                      if k > first and re.search(re.escape(name) + r"[,)]", line))
+        assert any(".c1" in line for line in lines[first + 1:reader]), text
+        assert "convert_async" not in pieces["text"]
+
+
+def test_overlapped_pieces_recomputed_together_match_the_plain_model(world2):
+    """recompute(coshard(..., recompute=False, overlap=True)): one checkpointed region per
+    layer holding both interleaved pieces; exact, and no collective is left unwaited when
+    the recompute stops early (it runs its collectives synchronously)."""
+    for got in world2.run(R.run_sharded, ["overlap_recomputed"], {"tp": 2}, None, True):
+        e = got["overlap_recomputed"]
+        assert e["loss_err"] < TOL and e["grad_err"] < TOL, e
+        assert e["recompute_modules"] == 2, e
+        assert e["unwaited"] == 0, e
+
+
 def test_collectives_inside_a_region_run_again_on_recompute(world2):
     for got in world2.run(R.count_collectives, ["plain", "trunk"]):
         assert got["trunk"] > got["plain"], got
 
 
 @pytest.mark.parametrize("variant, schedule", [("nothing", "1f1b"), ("coshard_batch", "zb"),
-                                               ("plain", "shifted"), ("matmuls", "shifted")])
+                                               ("plain", "shifted"), ("matmuls", "shifted"),
+                                               ("overlap", "1f1b")])
 def test_recompute_inside_pipelines_on_two_ranks(world2, variant, schedule):
     for got in world2.run(R.run_pipeline, variant, schedule, 2, 4):
         assert got["loss_err"] < TOL and got["grad_err"] < TOL and got["forward_only"] < TOL, got
@@ -306,7 +361,7 @@ def world4():
 
 
 def test_variants_on_a_two_by_two_mesh(world4):
-    variants = ["nothing", "matmuls", "coshard_heads", "coshard_loss"]
+    variants = ["nothing", "matmuls", "coshard_heads", "coshard_loss", "overlap"]
     for got in world4.run(R.run_sharded, variants, {"dp": 2, "tp": 2}, "dp", True):
         for v, e in got.items():
             assert e["loss_err"] < TOL and e["grad_err"] < TOL, (v, e)

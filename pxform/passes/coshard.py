@@ -160,6 +160,8 @@ def _expand_region(body: list[Op], tag: CoshardTag, inputs: dict[int, Value],
         if tag.recompute:  # each piece its own recompute region
             tags = tags.plus(RECOMPUTE, RecomputeTag(next_region(), Policy(),
                                                      f"{tag.fn} piece {c}"))
+        elif first.tag(RECOMPUTE) is not None:  # all pieces in the enclosing region
+            tags = tags.plus(RECOMPUTE, first.tag(RECOMPUTE))
         if tag.overlap:  # pieces interleaved by `pxform.lower.overlap`
             tags = tags.plus(PIECE, PieceTag(tag.region, c))
         env = pieces(c, f"cs{c}", tags)
@@ -219,9 +221,7 @@ def _emit_piece(ops: list[Op], chosen: list[Strategy], mesh: AbstractMesh,
         outs = tuple(Value(f"{v.name}.{suffix}",
                            TensorType(lay.local_shape(v.type.shape, mesh), v.type.dtype))
                      for v, lay in zip(op.outputs, s.outputs))
-        # the piece's own tags replace the op's (an enclosing recompute region stays when
-        # the pieces are not recomputed on their own)
-        own = {k for k, _ in tags.tags}
+        own = {k for k, _ in tags.tags}  # the piece's tags replace the op's
         kept = [(k, v) for k, v in op.tags if k not in (COSHARD, RANDOM, *own)]
         kept += tags.tags
         random = op.tag(RANDOM)

@@ -155,8 +155,10 @@ class Convert(torch.nn.Module):
             y = _BucketedConvert.apply(x, self.forward_steps, self.backward_steps, axes,
                                        buckets, self.param, given)
         else:
+            # a recompute may stop as soon as it has what backward needs: a collective
+            # it left running would never be waited for
             y = convert(x, self.forward_steps, self.backward_steps, axes, given,
-                        wait=not self.asynchronous)
+                        wait=not self.asynchronous or _RECOMPUTING.get())
         if self.param is not None and self.gathers:  # ZeRO-3: may be freed after forward
             group = (active.prefetch.plan.group_of[self.site]
                      if given is not None and active.prefetch is not None

@@ -55,6 +55,27 @@ def main(case: str) -> dict:
         executor.runtime_device = kept
 
 
+def overlapped_loss(cfg):
+    """`gpt.loss_fn` with each block run as 2 batch pieces whose collectives overlap
+    (`coshard(overlap=True)`): asynchronous collectives and their waits."""
+    import torch.nn.functional as F
+
+    block = pxform.coshard(lambda p, x: gpt.block(p, x, cfg), chunks=2, dim=(None, 0),
+                           recompute=False, overlap=True)
+
+    def loss(params, batch):
+        idx = batch["idx"]
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        x = F.embedding(idx, params["wte"]) + F.embedding(pos, params["wpe"])
+        for p in params["blocks"]:
+            x = block(p, x)
+        x = F.layer_norm(x, (cfg.d_model,), params["lnf_w"], params["lnf_b"])
+        logits = F.linear(x, params["wte"])
+        return F.cross_entropy(logits.flatten(0, 1), batch["targets"].flatten())
+
+    return loss
+
+
 def _step(form: str, cpu_leak: bool) -> dict:
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=WORLD)
     cfg = gpt.GPTConfig(vocab_size=64, seq_len=16, num_layers=2, num_heads=2, d_model=32,
@@ -77,13 +98,14 @@ def _step(form: str, cpu_leak: bool) -> dict:
         elif form == "zero3":
             specs = optree.tree_map(lambda t: P("dp"), params)
             step = pxform.shard(loss, mesh=mesh, in_specs=(specs, P("dp")))
-        elif form in ("tp", "sp"):
+        elif form in ("tp", "sp", "tp_overlap"):
             megatron = {"qkv_w": P("tp"), "qkv_b": P("tp"), "fc_w": P("tp"), "fc_b": P("tp"),
                         "proj_w": P(None, "tp"), "out_w": P(None, "tp")}
             specs = {**optree.tree_map(lambda t: None, params), "blocks": [
                 {k: megatron.get(k) for k in block} for block in params["blocks"]]}
             batch_spec = P(None, "tp") if form == "sp" else None
-            step = pxform.shard(loss, mesh=mesh, in_specs=(specs, batch_spec))
+            fn = overlapped_loss(cfg) if form == "tp_overlap" else loss
+            step = pxform.shard(fn, mesh=mesh, in_specs=(specs, batch_spec))
         else:
             step = pxform.shard(pxform.pipeline(loss, stages=2, microbatches=2,
                                                 schedule="1f1b"),
