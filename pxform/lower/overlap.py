@@ -106,10 +106,10 @@ def _interleaved(span: list[Instr], tags: list[PieceTag | None], program: Progra
             seg[c] += 1
             pending[c].clear()
         segment[k] = seg[c]
-        if forward or backward:
+        if isinstance(instr, ConvertInstr) and (forward or backward):
             out[k] = dataclasses.replace(instr, asynchronous=True)
-        if forward:
-            pending[c].add(instr.dst.name)
+            if forward:
+                pending[c].add(instr.dst.name)
         for v in defines(instr):
             made[v.name] = c
     # a topological order of the span by (step, later piece first, original position);
