@@ -288,6 +288,35 @@ def bucket_packing():
     return errs
 
 
+def all_gathers_one_at_a_time(rounds=200):
+    """Every all-gather the runtime launches waits for the one in flight on its group
+    (gloo corrupts its heap with two at once): the earlier one is complete when the next
+    is launched, and each still gathers its own tensor."""
+    from pxform.core.layout import Step
+    from pxform.runtime.collectives import AxisGroups, all_gather, run_step
+    from pxform.runtime.mesh import Mesh
+
+    mesh = Mesh({"dp": 2})
+    group = mesh.group("dp")
+    axes = AxisGroups({"dp": group}, mesh.coordinate(), {"dp": 2})
+    rank = torch.distributed.get_rank()
+    completed_before_next = 0
+    wrong = 0
+    for k in range(rounds):
+        xs = [torch.full((64, 32), float(10 * k + j + rank)) for j in range(4)]
+        outs = [all_gather(xs[0], 0, group)]
+        for j, x in enumerate(xs[1:]):  # sync ones among async ones too
+            nxt = (all_gather(x, 0, group) if j % 2 else
+                   run_step(x, Step("all_gather", "dp", 0), axes, wait=False))
+            completed_before_next += bool(outs[-1].completed)
+            outs.append(nxt)
+        for j, out in enumerate(outs):
+            want = torch.cat([torch.full((64, 32), float(10 * k + j + r)) for r in (0, 1)])
+            wrong += not torch.equal(out + 0, want)
+    return {"completed_before_next": completed_before_next, "launches": 3 * rounds,
+            "wrong": wrong}
+
+
 # ---------------------------------------------------------------- checkpoints
 
 def _gpt_params_and_specs(kind):

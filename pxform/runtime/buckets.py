@@ -33,7 +33,7 @@ import torch.distributed._functional_collectives as fc
 
 from pxform.core.errors import PxformError
 from pxform.core.layout import Step
-from pxform.runtime.collectives import AxisGroups, collective_error, run_step
+from pxform.runtime.collectives import AxisGroups, all_gather, collective_error, run_step
 
 DEFAULT_BUCKET_MB = 25.0
 
@@ -215,7 +215,7 @@ def _start(grads: Sequence[torch.Tensor], steps: Sequence[Step], axes: AxisGroup
     if kind == "all_reduce":
         return fc.all_reduce(torch.cat([g.reshape(-1) for g in grads]), "sum", group)
     if kind == "all_gather":
-        return fc.all_gather_single(torch.cat([g.reshape(-1) for g in grads]), 0, group)
+        return all_gather(torch.cat([g.reshape(-1) for g in grads]), 0, group)
     pieces = [g.chunk(n, dim=_dim(s)) for g, s in zip(grads, steps)]
     flat = torch.cat([p[r].reshape(-1) for r in range(n) for p in pieces])
     return fc.reduce_scatter_single(flat, "sum", 0, group)
