@@ -60,6 +60,8 @@ def _pieces(instrs: list[Instr]) -> dict[int, PieceTag]:
     """The piece of every instruction of an overlapping region: an op's own tag; a
     conversion takes the piece of the first instruction that reads it (the lowering places
     it just before)."""
+    if not any(isinstance(i, CallInstr) and i.op.tag(PIECE) is not None for i in instrs):
+        return {}
     first_reader: dict[str, int] = {}
     for k in range(len(instrs) - 1, -1, -1):
         for name in reads(instrs[k]):

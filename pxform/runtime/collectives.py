@@ -159,30 +159,17 @@ def run_steps(x: torch.Tensor, steps: Sequence[Step], axes: AxisGroups, wait: bo
 
 def wait_async(x: Any, step: Step, axes: AxisGroups) -> Any:
     """`x` once the collective `step` that makes it (left running by `run_step`) has
-    completed; the identity for autograd. A collective that fails here raises the
-    `CollectiveError` `run_step` would have raised."""
+    completed; the identity for autograd (torch registers `wait_tensor`'s backward as the
+    identity). A collective that fails here raises the `CollectiveError` `run_step` would
+    have raised."""
     if not isinstance(x, fc.AsyncCollectiveTensor):
         return x
-    return _Wait.apply(x, step, axes)
-
-
-class _Wait(torch.autograd.Function):
-    """Wait for a collective left running, keeping its place in autograd (the collective
-    tensor's own `wait()` returns a tensor outside the graph)."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, step: Step,  # type: ignore[override]
-                axes: AxisGroups) -> torch.Tensor:
-        try:
-            return fc.wait_tensor(x)
-        except RuntimeError as exc:
-            if isinstance(exc, PxformError):
-                raise
-            raise collective_error(exc, str(step), step.axis, axes) from exc
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
-        return grad, None, None
+    try:
+        return fc.wait_tensor(x)
+    except RuntimeError as exc:
+        if isinstance(exc, PxformError):
+            raise
+        raise collective_error(exc, str(step), step.axis, axes) from exc
 
 
 class ConvertFunction(torch.autograd.Function):
