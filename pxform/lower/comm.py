@@ -13,7 +13,7 @@ Example:
 
 from __future__ import annotations
 
-from pxform.core.layout import AxisCost, Relayout
+from pxform.core.layout import AxisCost, Relayout, Step
 from pxform.lower.spmd import ConvertInstr, Program
 
 
@@ -36,8 +36,12 @@ def block_name(path: str) -> str:
 
 def is_gather(instr: ConvertInstr, inputs: set[str] | frozenset[str]) -> bool:
     """Does the conversion gather a program input, with nothing but all-gathers?"""
-    steps = instr.forward.steps
-    return instr.src in inputs and bool(steps) and all(s.kind == "all_gather" for s in steps)
+    return instr.src in inputs and gathers_only(instr.forward.steps)
+
+
+def gathers_only(steps: tuple[Step, ...]) -> bool:
+    """Are `steps` all-gathers, at least one (a ZeRO-3 parameter's forward)?"""
+    return bool(steps) and all(s.kind == "all_gather" for s in steps)
 
 
 def comm_cost(program: Program, reshard: bool = True) -> float:

@@ -260,15 +260,22 @@ def start_gather(shards: Sequence[torch.Tensor], steps: Sequence[Step], axes: Ax
         raise _packed_error(exc, steps, len(shards), axes) from exc
 
 
-def finish_gather(pending: torch.Tensor, steps: Sequence[Step],
+def finish_gather(pending: torch.Tensor, step_lists: Sequence[tuple[Step, ...]],
                   shapes: Sequence[tuple[int, ...]], axes: AxisGroups) -> list[torch.Tensor]:
-    """Wait for a `start_gather` and cut the gathered tensors out of its buffer. A gather
-    that does not complete raises `CollectiveError` naming this rank."""
+    """Wait for a `start_gather` (of the first step of each of `step_lists`), cut the
+    gathered tensors out of its buffer and run each one's remaining steps. A gather that
+    does not complete raises `CollectiveError` naming this rank."""
+    steps = [s[0] for s in step_lists]
     try:
         done = fc.wait_tensor(pending)
     except RuntimeError as exc:
         raise _packed_error(exc, steps, len(shapes), axes) from exc
-    return _end(done, steps, shapes, axes)
+    out = []
+    for full, rest in zip(_end(done, steps, shapes, axes), step_lists):
+        for step in rest[1:]:
+            full = run_step(full, step, axes)
+        out.append(full)
+    return out
 
 
 def _packed_error(exc: RuntimeError, steps: Sequence[Step], num: int,

@@ -36,7 +36,7 @@ from pxform.core.layout import Step
 from pxform.core.rng import RandomTag
 from pxform.frontend.regions import RECOMPUTE, SAVE, RecomputeTag
 from pxform.frontend.rng import INPLACE, PLAN_INDEPENDENT, RANDOM
-from pxform.lower.comm import block_name
+from pxform.lower.comm import block_name, gathers_only
 from pxform.lower.mpmd import StageProgram
 from pxform.lower.spmd import CallInstr, ConvertInstr, Instr, Program
 from pxform.ops import bind as bind_args
@@ -169,8 +169,7 @@ class Convert(torch.nn.Module):
     @property
     def gathers(self) -> bool:
         """Does the forward gather a parameter (ZeRO-3), with nothing but gathers?"""
-        return bool(self.forward_steps) and all(s.kind == "all_gather"
-                                                for s in self.forward_steps)
+        return gathers_only(self.forward_steps)
 
     def extra_repr(self) -> str:
         fwd = "; ".join(map(str, self.forward_steps)) or "identity"

@@ -32,7 +32,7 @@ from pxform.core.layout import Step
 from pxform.lower.comm import block_name, is_gather
 from pxform.lower.spmd import ConvertInstr, Program
 from pxform.runtime.buckets import finish_gather, start_gather
-from pxform.runtime.collectives import AxisGroups, run_step
+from pxform.runtime.collectives import AxisGroups
 
 
 @dataclass(frozen=True)
@@ -120,11 +120,8 @@ class Prefetch:
         if g in self.pending:
             pending, shapes = self.pending.pop(g)
             sites = self.plan.groups[g]
-            first = [self.plan.steps[s][0] for s in sites]
-            for s, full in zip(sites, finish_gather(pending, first, shapes, self.axes)):
-                for step in self.plan.steps[s][1:]:
-                    full = run_step(full, step, self.axes)
-                self.ready[s] = full
+            steps = [self.plan.steps[s] for s in sites]
+            self.ready.update(zip(sites, finish_gather(pending, steps, shapes, self.axes)))
         return self.ready.pop(site)
 
     def _launch(self, g: int) -> None:

@@ -30,7 +30,7 @@ import torch
 
 from pxform.core.layout import Step
 from pxform.runtime.buckets import finish_gather, start_gather
-from pxform.runtime.collectives import AxisGroups, run_step, run_steps
+from pxform.runtime.collectives import AxisGroups, run_steps
 
 _REGISTRY: contextvars.ContextVar[dict[int, _Gathered] | None] = contextvars.ContextVar(
     "pxform_gathered", default=None)
@@ -93,12 +93,9 @@ class Regather:
             if earlier:
                 self._launch(max(earlier))  # the block backward reaches next
             pending, members = self.pending.pop(g.group)
-            first = [m.steps[0] for m in members]
             shapes = [tuple(m.shard.shape) for m in members]
-            for m, full in zip(members, finish_gather(pending, first, shapes, g.axes)):
-                for step in m.steps[1:]:
-                    full = run_step(full, step, m.axes)
-                self.full[id(m)] = full
+            gathered = finish_gather(pending, [m.steps for m in members], shapes, g.axes)
+            self.full.update((id(m), full) for m, full in zip(members, gathered))
         full = self.full[id(g)]
         self.uses[id(g)] -= 1
         if self.uses[id(g)] == 0:  # its last saved use: free it
