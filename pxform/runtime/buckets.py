@@ -132,10 +132,7 @@ class GradBuckets:
                 sig = wider[0]
                 self.value_dtypes[key] = value.dtype
                 value = value.to(sig[1])
-        bucket = self.open.get(sig)
-        if bucket is None:
-            bucket = self.open[sig] = _Bucket(sig[0])
-        self._put(bucket, key, value.detach(), steps)
+        self._put(self._bucket(sig), key, value.detach(), steps)
 
     def add(self, key: int, grad: torch.Tensor, steps: tuple[Step, ...]) -> None:
         """Queue the gradient of program input `key`, to be taken through `steps`."""
@@ -148,14 +145,19 @@ class GradBuckets:
                 self.blocks.get(key) != self.blocks.get(bucket.keys[-1]):  # type: ignore[arg-type]
             del self.open[sig]  # the previous block's gradients are all in: send them
             self._launch(bucket)
-            bucket = None
-        if bucket is None:
-            bucket = self.open[sig] = _Bucket(sig[0])
+        bucket = self._bucket(sig)
         self._put(bucket, key, grad, steps)
         self.arrived[sig] = self.arrived.get(sig, 0) + 1
         if bucket.nbytes >= self.bucket_bytes or self.arrived[sig] == self.expected.get(sig):
             del self.open[sig]
             self._launch(bucket)
+
+    def _bucket(self, sig: tuple) -> _Bucket:
+        """The open bucket for signature `sig`, opened if there is none."""
+        bucket = self.open.get(sig)
+        if bucket is None:
+            bucket = self.open[sig] = _Bucket(sig[0])
+        return bucket
 
     @staticmethod
     def _put(bucket: _Bucket, key: Key, grad: torch.Tensor, steps: tuple[Step, ...]) -> None:
