@@ -42,7 +42,6 @@ def losses(cfg: Any, chunks: int) -> dict[str, Any]:
     batch pieces."""
     import gpt
     import torch
-    import torch.nn.functional as F
 
     import pxform
 
@@ -57,13 +56,7 @@ def losses(cfg: Any, chunks: int) -> dict[str, Any]:
 
     def make(run: Any) -> Any:
         def loss(params: dict, batch: dict) -> torch.Tensor:
-            idx = batch["idx"]
-            pos = torch.arange(idx.shape[1], device=idx.device)
-            x = F.embedding(idx, params["wte"]) + F.embedding(pos, params["wpe"])
-            x = run(params["blocks"], x)
-            x = F.layer_norm(x, (cfg.d_model,), params["lnf_w"], params["lnf_b"])
-            logits = F.linear(x, params["wte"])
-            return F.cross_entropy(logits.flatten(0, 1), batch["targets"].flatten())
+            return gpt.loss_fn(params, batch, cfg, run)
         return loss
 
     return {"plain": make(trunk), "pieces": make(pieces(False)),

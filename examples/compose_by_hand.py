@@ -52,7 +52,6 @@ from typing import Any
 import optree
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 # the example GPT lives next to this file: importable however this file is run or imported
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -88,16 +87,13 @@ def make_loss(cfg: gpt.GPTConfig, policy: str) -> Any:
 
     layer = block if policy == "none" else pxform.recompute(block, policy=policy)
 
-    def loss(params: dict, batch: dict) -> torch.Tensor:
-        idx = batch["idx"]
-        pos = torch.arange(idx.shape[1], device=idx.device)
-        x = F.embedding(idx, params["wte"]) + F.embedding(pos, params["wpe"])
-        for p in params["blocks"]:
+    def trunk(blocks: list, x: torch.Tensor) -> torch.Tensor:
+        for p in blocks:
             x = layer(p, x)
-        x = F.layer_norm(x, (cfg.d_model,), params["lnf_w"], params["lnf_b"])
-        logits = F.linear(x, params["wte"])  # tied head, as in gpt.gpt
-        return F.cross_entropy(logits.flatten(0, 1), batch["targets"].flatten(),
-                               ignore_index=-100)
+        return x
+
+    def loss(params: dict, batch: dict) -> torch.Tensor:
+        return gpt.loss_fn(params, batch, cfg, trunk)
 
     loss.__name__ = f"gpt_loss_recompute_{policy}"
     return loss

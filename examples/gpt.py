@@ -15,6 +15,7 @@ import argparse
 import math
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -114,21 +115,27 @@ def block(p: dict, x: torch.Tensor, cfg: GPTConfig) -> torch.Tensor:
     return x + mlp(p, F.layer_norm(x, (d,), p["ln2_w"], p["ln2_b"]), cfg)
 
 
-def gpt(params: dict, idx: torch.Tensor, cfg: GPTConfig) -> torch.Tensor:
-    """Token ids [batch, seq] -> logits [batch, seq, vocab]."""
+def gpt(params: dict, idx: torch.Tensor, cfg: GPTConfig, trunk: Any = None) -> torch.Tensor:
+    """Token ids [batch, seq] -> logits [batch, seq, vocab]. `trunk(blocks, x)` runs the
+    transformer blocks (default: each `block` in turn); pass one wrapped in a transform
+    (`pxform.coshard`, `pxform.recompute`) to change how they run, not what they compute."""
     t = idx.shape[1]
     pos = torch.arange(t, device=idx.device)
     x = F.embedding(idx, params["wte"]) + F.embedding(pos, params["wpe"])
     x = F.dropout(x, cfg.dropout)
-    for p in params["blocks"]:
-        x = block(p, x, cfg)
+    if trunk is None:
+        for p in params["blocks"]:
+            x = block(p, x, cfg)
+    else:
+        x = trunk(params["blocks"], x)
     x = F.layer_norm(x, (cfg.d_model,), params["lnf_w"], params["lnf_b"])
     return F.linear(x, params["wte"])  # output head tied to the token embedding
 
 
-def loss_fn(params: dict, batch: dict, cfg: GPTConfig) -> torch.Tensor:
-    """Mean next-token cross-entropy; targets equal to -100 are ignored."""
-    logits = gpt(params, batch["idx"], cfg)
+def loss_fn(params: dict, batch: dict, cfg: GPTConfig, trunk: Any = None) -> torch.Tensor:
+    """Mean next-token cross-entropy; targets equal to -100 are ignored. `trunk`: as for
+    `gpt`."""
+    logits = gpt(params, batch["idx"], cfg, trunk)
     return F.cross_entropy(logits.flatten(0, 1), batch["targets"].flatten(), ignore_index=-100)
 
 

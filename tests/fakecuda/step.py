@@ -58,20 +58,16 @@ def main(case: str) -> dict:
 def overlapped_loss(cfg):
     """`gpt.loss_fn` with each block run as 2 batch pieces whose collectives overlap
     (`coshard(overlap=True)`): asynchronous collectives and their waits."""
-    import torch.nn.functional as F
-
     block = pxform.coshard(lambda p, x: gpt.block(p, x, cfg), chunks=2, dim=(None, 0),
                            recompute=False, overlap=True)
 
-    def loss(params, batch):
-        idx = batch["idx"]
-        pos = torch.arange(idx.shape[1], device=idx.device)
-        x = F.embedding(idx, params["wte"]) + F.embedding(pos, params["wpe"])
-        for p in params["blocks"]:
+    def trunk(blocks, x):
+        for p in blocks:
             x = block(p, x)
-        x = F.layer_norm(x, (cfg.d_model,), params["lnf_w"], params["lnf_b"])
-        logits = F.linear(x, params["wte"])
-        return F.cross_entropy(logits.flatten(0, 1), batch["targets"].flatten())
+        return x
+
+    def loss(params, batch):
+        return gpt.loss_fn(params, batch, cfg, trunk)
 
     return loss
 
