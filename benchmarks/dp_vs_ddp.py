@@ -112,10 +112,7 @@ def main() -> None:
           f"{args.batch} x {cfg.seq_len} tokens, float32, {args.ranks} gloo ranks x "
           f"{per_rank[0].get('threads', 1)} thread; {args.reps} blocks of {args.steps} steps "
           f"each, interleaved")
-    print(f"  check: loss diff {max(c['loss_abs_diff'] for c in checks):.3g}, max grad diff "
-          f"{max(c['grad_max_abs_diff'] for c in checks):.3g}")
-    if not all(c["ok"] for c in checks):
-        raise SystemExit(f"dp_vs_ddp: pxform and DDP disagree: {checks}")
+    harness.report_checks(checks, "dp_vs_ddp: pxform and DDP disagree")
     times = harness.slowest_rank([r["times"] for r in per_rank])
     summary = harness.summarise(times, "ddp", "pxform")
     summary["ratio"]["what"] = "DDP time / pxform time"

@@ -120,6 +120,16 @@ def summarise(times: dict[str, list[float]], num: str, den: str) -> dict[str, An
     return out
 
 
+def report_checks(checks: list[dict[str, Any]], disagree: str, extra: str = "") -> None:
+    """Print the ranks' agreement checks (largest loss and gradient differences, then
+    `extra`) and stop the benchmark with `disagree` when any rank's check failed: timing
+    contenders that compute different things means nothing."""
+    print(f"  check: loss diff {max(c['loss_abs_diff'] for c in checks):.3g}, max grad diff "
+          f"{max(c['grad_max_abs_diff'] for c in checks):.3g}{extra}")
+    if not all(c["ok"] for c in checks):
+        raise SystemExit(f"{disagree}: {checks}")
+
+
 def max_abs_diff(a: Any, b: Any) -> float:
     """The largest absolute difference between two equal-length lists of tensors."""
     return max(float((x.detach() - y.detach()).abs().max()) for x, y in zip(a, b))

@@ -151,11 +151,8 @@ def main() -> None:
           f"{args.batch} x {cfg.seq_len} tokens, float32, {args.ranks} gloo ranks x "
           f"{per_rank[0].get('threads', 1)} thread, FSDP2 wrap: {args.wrap}; {args.reps} "
           f"blocks of {args.steps} steps each, interleaved")
-    print(f"  check: loss diff {max(c['loss_abs_diff'] for c in checks):.3g}, max grad diff "
-          f"{max(c['grad_max_abs_diff'] for c in checks):.3g}; gradients: "
-          f"{', '.join(checks[0]['grad_types'])}")
-    if not all(c["ok"] for c in checks):
-        raise SystemExit(f"sdp_vs_fsdp2: pxform and FSDP2 disagree: {checks}")
+    harness.report_checks(checks, "sdp_vs_fsdp2: pxform and FSDP2 disagree",
+                          f"; gradients: {', '.join(checks[0]['grad_types'])}")
     times = harness.slowest_rank([r["times"] for r in per_rank])
     summary = harness.summarise(times, "fsdp2", "pxform")
     summary["ratio"]["what"] = "FSDP2 time / pxform time"

@@ -144,10 +144,7 @@ def main() -> None:
           f"{cfg.seq_len} tokens, float32, Megatron TP of the MLPs over {args.ranks} gloo "
           f"ranks x {per_rank[0].get('threads', 1)} thread; overlap: {args.chunks} batch "
           f"pieces; {args.reps} blocks of {args.steps} steps each, interleaved")
-    print(f"  check: loss diff {max(c['loss_abs_diff'] for c in checks):.3g}, max grad diff "
-          f"{max(c['grad_max_abs_diff'] for c in checks):.3g}")
-    if not all(c["ok"] for c in checks):
-        raise SystemExit(f"tp_overlap: plain and overlapped TP disagree: {checks}")
+    harness.report_checks(checks, "tp_overlap: plain and overlapped TP disagree")
     r0 = per_rank[0]
     for name, c in r0["collectives"].items():
         print(f"  {name}: forward {harness.counts(c['forward'])}, backward "
