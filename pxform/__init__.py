@@ -35,6 +35,7 @@ _EXPORTS: dict[str, str] = {
                      "TraceError", "UnsupportedOpError"], "pxform.core.errors"),
     **dict.fromkeys(["Graph", "Op", "TensorType", "Value"], "pxform.core.ir"),
     "AbstractMesh": "pxform.core.mesh",
+    "Precision": "pxform.core.precision",
     "Mesh": "pxform.runtime.mesh",
     **dict.fromkeys(["UNCONSTRAINED", "P"], "pxform.core.spec"),
     **dict.fromkeys(["OpInfo", "Signature", "register_rule"], "pxform.ops"),

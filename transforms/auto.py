@@ -33,6 +33,7 @@ import torch
 from pxform.core.errors import PxformError
 from pxform.core.ir import Graph
 from pxform.core.mesh import AbstractMesh
+from pxform.core.precision import Precision
 from pxform.core.spec import P
 from pxform.core.units import format_bytes, format_table, parse_bytes
 from pxform.frontend.trace import cache_key, module_given, trace
@@ -42,7 +43,7 @@ from pxform.runtime import world
 from pxform.runtime.boundary import global_stand_in, is_dtensor, leaf_arg_index
 from pxform.runtime.mesh import Mesh
 from pxform.search.plan import Plan
-from pxform.transforms.base import Executable, fn_name
+from pxform.transforms.base import Executable, fn_name, precision_arg
 from pxform.transforms.compile import Fallback
 from pxform.transforms.initialize import stand_ins, with_placeholders_filled
 from pxform.transforms.pipeline import Pipelined
@@ -72,6 +73,7 @@ class Auto(Executable):
     progress: Callable[[int, int], None] | None = field(default=None, repr=False)
     given: Plan | None = None  # a complete plan to run as it is
     allow_fallback: bool = True  # ops without a rule run replicated, reported once
+    precision: Precision | None = None  # mixed precision, applied by the trace
     _cache: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -92,9 +94,11 @@ class Auto(Executable):
     def _graph(self, args: tuple[Any, ...]) -> tuple[Graph, set[str], Any]:
         """The prepared graph, the names of its batch inputs, the global arguments."""
         full: Any = optree.tree_map(global_stand_in, args, is_leaf=is_dtensor)  # type: ignore[arg-type]
-        traced = trace(self.fn, *full, allow_fallback=self.allow_fallback)
-        graph = prepare(traced.graph)
         batch = set(self._batch_argnums(len(args)))
+        traced = trace(self.fn, *full, allow_fallback=self.allow_fallback,
+                       precision=self.precision,
+                       param_argnums=[n for n in range(len(args)) if n not in batch])
+        graph = prepare(traced.graph)
         leaves = optree.tree_leaves(full)  # type: ignore[arg-type]
         arg_of = [n for n, leaf in zip(leaf_arg_index(full), leaves)
                   if isinstance(leaf, torch.Tensor)]
@@ -178,10 +182,12 @@ class Auto(Executable):
         if plan.stages > 1:
             fn: Any = Pipelined(self.fn, plan.stages, plan.microbatches, plan.schedule, "pp",
                                 batch_argnums=self._batch_argnums(len(args)),
-                                batch_dim=self.batch_dim, planner=lowering, fallback=fallback)
-            exe = Sharded(fn, mesh, specs)
+                                batch_dim=self.batch_dim, planner=lowering, fallback=fallback,
+                                precision=self.precision)
+            exe = Sharded(fn, mesh, specs, precision=self.precision)
         else:
-            exe = Sharded(self.fn, mesh, specs, planner=lowering, fallback=fallback)
+            exe = Sharded(self.fn, mesh, specs, planner=lowering, fallback=fallback,
+                          precision=self.precision)
         self._cache[key] = exe
         return exe
 
@@ -258,8 +264,8 @@ def auto(fn: Any = None, *, mesh: Any, memory_budget: Any = None, objective: str
          hardware: Any = None, batch_range: tuple[int, int] | None = None,
          batch_argnums: int | tuple[int, ...] | None = None, batch_dim: int = 0,
          plan: Plan | Pin | None = None, optimizer: str = "adam",
-         progress: Callable[[int, int], None] | None = None, allow_fallback: bool = True
-         ) -> Any:
+         progress: Callable[[int, int], None] | None = None, allow_fallback: bool = True,
+         precision: Precision | None = None) -> Any:
     """Search a parallel plan for `fn` and run it (module doc). Usable as a decorator.
 
     Args:
@@ -282,6 +288,9 @@ def auto(fn: Any = None, *, mesh: Any, memory_budget: Any = None, objective: str
         allow_fallback: ops that have no sharding rule run replicated (inputs gathered,
             every rank computing the whole op, costed as such), named in one
             `PxformWarning` when the function is traced for planning; False refuses them.
+        precision: a mixed-precision policy (`pxform.Precision`, see `pxform.shard`). The
+            search prices what it gives: compute at the compute dtype's FLOP rate,
+            activations and gathers in its bytes, gradient reductions in `reduce_dtype`.
 
     Example:
         >>> step = pxform.auto(loss_fn, mesh=8, memory_budget="40GiB", hardware="a100-40gb")
@@ -292,7 +301,8 @@ def auto(fn: Any = None, *, mesh: Any, memory_budget: Any = None, objective: str
                                  objective=objective, hardware=hardware,
                                  batch_range=batch_range, batch_argnums=batch_argnums,
                                  batch_dim=batch_dim, plan=plan, optimizer=optimizer,
-                                 progress=progress, allow_fallback=allow_fallback)
+                                 progress=progress, allow_fallback=allow_fallback,
+                                 precision=precision)
     if isinstance(fn, torch.nn.Module):
         raise module_given(fn, "auto")
     devices = _device_count(mesh)
@@ -304,14 +314,16 @@ def auto(fn: Any = None, *, mesh: Any, memory_budget: Any = None, objective: str
                               f"Fix: pass mesh={plan.devices}, or search again without plan=.")
         # runs as it is: no hardware profile, budget or search (nor their imports)
         return Auto(fn, devices, None, objective, None, batch_range, nums, batch_dim, None,
-                    optimizer, progress, given=plan, allow_fallback=allow_fallback)
+                    optimizer, progress, given=plan, allow_fallback=allow_fallback,
+                    precision=precision_arg(precision, "auto"))
     from pxform.cost.hardware import hardware as get_hardware
 
     hw = get_hardware(hardware if hardware is not None else "h100-80gb")
     budget = hw.memory_bytes if memory_budget is None else \
         _budget(memory_budget, getattr(fn, "__name__", "fn"))
     return Auto(fn, devices, budget, objective, hw, batch_range, nums, batch_dim, plan,
-                optimizer, progress, allow_fallback=allow_fallback)
+                optimizer, progress, allow_fallback=allow_fallback,
+                precision=precision_arg(precision, "auto"))
 
 
 def _budget(value: Any, name: str) -> int:

@@ -33,9 +33,10 @@ from typing import Any, ClassVar
 
 import optree
 
-from pxform.core.errors import SpecError
+from pxform.core.errors import PxformError, SpecError
 from pxform.core.layout import Layout
 from pxform.core.mesh import AbstractMesh
+from pxform.core.precision import Precision
 from pxform.frontend.trace import cache_key, is_tracing
 from pxform.runtime.collectives import AxisGroups
 from pxform.runtime.mesh import Mesh
@@ -100,6 +101,7 @@ class Enclosing:
         fallback: whether the enclosing shard lets ops without a rule run replicated.
         reshard_after_forward: whether parameters gathered in forward (ZeRO-3) are freed
             and gathered again for backward: all, none, or those of the named blocks.
+        precision: the enclosing shard's mixed-precision policy.
     """
 
     name: str
@@ -109,6 +111,7 @@ class Enclosing:
     bucket_mb: float
     fallback: Fallback = Fallback()
     reshard_after_forward: Reshard = True
+    precision: Precision | None = None
 
     @property
     def abstract_mesh(self) -> AbstractMesh:
@@ -177,3 +180,13 @@ def run_eagerly(transformed: Region, args: tuple[Any, ...], kwargs: dict[str, An
     tensors = traced._check_args(args, kwargs)
     outs = execute(program, tensors, AxisGroups({"local": None}, {"local": 0}, {"local": 1}))
     return optree.tree_unflatten(traced.out_tree, outs)
+
+
+def precision_arg(precision: Any, transform: str) -> Precision | None:
+    """`precision=` of a transform, checked: a `pxform.Precision` or None."""
+    if precision is None or isinstance(precision, Precision):
+        return precision
+    raise PxformError(
+        f"pxform.{transform}: precision={precision!r} is not a pxform.Precision.\n  Fix: "
+        f"pass pxform.Precision(compute_dtype=torch.bfloat16) (bf16 compute, float32 "
+        f"master weights and reductions), or None for the parameters' own dtype.")

@@ -25,6 +25,7 @@ from typing import Any, Protocol
 from pxform.core.ir import Graph
 from pxform.core.layout import Layout
 from pxform.core.mesh import AbstractMesh
+from pxform.core.precision import Precision
 from pxform.frontend.trace import Traced, trace
 from pxform.lower.comm import comm_cost
 from pxform.lower.defer import defer_reductions
@@ -67,8 +68,8 @@ def compile_program(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
                     mesh: AbstractMesh, layouts: Sequence[Layout] | None = None,
                     out_layouts: Callable[[Traced], list[Layout | None]] | None = None,
                     planner: Planner | None = None, fallback: Fallback | None = None,
-                    keep: Sequence[bool] | None = None, traced: Traced | None = None
-                    ) -> tuple[Traced, Program]:
+                    keep: Sequence[bool] | None = None, traced: Traced | None = None,
+                    precision: Precision | None = None) -> tuple[Traced, Program]:
     """Trace `fn(*args, **kwargs)` and lower it for one rank of `mesh`.
 
     Args:
@@ -80,11 +81,12 @@ def compile_program(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
         keep: which outputs to compute (None: all); the program returns only those, and
             computes nothing only the others need (`step.init` on a pipeline rank).
         traced: `fn` already traced on these arguments (not traced again).
+        precision: a mixed-precision policy, applied by the trace (`pxform.Precision`).
     """
     fallback = fallback or Fallback()
     if traced is None:
         traced = trace(fn, *args, allow_fallback=fallback.allow,
-                       report_fallbacks=fallback.report, **kwargs)
+                       report_fallbacks=fallback.report, precision=precision, **kwargs)
     if layouts is None:
         layouts = [Layout.replicated(v.type.rank) for v in traced.graph.inputs]
     graph = traced.graph if keep is None else traced.graph.pruned(keep)

@@ -31,6 +31,7 @@ import torch
 from pxform.core.errors import PipelineError
 from pxform.core.layout import Layout
 from pxform.core.mesh import AbstractMesh
+from pxform.core.precision import Precision
 from pxform.core.units import parse_bytes
 from pxform.frontend.trace import Traced, cache_key, module_given, trace
 from pxform.lower.mpmd import (
@@ -53,7 +54,7 @@ from pxform.runtime.buckets import DEFAULT_BUCKET_MB
 from pxform.runtime.collectives import AxisGroups
 from pxform.runtime.mesh import Mesh
 from pxform.runtime.pipeline import PipelineGroup, reads, run_pipeline
-from pxform.transforms.base import Enclosing, Nested
+from pxform.transforms.base import Enclosing, Nested, precision_arg
 from pxform.transforms.compile import Fallback, op_strategies
 from pxform.transforms.initialize import (
     initialize,
@@ -89,6 +90,8 @@ class Pipelined(Nested):
     planner: Any = None
     # ops without a rule: refused, or run replicated (`allow_fallback=True`)
     fallback: Fallback = Fallback()
+    # mixed precision (`pxform.Precision`); None: the enclosing shard's, if any
+    precision: Precision | None = None
     _cache: dict = field(default_factory=dict, repr=False)
 
     def options_text(self) -> str:
@@ -99,8 +102,12 @@ class Pipelined(Nested):
         # the pipeline's own allow_fallback, or the enclosing shard's
         fallback = self.fallback if self.fallback.allow or enclosing is None \
             else enclosing.fallback
+        precision = self.precision if self.precision is not None or enclosing is None \
+            else enclosing.precision
         return trace(self.fn, *full, allow_fallback=fallback.allow,
-                     report_fallbacks=fallback.report)
+                     report_fallbacks=fallback.report, precision=precision,
+                     param_argnums=[n for n in range(len(full))
+                                    if n not in self._batch_argnums(len(full))])
 
     # ---------------------------------------------------------------- schedule
 
@@ -428,7 +435,8 @@ class Pipelined(Nested):
 def pipeline(fn: Any, *, stages: int, microbatches: int, schedule: Any = "1f1b",
              axis: str = "pp", batch_argnums: int | tuple[int, ...] | None = None,
              batch_dim: int = 0, recompute: Any = None, memory_budget: Any = None,
-             allow_fallback: bool = False, **options: Any) -> Pipelined:
+             allow_fallback: bool = False, precision: Precision | None = None,
+             **options: Any) -> Pipelined:
     """Run `fn` as a pipeline of `stages` ranks over `microbatches` microbatches.
 
     Args:
@@ -450,6 +458,8 @@ def pipeline(fn: Any, *, stages: int, microbatches: int, schedule: Any = "1f1b",
         allow_fallback: run ops that have no sharding rule replicated (their inputs
             gathered, every rank computing the whole op), reported per op in one
             `PxformWarning`, instead of refusing them.
+        precision: a mixed-precision policy (`pxform.Precision`, see `pxform.shard`);
+            microbatch gradients are summed in its `reduce_dtype`.
         **options: passed to the schedule (`virtual_stages=2`, `forwards=3`).
 
     Example:
@@ -476,4 +486,5 @@ def pipeline(fn: Any, *, stages: int, microbatches: int, schedule: Any = "1f1b",
     if isinstance(recompute, (list, tuple)):
         recompute = tuple(recompute)
     return Pipelined(fn, stages, microbatches, schedule, axis, tuple(sorted(options.items())),
-                     nums, batch_dim, recompute, budget, fallback=Fallback(allow=allow_fallback))
+                     nums, batch_dim, recompute, budget, fallback=Fallback(allow=allow_fallback),
+                     precision=precision_arg(precision, "pipeline"))

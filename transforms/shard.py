@@ -24,6 +24,7 @@ import torch
 from pxform.core.errors import SpecError
 from pxform.core.layout import Layout
 from pxform.core.mesh import AbstractMesh
+from pxform.core.precision import Precision
 from pxform.frontend.trace import Traced, cache_key, module_given
 from pxform.lower.spmd import Program
 from pxform.runtime.boundary import distribute, global_stand_in, is_dtensor, mesh_axes
@@ -31,7 +32,7 @@ from pxform.runtime.buckets import DEFAULT_BUCKET_MB, BucketStats
 from pxform.runtime.mesh import Mesh
 from pxform.runtime.program import run_spmd
 from pxform.runtime.reshard import Reshard
-from pxform.transforms.base import Enclosing, Executable, Nested, bound_mesh
+from pxform.transforms.base import Enclosing, Executable, Nested, bound_mesh, precision_arg
 from pxform.transforms.compile import Fallback, compile_program
 from pxform.transforms.initialize import (
     initialize,
@@ -61,6 +62,8 @@ class Sharded(Executable):
     fallback: Fallback = Fallback()
     # ZeRO-3: free gathered parameters after forward, gather again for backward
     reshard_after_forward: Reshard = True
+    # mixed precision (`pxform.Precision`), applied by the trace
+    precision: Precision | None = None
     _cache: dict = field(default_factory=dict, repr=False)
     _last: dict = field(default_factory=dict, repr=False)
 
@@ -80,7 +83,7 @@ class Sharded(Executable):
             layouts = self._input_layouts(full_args)
             traced, program = compile_program(self.fn, full_args, {}, self.abstract_mesh,
                                               layouts, self._output_layouts, self.planner,
-                                              self.fallback)
+                                              self.fallback, precision=self.precision)
             self._cache[key] = (traced, program, layouts)
         return self._cache[key]
 
@@ -174,12 +177,13 @@ class Sharded(Executable):
         """What this shard passes to the `Nested` transform it wraps, for these arguments."""
         return Enclosing(self.__name__, self.mesh, tuple(self._input_layouts(args)),
                          self.out_specs, self.bucket_mb, self.fallback,
-                         self.reshard_after_forward)
+                         self.reshard_after_forward, self.precision)
 
 
 def shard(fn: Any, *, mesh: Mesh | AbstractMesh, in_specs: Any, out_specs: Any = None,
           bucket_mb: float = DEFAULT_BUCKET_MB, allow_fallback: bool = False,
-          reshard_after_forward: bool | Collection[str] = True) -> Sharded:
+          reshard_after_forward: bool | Collection[str] = True,
+          precision: Precision | None = None) -> Sharded:
     """Run `fn` SPMD on `mesh` with inputs laid out per `in_specs`.
 
     Args:
@@ -203,6 +207,10 @@ def shard(fn: Any, *, mesh: Mesh | AbstractMesh, in_specs: Any, out_specs: Any =
             up to its first list index (`"blocks.3"`; `""` for parameters outside lists),
             as `pxform.runtime.prefetch` groups gathers, and the choice is per block as
             FSDP2's is per module.
+        precision: a mixed-precision policy (`pxform.Precision`): parameters stay in
+            their dtype and are cast where used (on the shard, before ZeRO-3 gathers), ops
+            compute as autocast runs them, gradients are reduced in its `reduce_dtype` and
+            returned in the parameters' dtype. A nested `pxform.pipeline` follows it.
 
     Example:
         >>> step = pxform.shard(loss_fn, mesh=pxform.Mesh({"dp": 2}),
@@ -216,4 +224,5 @@ def shard(fn: Any, *, mesh: Mesh | AbstractMesh, in_specs: Any, out_specs: Any =
     reshard: Reshard = reshard_after_forward if isinstance(reshard_after_forward, bool) \
         else frozenset(reshard_after_forward) or False
     return Sharded(fn, mesh, in_specs, out_specs, bucket_mb,
-                   fallback=Fallback(allow=allow_fallback), reshard_after_forward=reshard)
+                   fallback=Fallback(allow=allow_fallback), reshard_after_forward=reshard,
+                   precision=precision_arg(precision, "shard"))

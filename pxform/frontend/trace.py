@@ -43,8 +43,10 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from pxform.core.errors import PxformError, PxformWarning, SignatureMismatchError, TraceError
 from pxform.core.ir import DEVICE, Constant, Graph, Op, Renames, TensorType, Value, map_values
+from pxform.core.precision import Precision
 from pxform.core.rng import coordinates, draw_seeds, generator_of, sample
 from pxform.core.units import format_bytes, format_table
+from pxform.frontend.precision import AUTOCAST, apply_precision
 from pxform.frontend.rng import INPLACE, PLAN_INDEPENDENT, RANDOM, tag_random
 from pxform.ops import FALLBACK_TAG, bind, has_rule, rule_info, unsupported_error
 
@@ -219,7 +221,8 @@ class Traced:
 
 
 def trace(fn: Callable[..., Any], *args: Any, allow_fallback: bool = False,
-          report_fallbacks: bool = True, **kwargs: Any) -> Traced:
+          report_fallbacks: bool = True, precision: Precision | None = None,
+          param_argnums: Sequence[int] = (0,), **kwargs: Any) -> Traced:
     """Trace `fn(*args, **kwargs)` into the typed IR without running it on data.
 
     Args:
@@ -229,6 +232,11 @@ def trace(fn: Callable[..., Any], *args: Any, allow_fallback: bool = False,
             each one is reported in a `PxformWarning` and in `Traced.fallbacks`.
         report_fallbacks: warn about them (transforms that trace again what they already
             reported turn it off).
+        precision: a mixed-precision policy (`pxform.Precision`): its casts become ops of
+            the IR (`pxform.frontend.precision`). `torch.autocast` blocks inside `fn` are
+            honoured with or without one.
+        param_argnums: the positional arguments holding parameters (`param_dtype` casts
+            their floating leaves).
 
     Returns:
         A `Traced`: `.graph` is the IR, calling it runs the IR on real tensors.
@@ -297,6 +305,10 @@ def trace(fn: Callable[..., Any], *args: Any, allow_fallback: bool = False,
 
     input_names = _input_names([leaf_infos[i].path for i in tensor_pos])
     graph, fallbacks = _to_ir(gm, fn_name, input_names, allow_fallback)
+    params = {name for name, i in zip(input_names, tensor_pos)
+              if len(paths[i]) > 1 and paths[i][0] == 0 and
+              paths[i][1] in {n % max(len(args), 1) for n in param_argnums}}
+    graph = apply_precision(graph, precision, params, fn_name)
     if fallbacks and report_fallbacks:
         warnings.warn(
             f"pxform.trace({fn_name}): {len(fallbacks)} ops have no sharding rule and will "
@@ -399,6 +411,7 @@ def _to_ir(gm: torch.fx.GraphModule, fn_name: str, input_names: list[str],
     ops: list[Op] = []
     fallbacks: list[Op] = []
     grad = True
+    autocast: list[tuple[str, torch.dtype, bool]] = []  # open torch.autocast blocks
     counter = iter(range(sys.maxsize))
     input_ids = set()
     views = _Views()  # which values view which (in-place writes through views)
@@ -431,12 +444,23 @@ def _to_ir(gm: torch.fx.GraphModule, fn_name: str, input_names: list[str],
                        for a in flat]
         elif node.target is torch._C._set_grad_enabled:
             grad = bool(node.args[0])
+        elif node.target is torch.amp.autocast_mode._enter_autocast:
+            device, dtype, enabled = node.args[0], node.args[1], node.args[2]
+            if dtype is None:
+                dtype = torch.get_autocast_dtype(device)
+            autocast.append((str(device), dtype, bool(enabled)))
+            env[node] = None
+        elif node.target is torch.amp.autocast_mode._exit_autocast:
+            autocast.pop()
         elif node.target is operator.getitem:
             env[node] = env[node.args[0]][node.args[1]]
         elif node.target in _ASSERT_OPS:
             continue
         else:
             op = views.renames.rewire(_convert_call(node, env, new_value, grad))
+            if autocast:  # the innermost block decides (`pxform.frontend.precision`)
+                op = op.replace(tags=tuple(sorted((*op.tags, (AUTOCAST, autocast[-1])),
+                                                  key=lambda kv: kv[0])))
             retaken = views.refresh(op, fresh)  # views taken before a write into their base
             op = views.renames.rewire(op)
             emitted = [*retaken, *_functionalize(op, input_ids, views, fn_name, fresh)]

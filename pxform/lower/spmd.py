@@ -20,10 +20,13 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from pxform.core.errors import UnsupportedOpError
-from pxform.core.ir import Graph, Op, TensorType, Value, map_values
+from pxform.core.ir import Graph, Op, TensorType, Value, dtype_name, map_values
 from pxform.core.layout import Layout, Relayout
 from pxform.core.mesh import AbstractMesh
+from pxform.frontend.precision import INPUT_CAST
 from pxform.frontend.rng import PLAN_INDEPENDENT, RANDOM
 from pxform.ops.local import LocalCall, local_call
 from pxform.ops.strategy import Strategy
@@ -40,13 +43,20 @@ from pxform.passes.propagate import (
 class ConvertInstr:
     """`dst = convert(src)`: forward steps L -> R, backward steps C -> G(L). An
     `asynchronous` conversion returns without waiting for its last collective, in forward
-    and in backward; the first op that reads the result waits (`pxform.lower.overlap`)."""
+    and in backward; the first op that reads the result waits (`pxform.lower.overlap`).
+
+    A conversion with `cast` also changes the dtype (a program input cast by mixed
+    precision, `pxform.frontend.precision.INPUT_CAST`): forward casts `src` before its
+    steps, so ZeRO-3 gathers the cast shard; backward casts the gradient to `grad_dtype`
+    before its steps (the reduce dtype) and returns it in `src`'s dtype."""
 
     src: str
     dst: Value
     forward: Relayout
     backward: Relayout
     asynchronous: bool = False
+    cast: torch.dtype | None = None
+    grad_dtype: torch.dtype | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,8 +146,14 @@ class Program:
         lines.append("):")
         for instr in self.instrs:
             if isinstance(instr, ConvertInstr):
-                fwd = "; ".join(map(str, instr.forward.steps)) or "identity"
-                bwd = "; ".join(map(str, instr.backward.steps)) or "identity"
+                fwd_steps = [str(s) for s in instr.forward.steps]
+                bwd_steps = [str(s) for s in instr.backward.steps]
+                if instr.cast is not None:
+                    fwd_steps.insert(0, f"cast {dtype_name(instr.cast)}")
+                    if instr.grad_dtype is not None and instr.grad_dtype != instr.cast:
+                        bwd_steps.insert(0, f"cast {dtype_name(instr.grad_dtype)}")
+                fwd = "; ".join(fwd_steps) or "identity"
+                bwd = "; ".join(bwd_steps) or "identity"
                 how = "convert_async" if instr.asynchronous else "convert"
                 lines.append(f"  {typed(instr.dst)} = {how}(%{instr.src})  "
                              f"# fwd: {fwd} | bwd: {bwd}")
@@ -189,15 +205,20 @@ def lower(graph: Graph, mesh: AbstractMesh, input_layouts: list[Layout],
 
     def emit_convert(src: str, src_layout: Layout, dst_layout: Layout, grad_from: Layout,
                      grad_to: Layout) -> str:
+        cast = casts.get(src)
         t = types[src]
+        grad_dtype = t.dtype
+        if cast is not None:  # a cast input: read the input, cast inside the conversion
+            src, grad_dtype = cast[0], cast[1] or types[cast[0]].dtype
         fwd = relayout(t.shape, t.dtype.itemsize, src_layout, dst_layout, mesh)
         if t.dtype.is_floating_point or t.dtype.is_complex:
-            bwd = relayout(t.shape, t.dtype.itemsize, grad_from, grad_to, mesh)
+            bwd = relayout(t.shape, grad_dtype.itemsize, grad_from, grad_to, mesh)
         else:  # integer values (token ids, positions) have no gradient
             bwd = Relayout(grad_from, grad_to, ())
         dst = Value(new_name(src), typed_layout(t, dst_layout))
         types[dst.name] = t  # a consumer whose gradient differs converts it again
-        instrs.append(ConvertInstr(src, dst, fwd, bwd))
+        instrs.append(ConvertInstr(src, dst, fwd, bwd, cast=None if cast is None else t.dtype,
+                                   grad_dtype=None if cast is None else grad_dtype))
         return dst.name
 
     def use(name: str, need: Layout, grad: Layout) -> str:
@@ -207,7 +228,7 @@ def lower(graph: Graph, mesh: AbstractMesh, input_layouts: list[Layout],
         grads = set(consumers[key])
         shared = grads.pop() if len(grads) == 1 else gradient_layout(need)
         if key not in converted:
-            if have != need or shared != gradient_layout(have):
+            if have != need or shared != gradient_layout(have) or name in casts:
                 converted[key] = emit_convert(name, have, need, shared, gradient_layout(have))
             else:
                 converted[key] = name
@@ -217,8 +238,18 @@ def lower(graph: Graph, mesh: AbstractMesh, input_layouts: list[Layout],
             layouts[local] = need
         return local
 
+    # casts of program inputs (mixed precision) on the input's own layout become part of
+    # the input's conversions: {cast output: (input, the gradient's reduce dtype)}
+    casts: dict[str, tuple[str, torch.dtype | None]] = {}
+    inputs_by_name = {v.name for v in graph.inputs}
     for op, strategy in zip(graph.ops, strategies):
         _check_random(graph, op, strategy, mesh)
+        if op.tag(INPUT_CAST, False) is not False and op.inputs[0].name in inputs_by_name \
+                and strategy.inputs[0] == layouts[op.inputs[0].name] \
+                and strategy.outputs[0] == strategy.inputs[0]:
+            casts[op.outputs[0].name] = (op.inputs[0].name, op.tag(INPUT_CAST))
+            layouts[op.outputs[0].name] = strategy.outputs[0]
+            continue
         names = []
         for i, v in enumerate(op.inputs):
             local = use(v.name, strategy.inputs[i], consumer_gradient_layout(strategy, i))

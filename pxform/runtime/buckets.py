@@ -43,7 +43,8 @@ class GradSink(Protocol):
 
     def expect(self, steps: tuple[Step, ...], like: torch.Tensor) -> None: ...
 
-    def add(self, key: int, grad: torch.Tensor, steps: tuple[Step, ...]) -> None: ...
+    def add(self, key: int, grad: torch.Tensor, steps: tuple[Step, ...],
+            dtype: torch.dtype | None = None) -> None: ...
 
 
 # A bucket entry's key: a program input's index (a parameter gradient), or a tuple naming a
@@ -107,6 +108,7 @@ class GradBuckets:
         self.value_dtypes: dict[tuple[str, int], torch.dtype] = {}  # those sent wider
         # what the loss was divided by before its count was known (`GlobalCount.final`)
         self.count_scale: float | None = None
+        self.out_dtypes: dict[int, torch.dtype] = {}  # gradients reduced in another dtype
 
     @staticmethod
     def _signature(steps: tuple[Step, ...], like: torch.Tensor) -> tuple:
@@ -134,8 +136,13 @@ class GradBuckets:
                 value = value.to(sig[1])
         self._put(self._bucket(sig), key, value.detach(), steps)
 
-    def add(self, key: int, grad: torch.Tensor, steps: tuple[Step, ...]) -> None:
-        """Queue the gradient of program input `key`, to be taken through `steps`."""
+    def add(self, key: int, grad: torch.Tensor, steps: tuple[Step, ...],
+            dtype: torch.dtype | None = None) -> None:
+        """Queue the gradient of program input `key`, to be taken through `steps` and
+        returned in `dtype` (the parameter's, when it is reduced in another: mixed
+        precision; None: as it came)."""
+        if dtype is not None and dtype != grad.dtype:
+            self.out_dtypes[key] = dtype
         if not self.arrived:  # backward has begun: deferred values no gradient will join
             for lone in [sig for sig in self.open if not self.expected.get(sig)]:
                 self._launch(self.open.pop(lone))
@@ -201,6 +208,9 @@ class GradBuckets:
                 else:
                     out[key] = g if key not in out else out[key] + g
         self.launched.clear()
+        for key, dtype in self.out_dtypes.items():
+            if key in out:
+                out[key] = out[key].to(dtype)
         return out
 
 
@@ -310,11 +320,17 @@ class GradAccumulator:
         self.microbatch_axis = microbatch_axis
         self.sums: dict[tuple[int, tuple[Step, ...]], torch.Tensor] = {}
         self.stats = BucketStats()
+        self.out_dtypes: dict[int, torch.dtype] = {}
 
     def expect(self, steps: tuple[Step, ...], like: torch.Tensor) -> None:
         """Nothing to announce: every collective runs after the last microbatch."""
 
-    def add(self, key: int, grad: torch.Tensor, steps: tuple[Step, ...]) -> None:
+    def add(self, key: int, grad: torch.Tensor, steps: tuple[Step, ...],
+            dtype: torch.dtype | None = None) -> None:
+        # mixed precision: microbatch gradients are summed in the reduce dtype (Megatron's
+        # float32 accumulation buffers) and returned in the parameter's
+        if dtype is not None and dtype != grad.dtype:
+            self.out_dtypes[key] = dtype
         slot = (key, steps)
         if slot in self.sums:
             self.sums[slot] = self.sums[slot] + grad
@@ -333,6 +349,9 @@ class GradAccumulator:
                 out[key] = grad if key not in out else out[key] + grad
         for key, grad in buckets.finish().items():
             out[key] = grad if key not in out else out[key] + grad
+        for key, dtype in self.out_dtypes.items():
+            if key in out:
+                out[key] = out[key].to(dtype)
         self.stats = buckets.stats
         self.sums.clear()
         return out

@@ -173,38 +173,54 @@ def wait_async(x: Any, step: Step, axes: AxisGroups) -> Any:
 
 
 class ConvertFunction(torch.autograd.Function):
-    """Forward: `forward_steps` (L -> R). Backward: `backward_steps` (C -> G(L))."""
+    """Forward: `forward_steps` (L -> R). Backward: `backward_steps` (C -> G(L)). With
+    `cast`, forward casts first (a parameter used in the compute dtype: ZeRO-3 gathers the
+    cast shard) and backward casts the gradient to `grad_dtype` before its steps (the reduce
+    dtype) and returns it in the input's dtype."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, forward_steps: tuple[Step, ...],  # type: ignore[override]
                 backward_steps: tuple[Step, ...], axes: AxisGroups,
-                given: torch.Tensor | None = None, wait: bool = True) -> torch.Tensor:
+                given: torch.Tensor | None = None, wait: bool = True,
+                cast: torch.dtype | None = None, grad_dtype: torch.dtype | None = None
+                ) -> torch.Tensor:
         ctx.backward_steps = backward_steps
         ctx.axes = axes
         ctx.wait = wait
+        ctx.dtype = x.dtype
+        ctx.grad_dtype = grad_dtype
         # `given`: the forward steps' result, computed already (a prefetched gather)
-        y = run_steps(x, forward_steps, axes, wait) if given is None else given
+        if given is None:
+            given = run_steps(x if cast is None else x.to(cast), forward_steps, axes, wait)
         # autograd needs a new tensor object even when no step ran (identity forward)
-        return y.view_as(y) if y is x else y
+        return given.view_as(given) if given is x else given
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
         if grad is None:
-            return (None,) * 6
+            return (None,) * 8
+        if ctx.grad_dtype is not None:
+            grad = grad.to(ctx.grad_dtype)
         # not waiting: autograd goes on with other work (another coshard piece's backward)
         # and the op that reads this gradient waits for it
-        return (run_steps(grad, ctx.backward_steps, ctx.axes, ctx.wait),) + (None,) * 5
+        out = run_steps(grad, ctx.backward_steps, ctx.axes, ctx.wait)
+        return (out.to(ctx.dtype),) + (None,) * 7
 
 
 def convert(x: torch.Tensor, forward_steps: tuple[Step, ...], backward_steps: tuple[Step, ...],
-            axes: AxisGroups, given: torch.Tensor | None = None, wait: bool = True
+            axes: AxisGroups, given: torch.Tensor | None = None, wait: bool = True,
+            cast: torch.dtype | None = None, grad_dtype: torch.dtype | None = None
             ) -> torch.Tensor:
     """Apply the conversion rule to one local tensor (autograd-aware when x needs grad).
     `given` is the forward steps' result when it was computed ahead (prefetched). Without
-    `wait`, the last collective of each direction is left running (`run_step`)."""
+    `wait`, the last collective of each direction is left running (`run_step`). `cast`
+    and `grad_dtype`: see `ConvertFunction`."""
     if not (x.requires_grad and torch.is_grad_enabled()):
-        return run_steps(x, forward_steps, axes, wait) if given is None else given
-    return ConvertFunction.apply(x, forward_steps, backward_steps, axes, given, wait)
+        if given is not None:
+            return given
+        return run_steps(x if cast is None else x.to(cast), forward_steps, axes, wait)
+    return ConvertFunction.apply(x, forward_steps, backward_steps, axes, given, wait, cast,
+                                 grad_dtype)
 
 
 def all_reduce_sum(x: torch.Tensor, axes: Sequence[str], groups: AxisGroups) -> torch.Tensor:

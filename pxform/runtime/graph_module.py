@@ -117,9 +117,14 @@ class Convert(torch.nn.Module):
 
     def __init__(self, forward_steps: tuple[Step, ...], backward_steps: tuple[Step, ...],
                  param: int | None, where: str = "", output: int | None = None,
-                 site: int | None = None, block: str = "", asynchronous: bool = False
+                 site: int | None = None, block: str = "", asynchronous: bool = False,
+                 cast: torch.dtype | None = None, grad_dtype: torch.dtype | None = None
                  ) -> None:
         super().__init__()
+        # mixed precision: the input is cast before the steps, its gradient reduced in
+        # `grad_dtype` (`pxform.lower.spmd.ConvertInstr`)
+        self.cast = cast
+        self.grad_dtype = grad_dtype
         self.forward_steps = forward_steps
         self.backward_steps = backward_steps
         self.param = param
@@ -153,17 +158,18 @@ class Convert(torch.nn.Module):
                 and torch.is_grad_enabled()
                 and any(s.kind not in ("slice", "zero") for s in self.backward_steps)):
             y = _BucketedConvert.apply(x, self.forward_steps, self.backward_steps, axes,
-                                       buckets, self.param, given)
+                                       buckets, self.param, given, self.cast, self.grad_dtype)
         else:
             # a recompute may stop as soon as it has what backward needs: a collective
             # it left running would never be waited for
             y = convert(x, self.forward_steps, self.backward_steps, axes, given,
-                        wait=not self.asynchronous or _RECOMPUTING.get())
+                        not self.asynchronous or _RECOMPUTING.get(), self.cast,
+                        self.grad_dtype)
         if self.param is not None and self.gathers:  # ZeRO-3: may be freed after forward
             group = (active.prefetch.plan.group_of[self.site]
                      if given is not None and active.prefetch is not None
                      and self.site is not None else None)
-            note_gathered(y, x, self.forward_steps, axes, group, self.block)
+            note_gathered(y, x, self.forward_steps, axes, group, self.block, self.cast)
         return y
 
     @property
@@ -174,6 +180,9 @@ class Convert(torch.nn.Module):
     def extra_repr(self) -> str:
         fwd = "; ".join(map(str, self.forward_steps)) or "identity"
         bwd = "; ".join(map(str, self.backward_steps)) or "identity"
+        if self.cast is not None:
+            fwd = f"cast {self.cast}; {fwd}"
+            bwd = f"cast {self.grad_dtype}; {bwd}"
         return (f"fwd: {fwd} | bwd: {bwd}"
                 + (f", param={self.param}" if self.param is not None else "")
                 + (", async" if self.asynchronous else ""))
@@ -201,18 +210,24 @@ class _BucketedConvert(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, forward_steps: tuple[Step, ...],  # type: ignore[override]
                 backward_steps: tuple[Step, ...], axes: AxisGroups, buckets: GradSink,
-                param: int, given: torch.Tensor | None = None) -> torch.Tensor:
+                param: int, given: torch.Tensor | None = None,
+                cast: torch.dtype | None = None, grad_dtype: torch.dtype | None = None
+                ) -> torch.Tensor:
         ctx.buckets, ctx.param = buckets, param
         if not _RECOMPUTING.get():  # announced once, by the first forward
-            buckets.expect(backward_steps, x)
+            buckets.expect(backward_steps, x if grad_dtype is None or grad_dtype == x.dtype
+                           else x.new_empty((), dtype=grad_dtype))
         return collectives.ConvertFunction.forward(ctx, x, forward_steps, backward_steps, axes,
-                                                   given)
+                                                   given, True, cast, grad_dtype)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
         if grad is not None:
-            ctx.buckets.add(ctx.param, grad, ctx.backward_steps)
-        return (None,) * 7
+            # mixed precision: reduced in the reduce dtype, returned in the parameter's
+            if ctx.grad_dtype is not None:
+                grad = grad.to(ctx.grad_dtype)
+            ctx.buckets.add(ctx.param, grad, ctx.backward_steps, ctx.dtype)
+        return (None,) * 9
 
 
 class Recompute(torch.nn.Module):
@@ -560,7 +575,8 @@ class _Emitter:
                                               f"convert(%{instr.src}) [{name}]",
                                               self.deferred.get(instr.dst.name),
                                               self.sites.get(instr.dst.name),
-                                              block_name(instr.src), instr.asynchronous))
+                                              block_name(instr.src), instr.asynchronous,
+                                              instr.cast, instr.grad_dtype))
                 node = graph.call_module(name, (env[instr.src],))
                 if instr.asynchronous and instr.forward.steps:
                     self.running[instr.dst.name] = instr.forward.steps[-1]

@@ -46,6 +46,7 @@ class GatherPlan:
     input_of: tuple[int, ...]
     steps: tuple[tuple[Step, ...], ...]
     sites: tuple[tuple[str, int], ...]  # (conversion destination name, site), for `build`
+    casts: tuple[torch.dtype | None, ...] = ()  # mixed precision: the dtype each is gathered in
 
     def site_of(self) -> dict[str, int]:
         """{conversion destination name: site} (how `build` numbers its `Convert`s)."""
@@ -64,6 +65,7 @@ def gather_plan(program: Program) -> GatherPlan:
     input_of: list[int] = []
     steps: list[tuple[Step, ...]] = []
     names: list[tuple[str, int]] = []
+    casts: list[torch.dtype | None] = []
     last: tuple[object, ...] | None = None
     inputs = frozenset(position)
     for instr in program.instrs:
@@ -82,8 +84,9 @@ def gather_plan(program: Program) -> GatherPlan:
         input_of.append(position[instr.src])
         steps.append(instr.forward.steps)
         names.append((instr.dst.name, site))
+        casts.append(instr.cast)
     plan = GatherPlan(tuple(map(tuple, groups)), tuple(group_of), tuple(block_of),
-                      tuple(input_of), tuple(steps), tuple(names))
+                      tuple(input_of), tuple(steps), tuple(names), tuple(casts))
     program.__dict__["_gather_plan"] = plan  # frozen dataclass: no __setattr__
     return plan
 
@@ -129,8 +132,15 @@ class Prefetch:
             return
         self.launched.add(g)
         sites = self.plan.groups[g]
-        shards = [self.inputs[self.plan.input_of[s]].detach() for s in sites]
+        shards = [self._shard(s) for s in sites]
         first = [self.plan.steps[s][0] for s in sites]
         self.pending[g] = (start_gather(shards, first, self.axes),
                            [tuple(t.shape) for t in shards])
         self.gathers += 1
+
+    def _shard(self, site: int) -> torch.Tensor:
+        """The local shard `site` gathers (cast first under mixed precision: ZeRO-3
+        gathers half the bytes in bfloat16, as FSDP2 does)."""
+        shard = self.inputs[self.plan.input_of[site]].detach()
+        cast = self.plan.casts[site] if self.plan.casts else None
+        return shard if cast is None else shard.to(cast)

@@ -62,6 +62,11 @@ class _Gathered:
     axes: AxisGroups
     group: int | None = None
     regather: Regather | None = None
+    cast: torch.dtype | None = None  # mixed precision: the shard is gathered in this dtype
+
+    def cast_shard(self) -> torch.Tensor:
+        """The shard as it is gathered (cast to the compute dtype when there is one)."""
+        return self.shard if self.cast is None else self.shard.to(self.cast)
 
 
 class Regather:
@@ -107,7 +112,7 @@ class Regather:
             return
         self.done.add(group)
         members = self.members[group]
-        self.pending[group] = (start_gather([m.shard for m in members],
+        self.pending[group] = (start_gather([m.cast_shard() for m in members],
                                             [m.steps[0] for m in members], members[0].axes),
                                members)
         self.gathers += 1
@@ -125,10 +130,11 @@ class _Handle:
 
 
 def note_gathered(out: torch.Tensor, shard: torch.Tensor, steps: tuple[Step, ...],
-                  axes: AxisGroups, group: int | None = None, block: str = "") -> None:
-    """Record that `out` is `shard` gathered by `steps` (called by `Convert`), with the
-    block group it was gathered with (None: alone) and its block's name; a no-op outside
-    `reshard_after_forward()` and for blocks it does not name."""
+                  axes: AxisGroups, group: int | None = None, block: str = "",
+                  cast: torch.dtype | None = None) -> None:
+    """Record that `out` is `shard` (cast to `cast`, if given) gathered by `steps` (called
+    by `Convert`), with the block group it was gathered with (None: alone) and its block's
+    name; a no-op outside `reshard_after_forward()` and for blocks it does not name."""
     registry = _REGISTRY.get()
     blocks = _BLOCKS.get()
     if registry is not None and (blocks is None or block in blocks):
@@ -137,7 +143,8 @@ def note_gathered(out: torch.Tensor, shard: torch.Tensor, steps: tuple[Step, ...
         base = out._base if out._base is not None else out
         regather = _REGATHER.get() if group is not None else None
         registry[id(base)] = _Gathered(weakref.ref(base), shard.detach(), steps, axes,
-                                       group if regather is not None else None, regather)
+                                       group if regather is not None else None, regather,
+                                       cast)
 
 
 def _pack(t: torch.Tensor) -> Any:
@@ -159,7 +166,7 @@ def _unpack(saved: Any) -> torch.Tensor:
     g = saved.gathered
     with torch.no_grad():
         full = (g.regather.get(g) if g.regather is not None
-                else run_steps(g.shard, g.steps, g.axes))
+                else run_steps(g.cast_shard(), g.steps, g.axes))
     if saved.whole:
         return full
     return full.as_strided(saved.size, saved.stride, saved.offset)
