@@ -106,6 +106,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time, names load on firs
     )
     from pxform.core.ir import Graph, Op, TensorType, Value
     from pxform.core.mesh import AbstractMesh
+    from pxform.core.precision import Precision
     from pxform.core.spec import UNCONSTRAINED, P
     from pxform.frontend.boundary import stage_boundary
     from pxform.frontend.module_init import module_init

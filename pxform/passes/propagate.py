@@ -15,6 +15,7 @@ from pxform.core.ir import Graph, TensorType
 from pxform.core.layout import AxisCost, Layout, Relayout, plan_relayout
 from pxform.core.mesh import AbstractMesh
 from pxform.core.spec import P
+from pxform.frontend.precision import INPUT_CAST
 from pxform.frontend.regions import PIECE
 from pxform.ops.strategy import REPLICATE, Strategy
 from pxform.ops.strategy import strategies as all_strategies
@@ -76,6 +77,8 @@ def propagate(graph: Graph, mesh: AbstractMesh, input_layouts: list[Layout],
     for every other re-layout. `pxform.shard` propagates both ways and keeps the program
     that moves less (`pxform.lower.comm.comm_cost`)."""
     layouts: dict[str, Layout] = {v.name: lay for v, lay in zip(graph.inputs, input_layouts)}
+    # parameters, and their mixed-precision casts made on the parameter's own layout (the
+    # lowering folds those into the parameter's conversion: ZeRO-3 gathers the cast shard)
     inputs = {v.name for v in graph.inputs}
     for c in graph.constants:
         layouts[c.value.name] = Layout.replicated(c.value.type.rank)
@@ -136,6 +139,9 @@ def propagate(graph: Graph, mesh: AbstractMesh, input_layouts: list[Layout],
                 best, pick = key, s
         assert pick is not None  # "replicate everywhere" is always a strategy
         chosen.append(pick)
+        if op.tag(INPUT_CAST, False) is not False and op.inputs[0].name in inputs and \
+                pick.inputs[0] == layouts[op.inputs[0].name] == pick.outputs[0]:
+            inputs.add(op.outputs[0].name)
         made.update((v.name, need) for v, need in zip(op.inputs, pick.inputs))
         for v, lay in zip(op.outputs, pick.outputs):
             layouts[v.name] = lay
