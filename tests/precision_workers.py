@@ -196,3 +196,38 @@ def collective_dtypes(mode):
     with Record():
         grad_fn(local, batch)
     return seen
+
+
+def clipped_and_accumulated(mode, max_norm=0.5, pieces=2):
+    """Gradient clipping by global norm over pxform's DTensor gradients
+    (`torch.nn.utils.clip_grad_norm_`) and gradient accumulation over `pieces` calls,
+    against one process: the norm, and the clipped accumulated gradients' largest
+    difference."""
+    import gpt
+
+    cfg, params, data = setup()
+    step = make_step(mode, cfg, params, None)
+    batch = data[0]
+    halves = [{k: v[i::pieces] for k, v in batch.items()} for i in range(pieces)]
+    # one process: the mean loss over the whole batch = the mean of the pieces' means
+    ref_params = optree.tree_map(lambda t: t.clone().requires_grad_(), params)
+    for h in halves:
+        (gpt.loss_fn(ref_params, h, cfg) / pieces).backward()
+    ref_leaves = optree.tree_leaves(ref_params)
+    ref_norm = torch.nn.utils.clip_grad_norm_(ref_leaves, max_norm)
+    grad_fn = pxform.value_and_grad(step)
+    local = params if mode == "pipeline" else step.distribute(params, halves[0])[0]
+    held = optree.tree_leaves(local, none_is_leaf=True)
+    for h in halves:  # accumulate: add each piece's gradients into .grad
+        lb = h if mode == "pipeline" else step.distribute(params, h)[1]
+        _, grads = grad_fn(local, lb)
+        for p, g in zip(held, optree.tree_leaves(grads, none_is_leaf=True)):
+            if p is not None and g is not None:
+                p.grad = g / pieces if p.grad is None else p.grad + g / pieces
+    owned = [p for p in held if p is not None and p.grad is not None]
+    norm = torch.nn.utils.clip_grad_norm_(owned, max_norm)
+    full = pxform.gather(optree.tree_map(lambda p: p.grad, local))
+    err = max(float((f - r.grad).abs().max()) for f, r in
+              zip(optree.tree_leaves(full), ref_leaves))
+    return {"norm": float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm),
+            "ref_norm": float(ref_norm), "grad_err": err}

@@ -181,3 +181,40 @@ def test_plan_prices_bf16_compute_and_memory():
     # bf16 runs at the tensor cores' rate (A100: 312 against 19.5 TFLOP/s without TF32)
     assert plans["bf16"].step_time_s < 0.25 * plans["f32"].step_time_s
     assert plans["bf16"].peak_memory_bytes < plans["f32"].peak_memory_bytes
+
+
+@pytest.mark.parametrize("mode", ["dp", "zero3", "tp"])
+def test_clipping_by_global_norm_and_accumulation_over_dtensor_gradients(world2, mode):
+    # the recipe of docs/precision.md: gradients of two half batches added into `.grad`,
+    # then torch.nn.utils.clip_grad_norm_ over the DTensor parameters (mixed placements)
+    for r in world2.run(W.clipped_and_accumulated, mode):
+        assert abs(r["norm"] - r["ref_norm"]) < 1e-6 * r["ref_norm"], r
+        assert r["grad_err"] < 1e-6, r
+
+
+def test_a_saved_plan_holds_its_precision(tmp_path):
+    import gpt
+
+    cfg = gpt.GPT_CONFIGS["tiny"]
+    params = gpt.init_params(cfg, device="meta")
+    batch = gpt.make_batch(cfg, 4, device="meta")
+
+    def loss(p, b):
+        return gpt.loss_fn(p, b, cfg)
+
+    policy = pxform.Precision(float32_ops=("gelu",))
+    plan = pxform.auto(loss, mesh=2, precision=policy).plan(params, batch)
+    assert plan.policy == policy
+    assert "precision: Precision(param=-, compute=bfloat16, reduce=float32" in plan.explain()
+    plan.save(tmp_path / "plan.json")
+    loaded = pxform.Plan.load(tmp_path / "plan.json")
+    assert loaded == plan and loaded.policy == policy
+    # a pinned plan runs under its own policy: the graph it checks is traced under it
+    pinned = pxform.auto(loss, mesh=2, plan=loaded)
+    assert pinned.precision == policy
+    assert pinned.plan(params, batch) is loaded
+    with pytest.raises(PxformError) as e:
+        pxform.auto(loss, mesh=2, plan=loaded, precision=pxform.Precision())
+    assert "made under precision Precision(" in str(e.value) and "Fix: drop" in str(e.value)
+    plain = pxform.auto(loss, mesh=2).plan(params, batch)
+    assert plain.policy is None and "precision: None -> Precision(" in plain.diff(plan)

@@ -22,6 +22,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -157,6 +158,9 @@ class Auto(Executable):
                               batch_dim=self.batch_dim, optimizer=self.optimizer,
                               fn=f"auto({self.__name__})", function=self.__name__,
                               progress=self.progress)
+                if self.precision is not None:
+                    plan = dataclasses.replace(
+                        plan, precision=tuple(self.precision.to_json().items()))
             self._cache[key] = (plan, names, graph.inputs)
         return self._cache[key]
 
@@ -312,10 +316,19 @@ def auto(fn: Any = None, *, mesh: Any, memory_budget: Any = None, objective: str
             raise PxformError(f"pxform.auto({getattr(fn, '__name__', 'fn')}): the pinned plan "
                               f"is for {plan.devices} devices but mesh= gives {devices}.\n  "
                               f"Fix: pass mesh={plan.devices}, or search again without plan=.")
-        # runs as it is: no hardware profile, budget or search (nor their imports)
+        # runs as it is: no hardware profile, budget or search (nor their imports), under
+        # the precision it was made with
+        policy = precision_arg(precision, "auto")
+        if policy is None:
+            policy = plan.policy
+        elif plan.policy != policy:
+            raise PxformError(
+                f"pxform.auto({getattr(fn, '__name__', 'fn')}): the pinned plan was made "
+                f"under precision {plan.policy} but precision= gives {policy}.\n  Fix: drop "
+                f"precision= (the plan's is used), or search again under the new policy.")
         return Auto(fn, devices, None, objective, None, batch_range, nums, batch_dim, None,
                     optimizer, progress, given=plan, allow_fallback=allow_fallback,
-                    precision=precision_arg(precision, "auto"))
+                    precision=policy)
     from pxform.cost.hardware import hardware as get_hardware
 
     hw = get_hardware(hardware if hardware is not None else "h100-80gb")

@@ -25,7 +25,8 @@ which pxform does not provide. bfloat16 has float32's exponent range and needs n
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from typing import Any
 
 import torch
 
@@ -96,6 +97,40 @@ class Precision:
                 f"compute_ops.\n  Fix: name each op in one of them.")
         object.__setattr__(self, "float32_ops", tuple(self.float32_ops))
         object.__setattr__(self, "compute_ops", tuple(self.compute_ops))
+
+    def to_json(self) -> dict[str, Any]:
+        """The policy as JSON-able data (dtypes by name), as a saved `Plan` holds it.
+
+        Example:
+            >>> pxform.Precision.from_json(pxform.Precision().to_json()) == pxform.Precision()
+            True
+        """
+        out: dict[str, Any] = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, torch.dtype):
+                value = str(value).removeprefix("torch.")
+            out[f.name] = value
+        return out
+
+    @staticmethod
+    def from_json(data: dict[str, Any]) -> Precision:
+        """The policy `to_json` wrote."""
+        kwargs: dict[str, Any] = {}
+        for f in fields(Precision):
+            if f.name not in data:
+                continue
+            value = data[f.name]
+            if f.name.endswith("_dtype") and value is not None:
+                dtype = getattr(torch, value, None)
+                if not isinstance(dtype, torch.dtype):
+                    raise PxformError(f"pxform.Precision.from_json: {f.name}={value!r} is "
+                                      f"not a torch dtype name.")
+                value = dtype
+            elif isinstance(value, list):
+                value = tuple(value)
+            kwargs[f.name] = value
+        return Precision(**kwargs)
 
     def __str__(self) -> str:
         def name(d: torch.dtype | None) -> str:

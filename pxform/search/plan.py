@@ -31,6 +31,7 @@ from typing import Any, ClassVar
 
 from pxform.core.errors import PxformError
 from pxform.core.mesh import AbstractMesh
+from pxform.core.precision import Precision
 from pxform.core.spec import P
 from pxform.core.units import format_bytes, format_table
 from pxform.search.report import Measured, PlanReport, RankReport
@@ -128,6 +129,9 @@ class Plan:
     # batch inputs as the first block reading each wants them (its data axes): where
     # `auto` lays the batch out, so no block meets a batch the search did not cost
     batch_input_specs: tuple[tuple[str, P], ...] = ()
+    # the mixed-precision policy the plan was made under (`Precision.to_json`), as
+    # (field, value) pairs; () for none. `pxform.auto(fn, plan=...)` runs under it.
+    precision: tuple[tuple[str, Any], ...] = ()
 
     format_version: ClassVar[int] = FORMAT_VERSION
 
@@ -150,6 +154,11 @@ class Plan:
                                     ("inner", self.inner)) if s > 1]
         return AbstractMesh(tuple(axes) or (("outer", 1),))
 
+    @property
+    def policy(self) -> Precision | None:
+        """The mixed-precision policy the plan was made under (None: none)."""
+        return Precision.from_json(dict(self.precision)) if self.precision else None
+
     def frontier(self) -> list[FrontierPoint]:
         """The (step time, peak memory) Pareto frontier of every plan the search
         evaluated, by memory: the least memory first, the fastest last."""
@@ -168,6 +177,7 @@ class Plan:
             f"budget {format_bytes(self.memory_budget)} per device, objective "
             f"{self.objective!r}, global batch {self.global_batch}",
             f"mesh {self.mesh}: {self.config_text()}",
+            *([f"precision: {self.policy}"] if self.precision else []),
             f"predicted step {self.step_time_s:.4g} s, peak memory "
             f"{format_bytes(int(self.peak_memory_bytes))} per device "
             f"(searched in {self.search_seconds:.2f} s)",
@@ -252,6 +262,8 @@ class Plan:
             if (x.stage, x.roles, x.recompute) != (y.stage, y.roles, y.recompute):
                 out.append(f"block {x.label}: stage {x.stage} {x.strategy} -> stage "
                            f"{y.stage} {y.strategy}")
+        if self.policy != other.policy:
+            out.append(f"precision: {self.policy} -> {other.policy}")
         mine, theirs = dict(self.param_specs), dict(other.param_specs)
         for n in sorted(set(mine) | set(theirs)):
             if mine.get(n) != theirs.get(n):
@@ -289,7 +301,7 @@ class Plan:
         names = {f.name for f in fields(Plan)}
         missing = sorted(n for n in names if n not in d and n not in
                          ("frontier_points", "search_seconds", "notes",
-                          "batch_input_specs"))
+                          "batch_input_specs", "precision"))
         if missing:
             raise PxformError(f"pxform.Plan.load: {where} lacks {missing}.\n  Fix: write the "
                               f"plan again with Plan.save.")
@@ -300,7 +312,9 @@ class Plan:
             return Plan(
                 **{k: d[k] for k in names if k in d and k not in
                    ("blocks", "stage_plans", "tensor_choices", "parameter_specs",
-                    "frontier_points", "notes", "batch_input_specs")},
+                    "frontier_points", "notes", "batch_input_specs", "precision")},
+                precision=tuple((str(k), tuple(v) if isinstance(v, list) else v)
+                                for k, v in d.get("precision", ())),
                 blocks=tuple(BlockPlan(**{**b, "roles": tuple(tuple(r) for r in b["roles"]),
                                           "ops": tuple(b["ops"])})
                              for b in d["blocks"]),
