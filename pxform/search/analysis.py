@@ -20,7 +20,7 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pxform.core.errors import PxformError
 from pxform.core.ir import Graph, Value
@@ -28,6 +28,7 @@ from pxform.core.layout import Layout, plan_relayout
 from pxform.core.mesh import AbstractMesh
 from pxform.core.spec import P
 from pxform.cost.model import SavedBytes, saved_bytes_per_op
+from pxform.frontend.precision import INPUT_CAST
 from pxform.frontend.trace import last_uses
 from pxform.ops import rule_info
 from pxform.ops.strategy import Strategy
@@ -76,6 +77,10 @@ class Analysis:
     # when it can
     whole_batch: str | None
     value_map: dict[str, Value]          # every value by name
+    # mixed precision: a parameter's cast (`INPUT_CAST`) -> its gradient's bytes in the
+    # reduce dtype per byte of the cast value (float32 gradients of a bf16 copy: 2.0).
+    # Priced as the parameter: gathered at use, its gradient reduced in the buckets
+    param_casts: dict[str, float] = field(default_factory=dict)
 
     @property
     def num_kinds(self) -> int:
@@ -151,7 +156,18 @@ def analyse(graph: Graph, batch_inputs: set[str], batch_dim: int = 0,
     return Analysis(graph, infos, batch, params, op_flops, op_bytes, tuple(op_batch), tuple(saved),
                     tuple(strategies), layouts, traced, marked, tuple(kind_of),
                     frozenset(depends), defined_at, whole_batch,
-                    {v.name: v for v in graph.values()})
+                    {v.name: v for v in graph.values()}, _param_casts(graph, params))
+
+
+def _param_casts(graph: Graph, params: frozenset[str]) -> dict[str, float]:
+    out = {}
+    for op in graph.ops:
+        reduce = op.tag(INPUT_CAST, False)
+        if reduce is not False and op.inputs[0].name in params:
+            cast = op.outputs[0].type.dtype
+            grad = reduce if reduce is not None else op.inputs[0].type.dtype
+            out[op.outputs[0].name] = grad.itemsize / cast.itemsize
+    return out
 
 
 def _gathers_batch(v: Value, have: Layout, need: Layout, mesh: AbstractMesh) -> bool:

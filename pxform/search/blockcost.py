@@ -181,7 +181,7 @@ def walk(a: Analysis, block: BlockInfo, strats: list[Strategy], outside: Mapping
             fwd, bwd = input_times(v, i, s, have, cache,
                                    sc if v.name in batch_values else 1.0, first)
             fwd_comm += fwd
-            if v.name in a.params:
+            if v.name in a.params or v.name in a.param_casts:
                 if first and have != s.inputs[i] and _floating(v):
                     # gathered at use (ZeRO-3): the runtime frees the gathered copy after
                     # its forward use and gathers it again for backward (reshard after
@@ -190,9 +190,11 @@ def walk(a: Analysis, block: BlockInfo, strats: list[Strategy], outside: Mapping
                     bwd_comm += fwd
                     gathered += v.type.nbytes * _local_fraction(v, s.inputs[i], cache)
                 if bwd > 0:
+                    # a cast parameter's gradient is reduced in the reduce dtype
+                    wider = a.param_casts.get(v.name, 1.0)
                     for kind, axis, sent in cache.steps(v, consumer_gradient_layout(s, i),
                                                         gradient_layout(have)):
-                        bucket[kind, axis] = bucket.get((kind, axis), 0.0) + sent
+                        bucket[kind, axis] = bucket.get((kind, axis), 0.0) + sent * wider
             else:
                 bwd_comm += bwd
         for v, lay in zip(op.outputs, s.outputs):
