@@ -41,6 +41,16 @@ def test_train_matches_one_process_and_reports_predictions(tmp_path):
     assert [k for k, _ in losses] == [1, 2, 3, 4]
 
 
+def test_bf16_precision_with_clipping_matches_float32_on_one_process():
+    # --precision bf16: pxform.Precision() under the searched plan; --clip: global-norm
+    # clipping over the DTensor gradients, the reference clips the same way
+    r = torchrun("--size", "tiny", "--steps", "6", "--precision", "bf16", "--clip", "1.0",
+                 "--stages", "1", "--check")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "bf16 compute" in r.stdout and "precision: Precision(" in r.stdout
+    assert "check passed" in r.stdout
+
+
 def test_check_fails_when_training_differs(tmp_path):
     # the check is not vacuous: the reference's own curve passes, a loss off by 1e-6 or
     # a parameter off by 1e-3 fails (check() is a function of the logged run)
