@@ -218,3 +218,40 @@ def test_a_saved_plan_holds_its_precision(tmp_path):
     assert "made under precision Precision(" in str(e.value) and "Fix: drop" in str(e.value)
     plain = pxform.auto(loss, mesh=2).plan(params, batch)
     assert plain.policy is None and "precision: None -> Precision(" in plain.diff(plan)
+
+
+@pytest.mark.parametrize("name", ["gpt2", "bert", "llama"])
+def test_policy_on_hf_models_equals_eager_autocast(name):
+    # with the CPU lists, the traced program is eager autocast: the same casts in the same
+    # places, so the loss and every gradient are equal, on real HF models
+    pytest.importorskip("transformers")
+    import hf_models as H
+    import optree
+
+    model = H.build_model(name, torch.float32, 0)
+    fn, params = pxform.module_fn(model)
+    batch = H.make_batch(name, 0, 4, 0)
+
+    def loss(p, b):
+        return fn(p, **b).loss
+
+    traced = pxform.trace(loss, params, batch,
+                          precision=pxform.Precision(autocast_device="cpu"))
+    def leaves(p):
+        return optree.tree_map(lambda t: t.detach().clone().requires_grad_(
+            t.dtype.is_floating_point), p)
+
+    ours_p = leaves(params)
+    ours = traced(ours_p, batch)
+    ours.backward()
+    ref_p = leaves(params)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref = loss(ref_p, batch)
+    ref.backward()
+    assert float(ours.detach()) == float(ref.detach())
+    for k in params:
+        if ref_p[k].grad is not None:
+            torch.testing.assert_close(ours_p[k].grad, ref_p[k].grad, rtol=0, atol=0)
+    # and the policy did cast: bf16 matmuls in the IR
+    assert any(op.outputs and op.outputs[0].type.dtype == torch.bfloat16
+               for op in traced.graph.ops if op.name in ("linear", "addmm", "matmul", "bmm"))

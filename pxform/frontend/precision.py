@@ -13,8 +13,11 @@ rewrites the graph once:
 - ops downstream take the dtypes that result (torch's own dtype rules, on meta tensors);
 - floating outputs are cast to the policy's `output_dtype`.
 
-Casts are `aten._to_copy(x, dtype=...)` ops tagged `CAST`, placed before their first reader
-and shared by readers with the same tags (autocast's weight-cast cache). A cast of a
+Casts are `aten._to_copy(x, dtype=...)` ops tagged `CAST`, placed before their reader. As
+in eager autocast, a program input's cast is shared by its readers with the same tags
+(autocast's weight-cast cache), and any other value is cast once per reader: each reader's
+bf16 gradient then returns to float32 on its own and the gradients add up in float32, as
+eager autocast's do. A cast of a
 program input carries `INPUT_CAST`: the dtype its gradient is reduced in. Lowering folds it
 into the input's conversion (`pxform.lower.spmd`), so a ZeRO-3 parameter is cast on its
 shard before the all-gather and its gradient is reduced in that dtype and returned in the
@@ -82,10 +85,12 @@ class _Rewrite:
         self.names = {v.name for v in graph.values()}
         self.ops: list[Op] = []
         self.stage = 0  # stage boundaries seen: casts are not shared across them
+        self.index = 0  # the op being rewritten, or the graph output being cast
         self.reduce = None if policy is None else policy.reduce_dtype
 
     def run(self) -> Graph:
-        for op in self.graph.ops:
+        for k, op in enumerate(self.graph.ops):
+            self.index = k
             changed = any(v.name in self.retyped for v in op.inputs)
             op = self._rewired(op, self.retyped)
             if op.target is STAGE_BOUNDARY:
@@ -96,6 +101,7 @@ class _Rewrite:
         want = None if self.policy is None else self.policy.output_dtype
         if want is not None:
             for k, o in enumerate(outputs):
+                self.index = len(self.graph.ops) + k
                 if isinstance(o, Value) and o.type.dtype.is_floating_point and \
                         o.type.dtype != want:
                     outputs[k] = self._cast(o, want, None)
@@ -160,7 +166,8 @@ class _Rewrite:
         tags = () if reader is None else tuple(
             (k, t) for k, t in reader.tags if k not in _NOT_COPIED)
         grad = True if reader is None else reader.grad
-        key = (v.name, dtype, tags, grad, self.stage)
+        key = (v.name, dtype, tags, grad, self.stage) if v.name in self.inputs else \
+            (v.name, dtype, self.index)
         if key in self.casts:
             return self.casts[key]
         name = f"{v.name}.{dtype_name(dtype)}"
