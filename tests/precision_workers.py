@@ -231,3 +231,58 @@ def clipped_and_accumulated(mode, max_norm=0.5, pieces=2):
               zip(optree.tree_leaves(full), ref_leaves))
     return {"norm": float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm),
             "ref_norm": float(ref_norm), "grad_err": err}
+
+
+def composed(kind):
+    """One bf16 step of GPT small in compositions beyond one transform, against float32 on
+    one process: loss difference, largest relative gradient difference, gradient dtypes.
+
+    - "auto": `pxform.auto(..., precision=)`, searched for this world and run;
+    - "pp_in_shard": `shard(pipeline(...), mesh={"pp": 2}, precision=)` (the pipeline
+      follows the shard's policy);
+    - "recompute_zero3": ZeRO-3 with every block under `pxform.recompute`."""
+    import gpt
+
+    cfg, params, data = setup()
+    batch = data[0]
+    ref_loss, ref_grads = pxform.value_and_grad(lambda p, b: gpt.loss_fn(p, b, cfg))(
+        params, batch)
+    policy = pxform.Precision()
+    if kind == "auto":
+        step = pxform.auto(lambda p, b: gpt.loss_fn(p, b, cfg), mesh=2, precision=policy)
+        step.plan(params, batch)
+        local = step.init(lambda: params)
+        loss, grads = pxform.value_and_grad(step)(local, batch)
+    elif kind == "pp_in_shard":
+        inner = make_step("pipeline", cfg, params, None)
+        step = pxform.shard(inner, mesh=pxform.Mesh({"pp": 2}), in_specs=(None, None),
+                            precision=policy)
+        loss, grads = pxform.value_and_grad(step)(params, batch)
+    elif kind == "recompute_zero3":
+        block = pxform.recompute(lambda p, x: gpt.block(p, x, cfg))
+
+        def trunk(blocks, x):
+            for p in blocks:
+                x = block(p, x)
+            return x
+
+        step = pxform.shard(lambda p, b: gpt.loss_fn(p, b, cfg, trunk),
+                            mesh=pxform.Mesh({"dp": 2}),
+                            in_specs=(zero3_specs(params),
+                                      {"idx": P("dp"), "targets": P("dp")}),
+                            precision=policy)
+        local, lb = step.distribute(params, batch)
+        loss, grads = pxform.value_and_grad(step)(local, lb)
+    else:
+        raise ValueError(kind)
+    full = pxform.gather(grads)
+    rel = 0.0
+    dtypes = set()
+    for r, g in zip(optree.tree_leaves(ref_grads, none_is_leaf=True),
+                    optree.tree_leaves(full, none_is_leaf=True)):
+        if g is None:
+            continue
+        dtypes.add(str(g.dtype))
+        rel = max(rel, float((g.float() - r).abs().max() / r.abs().max().clamp(min=1e-12)))
+    return {"loss_err": abs(float(loss.detach()) - float(ref_loss.detach())),
+            "grad_rel_err": rel, "grad_dtypes": sorted(dtypes)}
