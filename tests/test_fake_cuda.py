@@ -21,7 +21,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import fakecuda  # noqa: E402
 
-FORMS = ("dp", "zero3", "tp", "sp", "pp", "tp_overlap")
+FORMS = ("dp", "zero3", "tp", "sp", "pp", "tp_overlap", "zero3_bf16")
 NEGATIVE = ("dp:cpu-leak", "pp:runtime-cpu")
 
 
@@ -46,6 +46,7 @@ def test_a_training_step_keeps_every_tensor_on_the_inputs_device(results, form):
     assert r["loss_device"] == "cuda:0"
     assert r["grad_devices"] == ["cuda:0"]  # every gradient, DTensors' local pieces too
     assert r["num_grads"] == (14 if form == "pp" else 28)  # pp: rank 0 holds stage 0
+    assert r["grad_dtypes"] == ["torch.float32"]  # zero3_bf16 too: master weights' dtype
 
 
 def test_a_cpu_tensor_among_cuda_inputs_is_caught(results):

@@ -82,8 +82,9 @@ def _step(form: str, cpu_leak: bool) -> dict:
 
     out: dict = {"form": form, "cpu_leak": cpu_leak}
     # the mesh's process groups and device mesh are made outside fake mode
-    mesh = pxform.Mesh({"pp": 2} if form == "pp" else {"dp": 2} if form in ("dp", "zero3")
-                       else {"tp": 2}, device="cuda")
+    mesh = pxform.Mesh({"pp": 2} if form == "pp" else
+                       {"dp": 2} if form in ("dp", "zero3", "zero3_bf16") else {"tp": 2},
+                       device="cuda")
     with FakeTensorMode():
         params = optree.tree_map(lambda t: t.to("cuda"), gpt.init_params(cfg))
         batch = {k: v.to("cuda") for k, v in gpt.make_batch(cfg, 4).items()}
@@ -91,9 +92,13 @@ def _step(form: str, cpu_leak: bool) -> dict:
             batch["targets"] = batch["targets"].to("cpu")
         if form == "dp":
             step = pxform.shard(loss, mesh=mesh, in_specs=(None, P("dp")))
-        elif form == "zero3":
+        elif form in ("zero3", "zero3_bf16"):
+            # zero3_bf16: mixed precision, each shard cast before its gather, gradients
+            # cast back to float32 before their reduce-scatter
             specs = optree.tree_map(lambda t: P("dp"), params)
-            step = pxform.shard(loss, mesh=mesh, in_specs=(specs, P("dp")))
+            step = pxform.shard(loss, mesh=mesh, in_specs=(specs, P("dp")),
+                                precision=pxform.Precision() if form == "zero3_bf16"
+                                else None)
         elif form in ("tp", "sp", "tp_overlap"):
             megatron = {"qkv_w": P("tp"), "qkv_b": P("tp"), "fc_w": P("tp"), "fc_b": P("tp"),
                         "proj_w": P(None, "tp"), "out_w": P(None, "tp")}
@@ -114,6 +119,7 @@ def _step(form: str, cpu_leak: bool) -> dict:
             out["loss_device"] = str(value.device)
             out["grad_devices"] = sorted({str(g.device) for g in locals_})
             out["num_grads"] = len(locals_)
+            out["grad_dtypes"] = sorted({str(g.dtype) for g in locals_})
         except Exception as exc:  # reported, judged by the test
             out["error_type"] = type(exc).__name__
             out["error"] = str(exc)[:2000]
