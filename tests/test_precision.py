@@ -265,3 +265,27 @@ def test_policy_composes_with_auto_nested_pipelines_and_recompute(world2, kind):
         assert r["loss_err"] < 1e-3, r
         assert r["grad_rel_err"] < 3e-2, r
         assert r["grad_dtypes"] == ["torch.float32"], r
+
+
+def test_lowered_programs_check_and_a_wrong_cast_is_caught():
+    import dataclasses
+
+    import gpt
+
+    from pxform.core.mesh import AbstractMesh
+    from pxform.lower.spmd import ConvertInstr
+
+    cfg, params, data = W.setup()
+    step = pxform.shard(lambda p, b: gpt.loss_fn(p, b, cfg), mesh=AbstractMesh({"dp": 2}),
+                        in_specs=(W.zero3_specs(params), pxform.P("dp")),
+                        precision=pxform.Precision())
+    program = step.lower(params, data[0])
+    pxform.check(program)
+    k, bad = next((k, i) for k, i in enumerate(program.instrs)
+                  if isinstance(i, ConvertInstr) and i.cast is not None)
+    instrs = list(program.instrs)
+    instrs[k] = dataclasses.replace(bad, cast=None)
+    with pytest.raises(pxform.GraphCheckError) as e:
+        pxform.check(dataclasses.replace(program, instrs=tuple(instrs)))
+    assert "it makes torch.float32 from torch.float32, but the program says torch.bfloat16" \
+        in str(e.value)

@@ -42,7 +42,9 @@ class Precision:
     Attributes:
         param_dtype: the dtype every floating parameter is cast to where it is used
             (FSDP2's `param_dtype`); None leaves parameters in their storage dtype, and the
-            ops that compute in `compute_dtype` cast them there, on the shard.
+            ops that compute in `compute_dtype` cast them there, on the shard. Parameters
+            are the leaves of the first argument (`pipeline` and `auto`: of the arguments
+            that are not the batch).
         compute_dtype: the dtype autocast's lower-precision ops (matmul, linear, conv,
             attention) compute in; None turns autocast off (only `param_dtype` casts).
         reduce_dtype: the dtype parameter gradients are summed across ranks in (FSDP2's

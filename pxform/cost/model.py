@@ -69,9 +69,13 @@ class CostModel:
         """Bytes per parameter for the parameter, its gradient and the optimizer state.
 
         Adam, fp32 training: 4 (weight) + 4 (gradient) + 8 (two fp32 moments) = 16.
-        Adam, mixed precision (bf16/fp16 weights): 2 + 2 + 12 (fp32 master weight and two
-        fp32 moments) = 16, the ZeRO paper's 16 bytes per parameter (Rajbhandari et al.
-        2020, §3.1). SGD without momentum: weight and gradient only.
+        Adam, bf16 weights: 2 + 2 + 12 (fp32 master weight and two fp32 moments) = 16, the
+        ZeRO paper's 16 bytes per parameter (Rajbhandari et al. 2020, §3.1). Under a
+        `pxform.Precision` policy the parameters themselves are the float32 master
+        weights, so they count 4 + 4 + 8: the same 16; the bf16 copies the ops read are
+        values of the traced graph (a `_to_copy` per parameter), counted where they live:
+        saved for backward, or gathered per block under ZeRO-3. SGD without momentum:
+        weight and gradient only.
 
         Example:
             >>> CostModel(hw, optimizer="sgd").state_bytes_per_param(torch.float32)

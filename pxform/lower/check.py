@@ -5,7 +5,8 @@ partial axes). It is well formed when
 
 - every op's input and output layouts are one of the op's strategies on the mesh (so the
   local op computes the right piece of the global result);
-- every conversion's forward steps take its source layout to its destination layout;
+- every conversion's forward steps take its source layout to its destination layout, and
+  its dtype to the destination's (a mixed-precision cast, or none);
 - running each op on `meta` tensors of the local input shapes gives the local output shapes
   and dtypes the program claims.
 
@@ -71,6 +72,11 @@ def check_program(program: Program) -> None:
             if layout != layout_of(instr.dst.type):
                 raise fail(f"%{instr.dst.name} = convert(%{instr.src})",
                            f"the steps end at {layout}, not at {layout_of(instr.dst.type)}")
+            dtype = instr.cast or src.dtype  # mixed precision: a cast conversion
+            if dtype != instr.dst.type.dtype:
+                raise fail(f"%{instr.dst.name} = convert(%{instr.src})",
+                           f"it makes {dtype} from {src.dtype}, but the program says "
+                           f"{instr.dst.type.dtype}")
             types[instr.dst.name] = instr.dst.type
             metas[instr.dst.name] = _meta(instr.dst.type, program)
             continue
