@@ -170,13 +170,13 @@ def autocast_regions(specs):
             "ir": str(traced)}
 
 
-def collective_dtypes(mode):
-    """(kind, dtype) of every collective one bf16 training step of `mode` launches, seen
-    by a dispatch mode on the real gloo step."""
+def collective_dtypes(mode, **policy):
+    """(kind, dtype) of every collective one training step of `mode` under
+    `Precision(**policy)` launches, seen by a dispatch mode on the real gloo step."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     cfg, params, data = setup()
-    step = make_step(mode, cfg, params, pxform.Precision())
+    step = make_step(mode, cfg, params, pxform.Precision(**policy))
     local, batch = step.distribute(params, data[0])
     grad_fn = pxform.value_and_grad(step)
     grad_fn(local, batch)  # compiled outside the mode
@@ -286,3 +286,26 @@ def composed(kind):
         rel = max(rel, float((g.float() - r).abs().max() / r.abs().max().clamp(min=1e-12)))
     return {"loss_err": abs(float(loss.detach()) - float(ref_loss.detach())),
             "grad_rel_err": rel, "grad_dtypes": sorted(dtypes)}
+
+
+def policy_step(mode, **policy):
+    """One step of `mode` under `Precision(**policy)` against float32 on one process: loss
+    error and dtype, the largest gradient error relative to its scale, gradient dtypes."""
+    import gpt
+
+    cfg, params, data = setup()
+    ref_loss, ref_grads = pxform.value_and_grad(lambda p, b: gpt.loss_fn(p, b, cfg))(
+        params, data[0])
+    step = make_step(mode, cfg, params, pxform.Precision(**policy))
+    local, batch = (params, data[0]) if mode == "pipeline" else \
+        step.distribute(params, data[0])
+    loss, grads = pxform.value_and_grad(step)(local, batch)
+    full = pxform.gather(grads)
+    rel, dtypes = 0.0, set()
+    for r, g in zip(optree.tree_leaves(ref_grads, none_is_leaf=True),
+                    optree.tree_leaves(full, none_is_leaf=True)):
+        if g is not None:
+            dtypes.add(str(g.dtype))
+            rel = max(rel, float((g.float() - r).abs().max() / r.abs().max().clamp(min=1e-12)))
+    return {"loss_err": abs(float(loss.detach()) - float(ref_loss.detach())),
+            "loss_dtype": str(loss.dtype), "grad_rel_err": rel, "grad_dtypes": sorted(dtypes)}

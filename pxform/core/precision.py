@@ -48,7 +48,10 @@ class Precision:
         compute_dtype: the dtype autocast's lower-precision ops (matmul, linear, conv,
             attention) compute in; None turns autocast off (only `param_dtype` casts).
         reduce_dtype: the dtype parameter gradients are summed across ranks in (FSDP2's
-            `reduce_dtype`); None: the parameter's dtype.
+            `reduce_dtype`), and over a pipeline's microbatches; None: the parameter's
+            dtype. It applies to the parameters the policy casts (every parameter a
+            matmul, conv or attention reads, or all with `param_dtype`); a parameter read
+            as stored (a norm's weight) is reduced in its own dtype.
         output_dtype: the dtype floating outputs of the function are cast to; None leaves
             them as computed (a loss from `cross_entropy` is float32 under autocast).
         autocast_device: whose autocast op lists decide which ops run in float32: "cuda"
