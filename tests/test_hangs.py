@@ -34,3 +34,15 @@ def test_the_default_timeout_is_a_minute_on_cpu(monkeypatch):
     assert default_timeout("gloo") == 60.0
     monkeypatch.setenv("PXFORM_TIMEOUT_S", "5")
     assert default_timeout("gloo") == 5.0
+
+
+def test_a_pipeline_transfer_to_a_failed_rank_ends_within_the_timeout():
+    with World(2, timeout=120) as world:
+        results = world.run(W.asymmetric_pipeline, TIMEOUT_S)
+    waiting = results[0]
+    assert waiting["type"] == "CollectiveError", waiting
+    assert waiting["seconds"] < TIMEOUT_S + 20, waiting
+    text = waiting["error"]
+    assert text.startswith("pxform: rank 0: "), text
+    assert "pipeline rank 0 of 2, did not complete" in text, text
+    assert "Fix: make every rank run the same program" in text

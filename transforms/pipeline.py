@@ -415,7 +415,7 @@ class Pipelined(Nested):
                 self._cache["world"] = Mesh({self.axis: ranks})
             mesh = self._cache["world"]
             place = PipelineGroup(mesh.coordinate()[self.axis], self.stages,
-                                  mesh.group(self.axis))
+                                  mesh.group(self.axis), mesh.timeout_s)
             return None, place, AxisGroups({}, {}, {}), None
         mesh = enclosing.bound_mesh("call")
         if self.axis not in mesh.names or mesh.axis_size(self.axis) != self.stages:
@@ -428,7 +428,8 @@ class Pipelined(Nested):
         axes = AxisGroups({a: full.groups[a] for a in names}, {a: full.index[a] for a in names},
                           {a: full.sizes[a] for a in names})
         sub = AbstractMesh(tuple((a, mesh.axis_size(a)) for a in names)) if names else None
-        place = PipelineGroup(full.index[self.axis], self.stages, full.groups[self.axis])
+        place = PipelineGroup(full.index[self.axis], self.stages, full.groups[self.axis],
+                              mesh.timeout_s)
         return mesh, place, axes, sub
 
 

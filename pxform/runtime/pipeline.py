@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import datetime
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -31,6 +32,7 @@ import optree
 import torch
 import torch.distributed as dist
 
+from pxform.core.errors import CollectiveError, PxformError
 from pxform.core.ir import TensorType, Value
 from pxform.core.layout import Layout
 from pxform.core.mesh import AbstractMesh
@@ -88,6 +90,8 @@ class PipelineGroup:
     rank: int
     size: int
     group: Any = None
+    # seconds a transfer may wait for its peer (the mesh's timeout); None: the group's own
+    timeout_s: float | None = None
 
     def peer(self, pp_rank: int) -> int:
         """The global rank of pipeline rank `pp_rank` (same coordinates on other axes)."""
@@ -323,8 +327,8 @@ def run(program: PipelineProgram, actions: Sequence[Action | None], place: Pipel
             raise RuntimeError(f"pxform pipeline: unknown action {a}")
         if record is not None:
             record.append((a, started, time.time()))
-    for work in pending:
-        work.wait()
+    for work in pending:  # sends still in flight
+        _wait(work, place, "a send")
     reduced = accumulator.finish()
     out_grads: dict[int, torch.Tensor] = {}
     for j, leaf in leaves.items():
@@ -390,8 +394,30 @@ def _recv(shapes: list[tuple[tuple[int, ...], torch.dtype]], place: PipelineGrou
     bufs = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in shapes]
     ops = [dist.P2POp(dist.irecv, b, peer, place.group, tag(a, k)) for k, b in enumerate(bufs)]
     for work in dist.batch_isend_irecv(ops):
-        work.wait()
+        _wait(work, place, f"receiving for {a} from pipeline rank {frm}")
     return bufs
+
+
+def _wait(work: Any, place: PipelineGroup, what: str) -> None:
+    """Wait for a transfer, at most the mesh's timeout: a peer that failed (or runs
+    another schedule) ends this rank with a `CollectiveError` naming it, instead of a wait
+    without end (gloo's send and receive waits have no timeout of their own)."""
+    try:
+        if place.timeout_s is None:
+            work.wait()
+        elif not work.wait(datetime.timedelta(seconds=place.timeout_s)):
+            raise RuntimeError(f"no completion within {place.timeout_s:g} s")
+    except RuntimeError as exc:
+        if isinstance(exc, PxformError):
+            raise
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        raise CollectiveError(
+            f"pxform: rank {rank}: {what}, pipeline rank {place.rank} of {place.size}, did "
+            f"not complete: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}."
+            f"\n  Another rank failed or runs a different program (its own error says why), "
+            f"or the step is slower than the mesh's timeout.\n  Fix: make every rank run the "
+            f"same program on the same shapes; for a legitimately slow step raise the "
+            f"timeout: pxform.Mesh(..., timeout=seconds) or PXFORM_TIMEOUT_S.") from exc
 
 
 def _combine(program: PipelineProgram, finals: list[tuple[Any, ...]],
