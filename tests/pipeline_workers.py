@@ -132,3 +132,63 @@ def run_pp_dp(schedule="1f1b", zero=False):
     out["text"] = text
     out["dtensor"] = sorted({type(g).__name__ for g in optree.tree_leaves(grads)})
     return out
+
+
+def class_token(schedule, microbatches):
+    """A vision-transformer class token: a parameter expanded to the batch and concatenated
+    with the tokens, then a stage boundary. Every microbatch makes the expanded token whole
+    and reads its own rows; its gradient is each microbatch's rows padded with zeros,
+    summed over microbatches. Loss and gradients against one process."""
+    import pxform
+
+    def loss(p, x):
+        cls = p["cls"].expand(x.shape[0], -1, -1)
+        h = torch.cat([cls, x @ p["w0"]], dim=1)
+        h = pxform.stage_boundary(torch.tanh(h))
+        return (h @ p["w1"]).pow(2).mean()
+
+    g = torch.Generator().manual_seed(0)
+    params = {"cls": torch.randn(1, 1, 8, generator=g, dtype=torch.float64),
+              "w0": torch.randn(8, 8, generator=g, dtype=torch.float64),
+              "w1": torch.randn(8, 4, generator=g, dtype=torch.float64)}
+    x = torch.randn(8, 5, 8, generator=g, dtype=torch.float64)
+    ref_loss, ref_grads = pxform.value_and_grad(loss)(params, x)
+    step = pxform.pipeline(loss, stages=2, microbatches=microbatches, schedule=schedule)
+    value, grads = pxform.value_and_grad(step)(params, x)
+    errs = {k: float((pxform.gather(grads[k]) - ref_grads[k]).abs().max())
+            for k in params if grads[k] is not None}
+    return {"loss_err": abs(float(value) - float(ref_loss)), "grad_errs": errs}
+
+
+def class_token_auto():
+    """`pxform.auto` on 2 ranks for a small class-token transformer: the searched plan (a
+    2-stage pipeline) runs, against one process."""
+    import optree
+
+    import pxform
+
+    def loss(p, x):
+        cls = p["cls"].expand(x.shape[0], -1, -1)
+        h = torch.cat([cls, x @ p["w0"]], dim=1)
+        for w in p["layers"]:
+            h = h + torch.tanh(torch.nn.functional.layer_norm(h, (16,)) @ w)
+        return (h[:, 0] @ p["head"]).pow(2).mean()
+
+    g = torch.Generator().manual_seed(0)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=g, dtype=torch.float64)
+
+    params = {"cls": randn(1, 1, 16), "w0": randn(8, 16),
+              "layers": [randn(16, 16) / 4 for _ in range(4)], "head": randn(16, 4)}
+    x = randn(8, 5, 8)
+    ref_loss, ref_grads = pxform.value_and_grad(loss)(params, x)
+    step = pxform.auto(loss, mesh=2)
+    plan = step.plan(params, x)
+    value, grads = pxform.value_and_grad(step)(params, x)
+    full = pxform.gather(grads)
+    err = max(float((a - b).abs().max()) for a, b in
+              zip(optree.tree_leaves(full, none_is_leaf=True),
+                  optree.tree_leaves(ref_grads, none_is_leaf=True)) if a is not None)
+    return {"stages": plan.stages, "loss_err": abs(float(value) - float(ref_loss)),
+            "grad_err": err}

@@ -72,11 +72,18 @@ class Layout:
         return f"Layout({body}){tail}"
 
 
+LOCAL_STEPS = frozenset({"slice", "zero", "pad"})
+"""Step kinds that move nothing between ranks: `slice` keeps this rank's piece of a
+replicated dim, `zero` makes a replicated value partial (zeros off index 0), `pad` makes a
+sharded dim partial (this rank's piece in place, zeros elsewhere: a pipeline's gradient of
+a value every microbatch computes, summed over microbatches by accumulation)."""
+
+
 @dataclass(frozen=True, slots=True)
 class Step:
-    """One collective (or local op) on one mesh axis."""
+    """One collective (or local op, `LOCAL_STEPS`) on one mesh axis."""
 
-    kind: str  # all_gather | reduce_scatter | all_reduce | all_to_all | slice | zero
+    kind: str  # all_gather | reduce_scatter | all_reduce | all_to_all | slice | zero | pad
     axis: str
     dim: int | None = None
     to_dim: int | None = None
@@ -153,7 +160,7 @@ def plan_relayout(shape: tuple[int, ...], itemsize: int, src: Layout, dst: Layou
             continue
         for step, nxt, sent in _moves(layout, shape, itemsize, mesh):
             c = costs.get(step.axis, AxisCost())
-            ncost = cost + (c.latency if step.kind not in ("slice", "zero") else 0.0) \
+            ncost = cost + (c.latency if step.kind not in LOCAL_STEPS else 0.0) \
                 + sent * c.seconds_per_byte
             if ncost < best.get(nxt, math.inf) - 1e-12:
                 best[nxt] = ncost
@@ -250,6 +257,13 @@ def apply_step(layout: Layout, step: Step, shape: tuple[int, ...], mesh: Abstrac
         SpecError: the step cannot act on `layout` (e.g. gathers an axis that is not the
             innermost of its dim, or reduces an axis the value is not partial over).
     """
+    if step.kind == "pad":  # not a move the planner makes (`pxform.lower.mpmd` does)
+        d = step.dim
+        if d is not None and d < len(layout.dims) and layout.dims[d] and \
+                layout.dims[d][-1] == step.axis:
+            return Layout(tuple(axes[:-1] if k == d else axes
+                                for k, axes in enumerate(layout.dims)),
+                          layout.partial | {step.axis})
     for s, nxt, _ in _moves(layout, shape, 1, mesh):
         if s == step:
             return nxt

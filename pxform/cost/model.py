@@ -38,7 +38,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from pxform.core.ir import Graph, Value
-from pxform.core.layout import Relayout
+from pxform.core.layout import LOCAL_STEPS, Relayout
 from pxform.frontend.trace import run_graph
 
 if TYPE_CHECKING:
@@ -109,7 +109,7 @@ class CostModel:
     def step_time(self, kind: str, axis: str, sent: float,
                   axes: Mapping[str, tuple[int, int]]) -> float:
         size, level = axes[axis]
-        if kind in ("slice", "zero") or size <= 1:
+        if kind in LOCAL_STEPS or size <= 1:
             return 0.0
         return self.hardware.comm_time(kind, sent, size, level)
 
@@ -124,11 +124,11 @@ def relayout_steps(relayout: Relayout) -> list[tuple[str, str, float]]:
     """(kind, axis, bytes sent per rank) per step; an axis's volume is shared by its steps."""
     per_axis: dict[str, int] = {}
     for s in relayout.steps:
-        if s.kind not in ("slice", "zero"):
+        if s.kind not in LOCAL_STEPS:
             per_axis[s.axis] = per_axis.get(s.axis, 0) + 1
     out = []
     for s in relayout.steps:
-        if s.kind in ("slice", "zero"):
+        if s.kind in LOCAL_STEPS:
             continue
         out.append((s.kind, s.axis, relayout.volume_of(s.axis) / per_axis[s.axis]))
     return out

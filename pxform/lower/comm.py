@@ -13,7 +13,7 @@ Example:
 
 from __future__ import annotations
 
-from pxform.core.layout import AxisCost, Relayout, Step
+from pxform.core.layout import LOCAL_STEPS, AxisCost, Relayout, Step
 from pxform.lower.spmd import ConvertInstr, Program
 
 
@@ -70,4 +70,4 @@ def _cost(r: Relayout, program: Program) -> float:
     # a re-layout made without planning (an inserted reduction): price its steps
     cost = AxisCost()
     return sum(cost.latency for s in r.steps
-               if s.kind not in ("slice", "zero") and program.mesh.axis_size(s.axis) > 1)
+               if s.kind not in LOCAL_STEPS and program.mesh.axis_size(s.axis) > 1)

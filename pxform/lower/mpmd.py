@@ -23,16 +23,17 @@ it. Values defined on a stage and read on a later one cross every boundary in be
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
 from pxform.core.errors import PipelineError
 from pxform.core.ir import Graph, Value
-from pxform.core.layout import Layout
+from pxform.core.layout import Layout, Step
 from pxform.core.mesh import AbstractMesh
 from pxform.lower.defer import defer_reductions
 from pxform.lower.overlap import interleave
-from pxform.lower.spmd import CallInstr, Instr, Program, lower
+from pxform.lower.spmd import CallInstr, ConvertInstr, Instr, Program, lower
 from pxform.lower.spmd import defines as _defines
 from pxform.lower.spmd import reads as _reads
 from pxform.ops import bind
@@ -144,6 +145,7 @@ def lower_pipeline(graph: Graph, op_stage: tuple[int, ...], num_stages: int,
     whole = interleave(defer_reductions(lower(graph, mesh, input_layouts, strategies,
                                                  output_layouts)))
     _refuse_microbatch_collectives(whole, fn)
+    whole = _pad_microbatch_gradients(whole)
     instr_stage = _instr_stages(whole, op_stage, num_stages)
     values = _local_values(whole)
     input_index = {v.name: i for i, v in enumerate(whole.inputs)}
@@ -291,6 +293,29 @@ def _refuse_microbatch_collectives(program: Program, fn: str) -> None:
                     f"which no single microbatch has.\n  Fix: compute it per example or "
                     f"per microbatch (e.g. layer norm instead of batch norm), or reduce it "
                     f"last: the function's output may be a sum or mean over the batch.")
+
+
+def _pad_microbatch_gradients(program: Program) -> Program:
+    """A value every microbatch computes whole (a class token a parameter expands to the
+    batch) but a batch-split op reads in its microbatch's piece: the conversion's backward
+    would all-gather the pieces' gradients over `mb`, which cannot run, microbatches coming
+    one at a time. Its gradient is the sum over microbatches of each one's piece padded
+    with zeros, and autograd adds up what every microbatch's backward returns: so the
+    all-gather over `mb` becomes `pad` (local), and the sum is the accumulation."""
+    instrs = list(program.instrs)
+    changed = False
+    for k, instr in enumerate(instrs):
+        if not isinstance(instr, ConvertInstr):
+            continue
+        steps = instr.backward.steps
+        if any(s.axis == MB and s.kind == "all_gather" for s in steps):
+            padded = tuple(Step("pad", MB, s.dim) if s.axis == MB and s.kind == "all_gather"
+                           else s for s in steps)
+            dst = Layout(instr.backward.dst.dims, instr.backward.dst.partial | {MB})
+            instrs[k] = dataclasses.replace(instr, backward=dataclasses.replace(
+                instr.backward, steps=padded, dst=dst))
+            changed = True
+    return dataclasses.replace(program, instrs=tuple(instrs)) if changed else program
 
 
 def _weight_values(program: Program, params: set[str]) -> set[str]:

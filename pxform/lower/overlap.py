@@ -32,6 +32,7 @@ import dataclasses
 import heapq
 from collections import defaultdict
 
+from pxform.core.layout import LOCAL_STEPS
 from pxform.frontend.regions import PIECE, PieceTag
 from pxform.lower.spmd import CallInstr, ConvertInstr, Instr, Program, defines, reads
 
@@ -81,7 +82,7 @@ def _pieces(instrs: list[Instr]) -> dict[int, PieceTag]:
 
 def _moves(instr: ConvertInstr, program: Program, backward: bool) -> bool:
     steps = (instr.backward if backward else instr.forward).steps
-    return any(s.kind not in ("slice", "zero") and program.mesh.axis_size(s.axis) > 1
+    return any(s.kind not in LOCAL_STEPS and program.mesh.axis_size(s.axis) > 1
                for s in steps)
 
 

@@ -24,7 +24,7 @@ import torch
 
 from pxform.core.errors import UnsupportedOpError
 from pxform.core.ir import Graph, Op, TensorType, Value, dtype_name, map_values
-from pxform.core.layout import Layout, Relayout
+from pxform.core.layout import LOCAL_STEPS, Layout, Relayout
 from pxform.core.mesh import AbstractMesh
 from pxform.frontend.precision import INPUT_CAST
 from pxform.frontend.rng import PLAN_INDEPENDENT, RANDOM
@@ -132,7 +132,7 @@ class Program:
             if isinstance(instr, ConvertInstr):
                 steps = (instr.backward if backward else instr.forward).steps
                 out += [str(s) for s in steps
-                        if s.kind not in ("slice", "zero") and self.mesh.axis_size(s.axis) > 1]
+                        if s.kind not in LOCAL_STEPS and self.mesh.axis_size(s.axis) > 1]
         return out
 
     def as_text(self) -> str:

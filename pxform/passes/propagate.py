@@ -12,7 +12,7 @@ import math
 from functools import lru_cache
 
 from pxform.core.ir import Graph, TensorType
-from pxform.core.layout import AxisCost, Layout, Relayout, plan_relayout
+from pxform.core.layout import LOCAL_STEPS, AxisCost, Layout, Relayout, plan_relayout
 from pxform.core.mesh import AbstractMesh
 from pxform.core.spec import P
 from pxform.frontend.precision import INPUT_CAST
@@ -108,7 +108,7 @@ def propagate(graph: Graph, mesh: AbstractMesh, input_layouts: list[Layout],
                     continue
                 comm += 2 * fwd.cost  # forward, and its mirror in backward
                 moves += len(fwd.steps)
-                if any(st.axis in sequential and st.kind not in ("slice", "zero")
+                if any(st.axis in sequential and st.kind not in LOCAL_STEPS
                        for st in fwd.steps):
                     comm = math.inf
             if zero3:

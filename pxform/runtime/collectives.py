@@ -20,7 +20,7 @@ import torch
 import torch.distributed._functional_collectives as fc
 
 from pxform.core.errors import CollectiveError, PxformError
-from pxform.core.layout import Step
+from pxform.core.layout import LOCAL_STEPS, Step
 
 
 @dataclass(frozen=True)
@@ -53,7 +53,7 @@ def run_step(x: torch.Tensor, step: Step, axes: AxisGroups, wait: bool = True
     try:
         return _run_step(x, step, axes, wait)
     except RuntimeError as exc:
-        if isinstance(exc, PxformError) or step.kind in ("slice", "zero"):
+        if isinstance(exc, PxformError) or step.kind in LOCAL_STEPS:
             raise
         raise collective_error(exc, str(step), step.axis, axes) from exc
 
@@ -81,7 +81,7 @@ def _run_step(x: torch.Tensor, step: Step, axes: AxisGroups, wait: bool = True
     if n == 1:
         return x  # a size-1 axis moves nothing
     group = axes.groups[a]
-    if isinstance(group, Microbatches) and step.kind not in ("slice", "zero"):
+    if isinstance(group, Microbatches) and step.kind not in LOCAL_STEPS:
         if step.kind == "all_reduce":
             return x
         raise RuntimeError(f"pxform: {step} over the microbatch axis cannot run: "
@@ -105,6 +105,14 @@ def _run_step(x: torch.Tensor, step: Step, axes: AxisGroups, wait: bool = True
         return x.chunk(n, dim=step.dim)[axes.index[a]].contiguous()
     if step.kind == "zero":
         return x if axes.index[a] == 0 else torch.zeros_like(x)
+    if step.kind == "pad":  # this rank's piece in place, zeros for the others' pieces
+        assert step.dim is not None
+        size = x.shape[step.dim]
+        shape = list(x.shape)
+        shape[step.dim] = size * n
+        out = x.new_zeros(shape)
+        out.narrow(step.dim, axes.index[a] * size, size).copy_(x)
+        return out
     raise ValueError(f"run_step: unknown step {step}")
 
 

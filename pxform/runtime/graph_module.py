@@ -32,7 +32,7 @@ import torch.fx
 from pxform.core import rng
 from pxform.core.errors import CollectiveError
 from pxform.core.ir import DEVICE, Op, Value
-from pxform.core.layout import Step
+from pxform.core.layout import LOCAL_STEPS, Step
 from pxform.core.rng import RandomTag
 from pxform.frontend.regions import RECOMPUTE, SAVE, RecomputeTag
 from pxform.frontend.rng import INPLACE, PLAN_INDEPENDENT, RANDOM
@@ -156,7 +156,7 @@ class Convert(torch.nn.Module):
             given = active.prefetch.take(self.site)
         if (buckets is not None and self.param is not None and x.requires_grad
                 and torch.is_grad_enabled()
-                and any(s.kind not in ("slice", "zero") for s in self.backward_steps)):
+                and any(s.kind not in LOCAL_STEPS for s in self.backward_steps)):
             y = _BucketedConvert.apply(x, self.forward_steps, self.backward_steps, axes,
                                        buckets, self.param, given, self.cast, self.grad_dtype)
         else:

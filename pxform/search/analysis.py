@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 from pxform.core.errors import PxformError
 from pxform.core.ir import Graph, Value
-from pxform.core.layout import Layout, plan_relayout
+from pxform.core.layout import LOCAL_STEPS, Layout, plan_relayout
 from pxform.core.mesh import AbstractMesh
 from pxform.core.spec import P
 from pxform.cost.model import SavedBytes, saved_bytes_per_op
@@ -176,7 +176,7 @@ def _gathers_batch(v: Value, have: Layout, need: Layout, mesh: AbstractMesh) -> 
     if have == need or DATA not in have.used_axes() | have.partial:
         return False
     steps = plan_relayout(v.type.shape, v.type.dtype.itemsize, have, need, mesh).steps
-    return any(st.axis == DATA and st.kind not in ("slice", "zero") for st in steps)
+    return any(st.axis == DATA and st.kind not in LOCAL_STEPS for st in steps)
 
 
 def _batch_spec(v: Value, batch_dim: int):  # type: ignore[no-untyped-def]
