@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.distributed._functional_collectives as fc
 
-from pxform.core.errors import CollectiveError, PxformError
+from pxform.core.errors import CollectiveError, PipelineError, PxformError
 from pxform.core.layout import LOCAL_STEPS, Step
 
 
@@ -84,8 +84,10 @@ def _run_step(x: torch.Tensor, step: Step, axes: AxisGroups, wait: bool = True
     if isinstance(group, Microbatches) and step.kind not in LOCAL_STEPS:
         if step.kind == "all_reduce":
             return x
-        raise RuntimeError(f"pxform: {step} over the microbatch axis cannot run: "
-                           f"microbatches run one at a time")
+        # a lowering gap, not a peer's failure: said as it is (not as a collective that
+        # timed out)
+        raise PipelineError(f"pxform: {step} over the microbatch axis cannot run: "
+                            f"microbatches run one at a time")
     done = fc.wait_tensor if wait else _launched
     if step.kind == "all_gather":
         assert step.dim is not None
