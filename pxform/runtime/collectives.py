@@ -61,12 +61,18 @@ def run_step(x: torch.Tensor, step: Step, axes: AxisGroups, wait: bool = True
 def collective_error(exc: BaseException, what: str, axis: str, axes: AxisGroups
                      ) -> CollectiveError:
     """The error for a collective `what` over `axis` that did not complete (`exc`)."""
+    return peer_error(exc, f"{what} over mesh axis {axis!r} ({axes.sizes[axis]} ranks, "
+                           f"this one at index {axes.index[axis]})")
+
+
+def peer_error(exc: BaseException, subject: str) -> CollectiveError:
+    """The error for a transfer `subject` (a collective, a pipeline send or receive) that
+    did not complete (`exc`): this rank, what waited, and the fix."""
     import torch.distributed as dist
 
     rank = dist.get_rank() if dist.is_initialized() else 0
     return CollectiveError(
-        f"pxform: rank {rank}: {what} over mesh axis {axis!r} ({axes.sizes[axis]} "
-        f"ranks, this one at index {axes.index[axis]}) did not complete: "
+        f"pxform: rank {rank}: {subject} did not complete: "
         f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}.\n  Another "
         f"rank failed or runs a different program (its own error says why), or the step "
         f"is slower than the mesh's timeout.\n  Fix: make every rank run the same "

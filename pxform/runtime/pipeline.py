@@ -32,7 +32,7 @@ import optree
 import torch
 import torch.distributed as dist
 
-from pxform.core.errors import CollectiveError, PxformError
+from pxform.core.errors import PxformError
 from pxform.core.ir import TensorType, Value
 from pxform.core.layout import Layout
 from pxform.core.mesh import AbstractMesh
@@ -47,7 +47,7 @@ from pxform.runtime.boundary import (
     wrap_output,
 )
 from pxform.runtime.buckets import GradAccumulator
-from pxform.runtime.collectives import AxisGroups, Microbatches, all_reduce_sum
+from pxform.runtime.collectives import AxisGroups, Microbatches, all_reduce_sum, peer_error
 from pxform.runtime.graph_module import (
     draw_seeds,
     local_count,
@@ -410,14 +410,8 @@ def _wait(work: Any, place: PipelineGroup, what: str) -> None:
     except RuntimeError as exc:
         if isinstance(exc, PxformError):
             raise
-        rank = dist.get_rank() if dist.is_initialized() else 0
-        raise CollectiveError(
-            f"pxform: rank {rank}: {what}, pipeline rank {place.rank} of {place.size}, did "
-            f"not complete: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}."
-            f"\n  Another rank failed or runs a different program (its own error says why), "
-            f"or the step is slower than the mesh's timeout.\n  Fix: make every rank run the "
-            f"same program on the same shapes; for a legitimately slow step raise the "
-            f"timeout: pxform.Mesh(..., timeout=seconds) or PXFORM_TIMEOUT_S.") from exc
+        raise peer_error(exc, f"{what}, pipeline rank {place.rank} of {place.size},") \
+            from exc
 
 
 def _combine(program: PipelineProgram, finals: list[tuple[Any, ...]],
