@@ -161,8 +161,9 @@ class _Rewrite:
                           kwargs=tuple((k, map_values(a, sub)) for k, a in op.kwargs))
 
     def _cast(self, v: Value, dtype: torch.dtype, reader: Op | None) -> Value:
-        """`v` cast to `dtype`, for `reader` (None: a graph output); shared by readers
-        with the same tags and gradient mode."""
+        """`v` cast to `dtype`, for `reader` (None: a graph output). A program input's
+        cast is shared by readers with the same tags and gradient mode in one stage; any
+        other value's is the reader's own (module doc)."""
         tags = () if reader is None else tuple(
             (k, t) for k, t in reader.tags if k not in _NOT_COPIED)
         grad = True if reader is None else reader.grad

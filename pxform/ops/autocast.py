@@ -49,7 +49,10 @@ def autocast_kind(op: Op, device: str, dtype: torch.dtype) -> Kind | None:
     tensors = [v for v in op.inputs if eligible(v.type.dtype)]
     if name in _CASTS or not tensors:
         return None
-    key = (op.target, device, dtype, tuple((v.name, v.type.shape, v.type.dtype)
+    # by shapes, dtypes and which inputs are the same value (not by names): the layers of
+    # a model share their answers
+    names = [v.name for v in op.inputs]
+    key = (op.target, device, dtype, tuple((names.index(v.name), v.type.shape, v.type.dtype)
                                            for v in op.inputs), _static(op))
     if key not in _CACHE:
         _CACHE[key] = _probe(op, device, dtype)
