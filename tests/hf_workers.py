@@ -31,3 +31,57 @@ def run_hf(name: str, pin: Pin | None) -> dict:
     return {"config": plan.config_text(), "strategies": sorted({b.strategy for b in plan.blocks}),
             "loss_err": float((value - ref_value).abs()), "grad_err": err / scale,
             "have": have, "num": len(ref_grads), "dtype": str(next(iter(params.values())).dtype)}
+
+
+def run_zoo(name: str, mode: str, dtype: str = "float64") -> dict:
+    """One coverage case (`tests/test_coverage.py`, `benchmarks/coverage.py`): the zoo model
+    `name` under data parallel (`mode="dp"`: the batch split over every rank) or `auto`, on
+    this world, against `pxform.value_and_grad` of the plain function on one process.
+    Failures are returned, not raised, so one model's failure does not stop a sweep."""
+    import time
+    import traceback
+    import warnings
+
+    import hf_zoo
+    import torch
+    import torch.distributed as dist
+
+    start = time.perf_counter()
+    out: dict = {"name": name, "mode": mode, "ok": False}
+    try:
+        model, inputs = hf_zoo.build(name, dtype=getattr(torch, dtype))
+        fn, params = pxform.module_fn(model)
+        params = {k: v.detach() for k, v in params.items()}
+
+        def loss(params, inputs):
+            return fn(params, **inputs).loss
+
+        loss.__name__ = f"{name}_loss"
+        ref_value, ref_grads = pxform.value_and_grad(loss)(params, inputs)
+        world = dist.get_world_size()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            if mode == "dp":
+                step = pxform.shard(loss, mesh=pxform.Mesh({"dp": world}),
+                                    in_specs=(None, pxform.P("dp")))
+            else:
+                step = pxform.auto(loss, mesh=world, memory_budget="1GiB",
+                                   hardware="a100-40gb")
+                out["config"] = step.plan(params, inputs).config_text()
+            value, grads = pxform.value_and_grad(step)(params, inputs)
+        out["warnings"] = [str(w.message)[:300] for w in caught
+                           if issubclass(w.category, pxform.PxformWarning)]
+        full = pxform.gather(grads)
+        have = [k for k in ref_grads if ref_grads[k] is not None and full.get(k) is not None]
+        scale = max((float(g.abs().max()) for g in ref_grads.values() if g is not None),
+                    default=1.0) or 1.0
+        out["loss_err"] = abs(float(value) - float(ref_value)) / max(abs(float(ref_value)), 1.0)
+        out["grad_err"] = max((float((full[k] - ref_grads[k]).abs().max()) for k in have),
+                              default=0.0) / scale
+        out["have"], out["num"] = len(have), sum(g is not None for g in ref_grads.values())
+        out["ok"] = True
+    except Exception as exc:  # a sweep records every failure
+        out["error"] = f"{type(exc).__name__}: {exc}"[:1500]
+        out["trace"] = traceback.format_exc()[-3000:]
+    out["seconds"] = time.perf_counter() - start
+    return out

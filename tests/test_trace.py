@@ -258,7 +258,12 @@ def test_module_fn_records_module_paths_and_traces_on_meta():
     assert set(params) >= {"0.fc.weight", "0.scale", "1.norm.bias"}
     assert not params["0.scale"].requires_grad
     traced = pxform.trace(fn, params, torch.empty(2, 8, device="meta"))
-    modules = [op.module for op in traced.graph.ops]
+    # buffers are read through `detach`: state, never differentiated
+    detached = [op.inputs[0].name for op in traced.graph.ops if op.name == "detach"]
+    assert detached == ["arg0.scale", "arg1.scale"]
+    assert traced.buffers == {k for k, v in enumerate(traced.graph.inputs)
+                              if v.name in detached}
+    modules = [op.module for op in traced.graph.ops if op.name != "detach"]
     assert modules == ["0.norm", "0.fc", "0", "1.norm", "1.fc", "1"]
     assert "# 1.fc" in str(traced)
     # the same function runs on materialised parameters

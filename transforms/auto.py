@@ -75,6 +75,7 @@ class Auto(Executable):
     given: Plan | None = None  # a complete plan to run as it is
     allow_fallback: bool = True  # ops without a rule run replicated, reported once
     precision: Precision | None = None  # mixed precision, applied by the trace
+    sync_batch_norm: bool = False  # training-mode BatchNorm by the whole batch's statistics
     _cache: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -98,7 +99,9 @@ class Auto(Executable):
         batch = set(self._batch_argnums(len(args)))
         traced = trace(self.fn, *full, allow_fallback=self.allow_fallback,
                        precision=self.precision,
-                       param_argnums=[n for n in range(len(args)) if n not in batch])
+                       param_argnums=[n for n in range(len(args)) if n not in batch],
+                       sync_batch_norm=self.sync_batch_norm)
+        self._cache["writes_state"] = bool(traced.state)
         graph = prepare(traced.graph)
         leaves = optree.tree_leaves(full)  # type: ignore[arg-type]
         arg_of = [n for n, leaf in zip(leaf_arg_index(full), leaves)
@@ -152,9 +155,16 @@ class Auto(Executable):
                 from pxform.search import search
 
                 assert self.hardware is not None and self.memory_budget is not None
+                from pxform.search.context import Pin
+
+                pin = self.pin
+                if self._cache.get("writes_state") and (pin is None or pin.stages is None):
+                    # module state written in place (BatchNorm's running statistics) needs
+                    # the whole batch in one step: no pipeline (`pxform.pipeline` refuses)
+                    pin = dataclasses.replace(pin or Pin(), stages=1)
                 plan = search(graph, names, devices=self.devices, budget=self.memory_budget,
                               hardware=self.hardware, objective=self.objective,
-                              batch_range=self.batch_range, pin=self.pin,
+                              batch_range=self.batch_range, pin=pin,
                               batch_dim=self.batch_dim, optimizer=self.optimizer,
                               fn=f"auto({self.__name__})", function=self.__name__,
                               progress=self.progress)
@@ -187,11 +197,12 @@ class Auto(Executable):
             fn: Any = Pipelined(self.fn, plan.stages, plan.microbatches, plan.schedule, "pp",
                                 batch_argnums=self._batch_argnums(len(args)),
                                 batch_dim=self.batch_dim, planner=lowering, fallback=fallback,
-                                precision=self.precision)
-            exe = Sharded(fn, mesh, specs, precision=self.precision)
+                                precision=self.precision, sync_batch_norm=self.sync_batch_norm)
+            exe = Sharded(fn, mesh, specs, precision=self.precision,
+                          sync_batch_norm=self.sync_batch_norm)
         else:
             exe = Sharded(self.fn, mesh, specs, planner=lowering, fallback=fallback,
-                          precision=self.precision)
+                          precision=self.precision, sync_batch_norm=self.sync_batch_norm)
         self._cache[key] = exe
         return exe
 
@@ -269,7 +280,7 @@ def auto(fn: Any = None, *, mesh: Any, memory_budget: Any = None, objective: str
          batch_argnums: int | tuple[int, ...] | None = None, batch_dim: int = 0,
          plan: Plan | Pin | None = None, optimizer: str = "adam",
          progress: Callable[[int, int], None] | None = None, allow_fallback: bool = True,
-         precision: Precision | None = None) -> Any:
+         precision: Precision | None = None, sync_batch_norm: bool = False) -> Any:
     """Search a parallel plan for `fn` and run it (module doc). Usable as a decorator.
 
     Args:
@@ -295,6 +306,9 @@ def auto(fn: Any = None, *, mesh: Any, memory_budget: Any = None, objective: str
         precision: a mixed-precision policy (`pxform.Precision`, see `pxform.shard`). The
             search prices what it gives: compute at the compute dtype's FLOP rate,
             activations and gathers in its bytes, gradient reductions in `reduce_dtype`.
+        sync_batch_norm: training-mode BatchNorm by the whole batch's statistics (see
+            `pxform.shard`); by default each rank's rows by their own, as DDP. A function
+            that writes running statistics gets a plan without pipeline stages.
 
     Example:
         >>> step = pxform.auto(loss_fn, mesh=8, memory_budget="40GiB", hardware="a100-40gb")
@@ -306,7 +320,7 @@ def auto(fn: Any = None, *, mesh: Any, memory_budget: Any = None, objective: str
                                  batch_range=batch_range, batch_argnums=batch_argnums,
                                  batch_dim=batch_dim, plan=plan, optimizer=optimizer,
                                  progress=progress, allow_fallback=allow_fallback,
-                                 precision=precision)
+                                 precision=precision, sync_batch_norm=sync_batch_norm)
     if isinstance(fn, torch.nn.Module):
         raise module_given(fn, "auto")
     devices = _device_count(mesh)
@@ -328,7 +342,7 @@ def auto(fn: Any = None, *, mesh: Any, memory_budget: Any = None, objective: str
                 f"precision= (the plan's is used), or search again under the new policy.")
         return Auto(fn, devices, None, objective, None, batch_range, nums, batch_dim, None,
                     optimizer, progress, given=plan, allow_fallback=allow_fallback,
-                    precision=policy)
+                    precision=policy, sync_batch_norm=sync_batch_norm)
     from pxform.cost.hardware import hardware as get_hardware
 
     hw = get_hardware(hardware if hardware is not None else "h100-80gb")
@@ -336,7 +350,7 @@ def auto(fn: Any = None, *, mesh: Any, memory_budget: Any = None, objective: str
         _budget(memory_budget, getattr(fn, "__name__", "fn"))
     return Auto(fn, devices, budget, objective, hw, batch_range, nums, batch_dim, plan,
                 optimizer, progress, allow_fallback=allow_fallback,
-                precision=precision_arg(precision, "auto"))
+                precision=precision_arg(precision, "auto"), sync_batch_norm=sync_batch_norm)
 
 
 def _budget(value: Any, name: str) -> int:

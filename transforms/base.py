@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import optree
+import torch
 
 from pxform.core.errors import PxformError, SpecError
 from pxform.core.layout import Layout
@@ -43,6 +44,31 @@ from pxform.runtime.mesh import Mesh
 from pxform.runtime.program import execute
 from pxform.runtime.reshard import Reshard
 from pxform.transforms.compile import Fallback, compile_program
+
+
+def trainable_leaves(traced: Any, args: tuple[Any, ...]) -> list[bool]:
+    """Per tensor leaf of `args`, whether `value_and_grad` differentiates it (when its
+    argument is differentiated and it is floating point): not a module buffer
+    (`Traced.buffers`, from `module_fn`), and, in an argument where some floating leaf
+    requires grad, only the leaves that do (PyTorch's mark of a trainable tensor: a frozen
+    parameter gets no gradient). An argument of plain tensors (none requires grad) has
+    every floating leaf differentiated.
+
+    Example:
+        >>> trainable_leaves(traced, (params, batch))   # [True, True, False, ...]
+    """
+    flat: list[tuple[int, Any]] = []
+    for n, a in enumerate(args):
+        flat += [(n, x) for x in optree.tree_leaves(a, is_leaf=_is_tensor)  # type: ignore[arg-type]
+                 if isinstance(x, torch.Tensor)]
+    marked = {n for k, (n, x) in enumerate(flat)
+              if k not in traced.buffers and x.requires_grad and x.is_floating_point()}
+    return [k not in traced.buffers and (n not in marked or x.requires_grad)
+            for k, (n, x) in enumerate(flat)]
+
+
+def _is_tensor(x: Any) -> bool:
+    return isinstance(x, torch.Tensor)  # DTensors too: leaves, not pytrees
 
 
 def fn_name(fn: Any) -> str:

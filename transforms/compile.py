@@ -69,7 +69,8 @@ def compile_program(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
                     out_layouts: Callable[[Traced], list[Layout | None]] | None = None,
                     planner: Planner | None = None, fallback: Fallback | None = None,
                     keep: Sequence[bool] | None = None, traced: Traced | None = None,
-                    precision: Precision | None = None) -> tuple[Traced, Program]:
+                    precision: Precision | None = None, sync_batch_norm: bool = False
+                    ) -> tuple[Traced, Program]:
     """Trace `fn(*args, **kwargs)` and lower it for one rank of `mesh`.
 
     Args:
@@ -82,11 +83,14 @@ def compile_program(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
             computes nothing only the others need (`step.init` on a pipeline rank).
         traced: `fn` already traced on these arguments (not traced again).
         precision: a mixed-precision policy, applied by the trace (`pxform.Precision`).
+        sync_batch_norm: training-mode BatchNorm by the whole batch's statistics (see
+            `pxform.trace`); by default each rank's rows by their own, as DDP.
     """
     fallback = fallback or Fallback()
     if traced is None:
         traced = trace(fn, *args, allow_fallback=fallback.allow,
-                       report_fallbacks=fallback.report, precision=precision, **kwargs)
+                       report_fallbacks=fallback.report, precision=precision,
+                       sync_batch_norm=sync_batch_norm, **kwargs)
     if layouts is None:
         layouts = [Layout.replicated(v.type.rank) for v in traced.graph.inputs]
     graph = traced.graph if keep is None else traced.graph.pruned(keep)

@@ -15,6 +15,7 @@ import optree
 import torch
 
 from pxform.core.errors import PxformError
+from pxform.frontend.trace import collect_buffers
 from pxform.transforms.base import Executable
 
 
@@ -61,28 +62,42 @@ def _plain(fn: Callable[..., Any], args: tuple[Any, ...], nums: tuple[int, ...],
     args = list(args)  # type: ignore[assignment]
     leaves_per_arg = {}
     for n in nums:
-        def prep(x: Any) -> Any:
-            if isinstance(x, torch.Tensor) and x.dtype.is_floating_point:
+        # PyTorch's mark of a trainable tensor: where some floating leaf of the argument
+        # requires grad, only those are differentiated (frozen parameters and module
+        # buffers are not); an argument of plain tensors has every floating leaf
+        floating = [x for x in optree.tree_leaves(args[n])  # type: ignore[index]
+                    if isinstance(x, torch.Tensor) and x.dtype.is_floating_point]
+        marked = any(x.requires_grad for x in floating)
+
+        def prep(x: Any, marked: bool = marked) -> Any:
+            if isinstance(x, torch.Tensor) and x.dtype.is_floating_point \
+                    and (x.requires_grad or not marked):
                 return x.detach().requires_grad_(True)
+            if isinstance(x, torch.Tensor):
+                return x.detach()
             return x
 
         args[n] = optree.tree_map(prep, args[n])  # type: ignore[index]
         leaves_per_arg[n] = optree.tree_leaves(args[n])  # type: ignore[index]
-    with torch.enable_grad():
+    with torch.enable_grad(), collect_buffers() as buffers:
         out = fn(*args)
+    state = {id(b) for b in buffers}  # module buffers `module_fn` read: never trainable
     value, aux = (out if has_aux else (out, None))
     if not (isinstance(value, torch.Tensor) and value.dim() == 0):
         raise PxformError(f"pxform.value_and_grad({name}): the function must return a scalar "
                           f"tensor, got {getattr(value, 'shape', type(value).__name__)}")
-    wanted = [x for n in nums for x in leaves_per_arg[n]
-              if isinstance(x, torch.Tensor) and x.requires_grad]
+
+    def wants(x: Any) -> bool:
+        return isinstance(x, torch.Tensor) and x.requires_grad and id(x) not in state
+
+    wanted = [x for n in nums for x in leaves_per_arg[n] if wants(x)]
     # a value that does not depend on the arguments has zero gradients
     grads = iter(torch.autograd.grad(value, wanted, allow_unused=True)
                  if wanted and value.requires_grad else [None] * len(wanted))
     per_arg = []
     for n in nums:
         def pick(x: Any) -> Any:
-            if isinstance(x, torch.Tensor) and x.requires_grad:
+            if wants(x):
                 g = next(grads)
                 return torch.zeros_like(x) if g is None else g
             return None

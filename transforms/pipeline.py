@@ -54,7 +54,7 @@ from pxform.runtime.buckets import DEFAULT_BUCKET_MB
 from pxform.runtime.collectives import AxisGroups
 from pxform.runtime.mesh import Mesh
 from pxform.runtime.pipeline import PipelineGroup, reads, run_pipeline
-from pxform.transforms.base import Enclosing, Nested, precision_arg
+from pxform.transforms.base import Enclosing, Nested, precision_arg, trainable_leaves
 from pxform.transforms.compile import Fallback, op_strategies
 from pxform.transforms.initialize import (
     initialize,
@@ -92,6 +92,9 @@ class Pipelined(Nested):
     fallback: Fallback = Fallback()
     # mixed precision (`pxform.Precision`); None: the enclosing shard's, if any
     precision: Precision | None = None
+    # training-mode BatchNorm by the whole batch's statistics (default: each microbatch's
+    # rows, and each rank's, by their own)
+    sync_batch_norm: bool = False
     _cache: dict = field(default_factory=dict, repr=False)
 
     def options_text(self) -> str:
@@ -104,10 +107,21 @@ class Pipelined(Nested):
             else enclosing.fallback
         precision = self.precision if self.precision is not None or enclosing is None \
             else enclosing.precision
-        return trace(self.fn, *full, allow_fallback=fallback.allow,
-                     report_fallbacks=fallback.report, precision=precision,
-                     param_argnums=[n for n in range(len(full))
-                                    if n not in self._batch_argnums(len(full))])
+        traced = trace(self.fn, *full, allow_fallback=fallback.allow,
+                       report_fallbacks=fallback.report, precision=precision,
+                       param_argnums=[n for n in range(len(full))
+                                      if n not in self._batch_argnums(len(full))],
+                       sync_batch_norm=self.sync_batch_norm)
+        if traced.state:
+            names = ", ".join(traced.graph.inputs[k].name for k in traced.state[:3])
+            raise PipelineError(
+                f"pxform.{self.__name__}: the function updates module buffers in place "
+                f"({names}{', ...' if len(traced.state) > 3 else ''}: BatchNorm's running "
+                f"statistics in training mode), and a pipeline runs its microbatches one at "
+                f"a time, so no step sees the whole batch's statistics.\n  Fix: run it "
+                f"under pxform.shard (or pxform.auto, which then plans no pipeline), or put "
+                f"the BatchNorm layers in eval mode (or track_running_stats=False).")
+        return traced
 
     # ---------------------------------------------------------------- schedule
 
@@ -343,7 +357,8 @@ class Pipelined(Nested):
             program, traced.out_tree, actions, split, args, grad_argnums, arg_of, leaves,
             layouts or [Layout.replicated(t.dim()) for t in leaves], batch_dims, place, axes,
             mesh, sub, enclosing.bucket_mb if enclosing is not None else DEFAULT_BUCKET_MB,
-            enclosing.reshard_after_forward if enclosing is not None else True)
+            enclosing.reshard_after_forward if enclosing is not None else True,
+            trainable_leaves(traced, args))
 
     def init(self, init_fn: Any, *init_args: Any, batch: tuple[Any, ...] | None = None
              ) -> Any:
@@ -437,7 +452,7 @@ def pipeline(fn: Any, *, stages: int, microbatches: int, schedule: Any = "1f1b",
              axis: str = "pp", batch_argnums: int | tuple[int, ...] | None = None,
              batch_dim: int = 0, recompute: Any = None, memory_budget: Any = None,
              allow_fallback: bool = False, precision: Precision | None = None,
-             **options: Any) -> Pipelined:
+             sync_batch_norm: bool = False, **options: Any) -> Pipelined:
     """Run `fn` as a pipeline of `stages` ranks over `microbatches` microbatches.
 
     Args:
@@ -461,6 +476,10 @@ def pipeline(fn: Any, *, stages: int, microbatches: int, schedule: Any = "1f1b",
             `PxformWarning`, instead of refusing them.
         precision: a mixed-precision policy (`pxform.Precision`, see `pxform.shard`);
             microbatch gradients are summed in its `reduce_dtype`.
+        sync_batch_norm: training-mode BatchNorm by the whole batch's statistics; by
+            default each microbatch's rows are normalised by their own (see
+            `pxform.shard`). A function that writes running statistics is refused: no
+            pipeline step sees the whole batch at once.
         **options: passed to the schedule (`virtual_stages=2`, `forwards=3`).
 
     Example:
@@ -488,4 +507,5 @@ def pipeline(fn: Any, *, stages: int, microbatches: int, schedule: Any = "1f1b",
         recompute = tuple(recompute)
     return Pipelined(fn, stages, microbatches, schedule, axis, tuple(sorted(options.items())),
                      nums, batch_dim, recompute, budget, fallback=Fallback(allow=allow_fallback),
-                     precision=precision_arg(precision, "pipeline"))
+                     precision=precision_arg(precision, "pipeline"),
+                     sync_batch_norm=sync_batch_norm)

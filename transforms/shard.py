@@ -32,7 +32,14 @@ from pxform.runtime.buckets import DEFAULT_BUCKET_MB, BucketStats
 from pxform.runtime.mesh import Mesh
 from pxform.runtime.program import run_spmd
 from pxform.runtime.reshard import Reshard
-from pxform.transforms.base import Enclosing, Executable, Nested, bound_mesh, precision_arg
+from pxform.transforms.base import (
+    Enclosing,
+    Executable,
+    Nested,
+    bound_mesh,
+    precision_arg,
+    trainable_leaves,
+)
 from pxform.transforms.compile import Fallback, compile_program
 from pxform.transforms.initialize import (
     initialize,
@@ -64,6 +71,8 @@ class Sharded(Executable):
     reshard_after_forward: Reshard = True
     # mixed precision (`pxform.Precision`), applied by the trace
     precision: Precision | None = None
+    # training-mode BatchNorm by the whole batch's statistics (default: each rank's own)
+    sync_batch_norm: bool = False
     _cache: dict = field(default_factory=dict, repr=False)
     _last: dict = field(default_factory=dict, repr=False)
 
@@ -83,7 +92,8 @@ class Sharded(Executable):
             layouts = self._input_layouts(full_args)
             traced, program = compile_program(self.fn, full_args, {}, self.abstract_mesh,
                                               layouts, self._output_layouts, self.planner,
-                                              self.fallback, precision=self.precision)
+                                              self.fallback, precision=self.precision,
+                                              sync_batch_norm=self.sync_batch_norm)
             self._cache[key] = (traced, program, layouts)
         return self._cache[key]
 
@@ -163,7 +173,8 @@ class Sharded(Executable):
             self._last["axes"] = mesh_axes(mesh)
         result = run_spmd(program, traced.out_tree, layouts, args, grad_argnums, mesh,
                           self._last["axes"], self.bucket_mb, self.__name__,
-                          self.reshard_after_forward)
+                          self.reshard_after_forward, trainable_leaves(traced, args),
+                          traced.state)
         if result.bucket_stats is not None:
             self._last["bucket_stats"] = result.bucket_stats
         return result.value, result.grads
@@ -183,7 +194,7 @@ class Sharded(Executable):
 def shard(fn: Any, *, mesh: Mesh | AbstractMesh, in_specs: Any, out_specs: Any = None,
           bucket_mb: float = DEFAULT_BUCKET_MB, allow_fallback: bool = False,
           reshard_after_forward: bool | Collection[str] = True,
-          precision: Precision | None = None) -> Sharded:
+          precision: Precision | None = None, sync_batch_norm: bool = False) -> Sharded:
     """Run `fn` SPMD on `mesh` with inputs laid out per `in_specs`.
 
     Args:
@@ -211,6 +222,11 @@ def shard(fn: Any, *, mesh: Mesh | AbstractMesh, in_specs: Any, out_specs: Any =
             their dtype and are cast where used (on the shard, before ZeRO-3 gathers), ops
             compute as autocast runs them, gradients are reduced in its `reduce_dtype` and
             returned in the parameters' dtype. A nested `pxform.pipeline` follows it.
+        sync_batch_norm: BatchNorm in training mode normalises by the whole batch's
+            statistics, however the mesh splits the batch (synchronised BatchNorm: the
+            one-process result). By default each rank normalises its own rows by their
+            statistics, as DDP does. Running statistics are the whole batch's either way,
+            written back into the buffers passed, as eager updates them (`docs/models.md`).
 
     Example:
         >>> step = pxform.shard(loss_fn, mesh=pxform.Mesh({"dp": 2}),
@@ -225,4 +241,5 @@ def shard(fn: Any, *, mesh: Mesh | AbstractMesh, in_specs: Any, out_specs: Any =
         else frozenset(reshard_after_forward) or False
     return Sharded(fn, mesh, in_specs, out_specs, bucket_mb,
                    fallback=Fallback(allow=allow_fallback), reshard_after_forward=reshard,
-                   precision=precision_arg(precision, "shard"))
+                   precision=precision_arg(precision, "shard"),
+                   sync_batch_norm=sync_batch_norm)

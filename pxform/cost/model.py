@@ -177,9 +177,14 @@ def saved_bytes_per_op(graph: Graph, start: int, stop: int, skip: set[str]
     sub = Graph(tuple(inputs), ops, (), tuple(c for c in graph.constants
                                               if c.value.name in outside),
                 f"{graph.name}[{start}:{stop}]")
+    # a value made without autograd (under no_grad, or detached: a module buffer read by
+    # `module_fn`) does not require grad, or an op refusing gradients for it (BatchNorm's
+    # running statistics) fails here
+    no_grad = {o.name for op in graph.ops if not op.grad or op.name == "detach"
+               for o in op.outputs}
     with mode:
         tensors = [torch.empty(v.type.shape, dtype=v.type.dtype).requires_grad_(
-                   v.type.dtype.is_floating_point) for v in inputs]
+                   v.type.dtype.is_floating_point and v.name not in no_grad) for v in inputs]
     skipped = {id(t.untyped_storage()) for v, t in zip(inputs, tensors) if v.name in skip}
     # our own value -> tensor map (run_graph drops dead values; fake tensors cost nothing)
     env: dict[str, torch.Tensor] = {v.name: t for v, t in zip(inputs, tensors)}

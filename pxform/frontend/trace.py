@@ -30,7 +30,7 @@ import traceback
 import warnings
 import weakref
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,6 +49,7 @@ from pxform.core.units import format_bytes, format_table
 from pxform.frontend.precision import AUTOCAST, apply_precision
 from pxform.frontend.rng import INPLACE, PLAN_INDEPENDENT, RANDOM, tag_random
 from pxform.ops import FALLBACK_TAG, bind, has_rule, rule_info, unsupported_error
+from pxform.ops.norm import BATCH_STATS
 
 MODULE_KEY = "pxform.module"
 """Key under `node.meta["custom"]` that carries the issuing module's dotted path."""
@@ -61,6 +62,31 @@ def is_tracing() -> bool:
     """Is `pxform.trace` running the caller right now (on fake tensors)? Region transforms
     (`recompute`, `coshard`) annotate the trace then; called eagerly, they run."""
     return _TRACING.get()
+
+
+# While `trace` runs the function: `module_fn` functions append the tensors they read as
+# module buffers, so the trace knows which inputs are state (not differentiated; BatchNorm
+# may write them). `value_and_grad` of a plain function collects them the same way.
+_BUFFERS: contextvars.ContextVar[list[torch.Tensor] | None] = contextvars.ContextVar(
+    "pxform_buffers", default=None)
+
+
+@contextlib.contextmanager
+def collect_buffers() -> Iterator[list[torch.Tensor]]:
+    """The tensors `module_fn` functions read as module buffers while the block runs.
+
+    Example:
+        >>> with collect_buffers() as seen:
+        ...     fn(params, x)
+        >>> any(t is params["bn.running_mean"] for t in seen)
+        True
+    """
+    seen: list[torch.Tensor] = []
+    token = _BUFFERS.set(seen)
+    try:
+        yield seen
+    finally:
+        _BUFFERS.reset(token)
 
 
 # Modules named by `module_fn` (weakly held, so models are freed normally).
@@ -102,6 +128,18 @@ class Traced:
     fn_name: str
     fallbacks: tuple[Op, ...] = ()
     _last_use: dict[str, int] = field(default_factory=dict, repr=False)
+    state: tuple[int, ...] = ()
+    buffers: frozenset[int] = frozenset()
+
+    # `state`: the graph inputs (by index) a module writes in place, BatchNorm's running
+    # statistics and batch count: the graph returns their new values after the function's
+    # own outputs, and callers write them back into the tensors passed (`write_state`).
+    # `buffers`: the graph inputs that are module buffers (`module_fn`): never differentiated.
+
+    @property
+    def num_outputs(self) -> int:
+        """The function's own outputs (the graph's, less the state written back)."""
+        return len(self.graph.outputs) - len(self.state)
 
     def __str__(self) -> str:
         return str(self.graph)
@@ -119,7 +157,11 @@ class Traced:
         """
         tensors = self._check_args(args, kwargs)
         outs = run_graph(self.graph, tensors, self._last_use)
-        return optree.tree_unflatten(self.out_tree, outs)
+        n = self.num_outputs
+        with torch.no_grad():  # module state (running statistics) is written as eager does
+            for k, new in zip(self.state, outs[n:]):
+                tensors[k].copy_(new)
+        return optree.tree_unflatten(self.out_tree, outs[:n])
 
     def _check_args(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
         paths, leaves, tree = optree.tree_flatten_with_path(  # type: ignore[var-annotated]
@@ -222,7 +264,8 @@ class Traced:
 
 def trace(fn: Callable[..., Any], *args: Any, allow_fallback: bool = False,
           report_fallbacks: bool = True, precision: Precision | None = None,
-          param_argnums: Sequence[int] = (0,), **kwargs: Any) -> Traced:
+          param_argnums: Sequence[int] = (0,), sync_batch_norm: bool = False,
+          **kwargs: Any) -> Traced:
     """Trace `fn(*args, **kwargs)` into the typed IR without running it on data.
 
     Args:
@@ -237,6 +280,11 @@ def trace(fn: Callable[..., Any], *args: Any, allow_fallback: bool = False,
             honoured with or without one.
         param_argnums: the positional arguments holding parameters (`param_dtype` casts
             their floating leaves).
+        sync_batch_norm: training-mode BatchNorm normalises by the whole batch's
+            statistics however the batch is split (synchronised BatchNorm: one process's
+            result); by default each rank's rows are normalised by their own, as DDP does.
+            The running statistics are the whole batch's either way (module buffers a
+            function writes are returned as `Traced.state` and written back).
 
     Returns:
         A `Traced`: `.graph` is the IR, calling it runs the IR on real tensors.
@@ -273,13 +321,17 @@ def trace(fn: Callable[..., Any], *args: Any, allow_fallback: bool = False,
     fakes = [_to_fake(leaves[i], mode) for i in tensor_pos]
     out_tree_box: list[optree.PyTreeSpec] = []
     out_paths: list[str] = []
+    buffer_pos: set[int] = set()  # tensor leaves `module_fn` read as module buffers
 
     def flat_fn(*tensors: torch.Tensor) -> list[Any]:
         full = list(leaves)
         for i, t in zip(tensor_pos, tensors):
             full[i] = t
         a, kw = optree.tree_unflatten(in_tree, full)
-        result = fn(*a, **kw)
+        with collect_buffers() as seen:
+            result = fn(*a, **kw)
+        position = {id(t): k for k, t in enumerate(tensors)}
+        buffer_pos.update(position[id(t)] for t in seen if id(t) in position)
         opaths, out_leaves, out_tree = optree.tree_flatten_with_path(result)
         out_tree_box.append(out_tree)
         out_paths.extend(path_text(p, None, root="output") for p in opaths)
@@ -304,7 +356,8 @@ def trace(fn: Callable[..., Any], *args: Any, allow_fallback: bool = False,
         _TRACING.reset(token)
 
     input_names = _input_names([leaf_infos[i].path for i in tensor_pos])
-    graph, fallbacks = _to_ir(gm, fn_name, input_names, allow_fallback)
+    graph, fallbacks, state = _to_ir(gm, fn_name, input_names, allow_fallback,
+                                     {input_names[k] for k in buffer_pos}, sync_batch_norm)
     params = {name for name, i in zip(input_names, tensor_pos)
               if len(paths[i]) > 1 and paths[i][0] == 0 and
               paths[i][1] in {n % max(len(args), 1) for n in param_argnums}}
@@ -314,8 +367,10 @@ def trace(fn: Callable[..., Any], *args: Any, allow_fallback: bool = False,
             f"pxform.trace({fn_name}): {len(fallbacks)} ops have no sharding rule and will "
             f"run replicated: " + "; ".join(f"{op.name}{' at ' + op.source if op.source else ''}"
                                           for op in fallbacks), PxformWarning, stacklevel=2)
+    index = {name: k for k, name in enumerate(input_names)}
     return Traced(graph, in_tree, out_tree_box[-1], tuple(leaf_infos), fn_name,
-                  tuple(fallbacks), last_uses(graph))
+                  tuple(fallbacks), last_uses(graph), tuple(index[n] for n in state),
+                  frozenset(buffer_pos))
 
 
 def cache_key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
@@ -404,7 +459,8 @@ def last_uses(graph: Graph) -> dict[str, int]:
 # ---------------------------------------------------------------- fx graph -> IR
 
 def _to_ir(gm: torch.fx.GraphModule, fn_name: str, input_names: list[str],
-           allow_fallback: bool) -> tuple[Graph, list[Op]]:
+           allow_fallback: bool, buffers: set[str] = frozenset(),  # type: ignore[assignment]
+           sync_batch_norm: bool = False) -> tuple[Graph, list[Op], list[str]]:
     env: dict[torch.fx.Node, Any] = {}
     inputs: list[Value] = []
     constants: list[Constant] = []
@@ -417,6 +473,7 @@ def _to_ir(gm: torch.fx.GraphModule, fn_name: str, input_names: list[str],
     views = _Views()  # which values view which (in-place writes through views)
     placeholders = iter(input_names)
     outputs: list[Any] = []
+    state: dict[str, Value] = {}  # buffer input -> its value after the writes so far
 
     def new_value(val: torch.Tensor) -> Value:
         return Value(str(next(counter)), TensorType.of(val))
@@ -463,7 +520,10 @@ def _to_ir(gm: torch.fx.GraphModule, fn_name: str, input_names: list[str],
                                                   key=lambda kv: kv[0])))
             retaken = views.refresh(op, fresh)  # views taken before a write into their base
             op = views.renames.rewire(op)
-            emitted = [*retaken, *_functionalize(op, input_ids, views, fn_name, fresh)]
+            emitted = list(retaken)
+            for one in _batch_norm_train(op, fresh, sync_batch_norm):
+                emitted += _functionalize(one, input_ids, views, fn_name, fresh, buffers,
+                                          state)
             op = emitted[len(retaken)]
             if isinstance(op.target, torch._ops.OpOverload) and op.inputs \
                     and op.name in _VIEW_NAMES:
@@ -479,10 +539,13 @@ def _to_ir(gm: torch.fx.GraphModule, fn_name: str, input_names: list[str],
             val = node.meta.get("val")
             env[node] = op.outputs if isinstance(val, (list, tuple)) else (
                 op.outputs[0] if op.outputs else None)
+    # buffers written in place (BatchNorm's running statistics) come back after the
+    # function's outputs, in the order of their first write
+    outputs += list(state.values())
     # random ops get their key and traced shape now, before any pass rewrites them
     graph = Graph(tuple(inputs), tuple(tag_random(ops)), tuple(outputs), tuple(constants),
                   fn_name)
-    return graph, fallbacks
+    return graph, fallbacks, list(state)
 
 
 _VIEW_NAMES = {"view", "reshape", "_unsafe_view", "transpose", "permute", "t", "expand",
@@ -584,12 +647,14 @@ _WRITE_BACK = {"select", "slice", "narrow", "alias", "detach", "view", "_unsafe_
 
 
 def _functionalize(op: Op, input_ids: set[str], views: _Views, fn_name: str,
-                   fresh: Callable[[TensorType], Value]) -> list[Op]:
+                   fresh: Callable[[TensorType], Value], buffers: Collection[str] = (),
+                   state: dict[str, Value] | None = None) -> list[Op]:
     """An in-place aten op as its functional form, and, when it wrote into a view, the
     ops writing the new values back into the viewed tensor (DESIGN.md: the IR is SSA). make_fx
     already routes later uses of the mutated tensor to this op's output; readers of the
     viewed tensor are rewired through `views.renames`. A function input (the caller's
-    state) must not be written."""
+    state) must not be written, except a module buffer (`buffers`, from `module_fn`):
+    its new value is recorded in `state`, and the graph returns it to be written back."""
     target = op.target
     if not isinstance(target, torch._ops.OpOverload):
         return [op]
@@ -604,7 +669,8 @@ def _functionalize(op: Op, input_ids: set[str], views: _Views, fn_name: str,
     if not isinstance(mutated, Value):
         return [op.replace(target=functional)] if functional is not None else [op]
     root = views.root(mutated.name)
-    if root in input_ids:
+    writes_buffer = root in input_ids and root in buffers and state is not None
+    if root in input_ids and not writes_buffer:
         raise TraceError(
             f"pxform.trace({fn_name}): {target} mutates the function's argument "
             f"%{root} in place{where}.\n  Fix: pure functions must not modify their "
@@ -620,8 +686,10 @@ def _functionalize(op: Op, input_ids: set[str], views: _Views, fn_name: str,
             f"{blocked.name}{where}; pxform cannot write {blocked.name} views back.\n  Fix: "
             f"build the new tensor out of place (e.g. torch.where or torch.cat).")
     # the value written is dead after this op (later readers read the new one): the
-    # runtime may write the result into it (`INPLACE`), as the user's in-place op did
-    new = op.replace(target=functional, tags=op.tags + ((INPLACE, True),))
+    # runtime may write the result into it (`INPLACE`), as the user's in-place op did; never
+    # into a buffer: that is the caller's tensor, written back after the step
+    new = op.replace(target=functional,
+                     tags=op.tags + (() if writes_buffer else ((INPLACE, True),)))
     out = [new]
     child = new.outputs[0]
     for vop in reversed(chain):  # write each level back into its parent
@@ -632,6 +700,63 @@ def _functionalize(op: Op, input_ids: set[str], views: _Views, fn_name: str,
         views.renames.add(vop.inputs[0], value)
         child = value
     views.written(root, {v.outputs[0].name for v in chain})
+    if writes_buffer:
+        assert state is not None
+        if not chain:  # later readers of the buffer read the new value
+            views.renames.add(mutated, child)
+        state[root] = child
+    return out
+
+
+def _batch_norm_train(op: Op, fresh: Callable[[TensorType], Value], sync: bool) -> list[Op]:
+    """A training-mode `batch_norm` as pure ops (any other op: itself). `aten.batch_norm`
+    updates its running statistics in place, out of the IR's sight. Here it normalises by
+    the batch's statistics alone, tagged `BATCH_STATS` ("rank": each shard of the batch by
+    its own, as DDP; "global": the whole batch's), and the running statistics are written
+    by explicit ops, `copy_` into the buffers (functionalised into `state` by the caller):
+    mean and unbiased variance of the whole batch, from sums over the batch, which shard
+    as partial sums, so they are one process's statistics under every plan."""
+    aten = torch.ops.aten
+    if op.target is not aten.batch_norm.default:
+        return [op]
+    b = bind(op)
+    if not b.get("training"):
+        return [op]
+    x, rm, rv = b["input"], b.get("running_mean"), b.get("running_var")
+    args = list(op.args)
+    if isinstance(rm, Value) and isinstance(rv, Value):
+        args[3] = args[4] = None
+    tag = (BATCH_STATS, "global" if sync else "rank")
+    out = [op.replace(args=tuple(args), tags=tuple(sorted((*op.tags, tag))))]
+    if not (isinstance(rm, Value) and isinstance(rv, Value)):
+        return out
+    # momentum=None (cumulative averaging) never gets here: nn.BatchNorm turns it into a
+    # factor from `float(num_batches_tracked)`, which the trace refuses as data-dependent
+    momentum = float(b.get("momentum") or 0.0)
+    channels = x.type.shape[1]
+    dims = [0, *range(2, x.type.rank)]
+    count = x.type.numel // max(channels, 1)
+    per_channel = TensorType((channels,), x.type.dtype)
+    broadcast = [1, channels] + [1] * (x.type.rank - 2)
+
+    def emit(target: Any, *a: Any, shape: TensorType | None = None) -> Value:
+        value = fresh(shape or per_channel)
+        out.append(Op(target, a, (value,), module=op.module, source=op.source, grad=False))
+        return value
+
+    mean = emit(aten.div.Tensor, emit(aten.sum.dim_IntList, x, dims), count)
+    centred = emit(aten.sub.Tensor, x, emit(aten.reshape.default, mean, broadcast,
+                                            shape=TensorType(tuple(broadcast), x.type.dtype)),
+                   shape=TensorType(x.type.shape, x.type.dtype))
+    square = emit(aten.mul.Tensor, centred, centred, shape=centred.type)
+    var = emit(aten.div.Tensor, emit(aten.sum.dim_IntList, square, dims), max(count - 1, 1))
+    for buffer, stat in ((rm, mean), (rv, var)):
+        new = emit(aten.add.Tensor, emit(aten.mul.Tensor, buffer, 1.0 - momentum,
+                                         shape=buffer.type),
+                   emit(aten.mul.Tensor, stat, momentum), shape=buffer.type)
+        done = fresh(buffer.type)
+        out.append(Op(aten.copy_.default, (buffer, new), (done,), module=op.module,
+                      source=op.source, grad=False))
     return out
 
 
@@ -928,15 +1053,38 @@ def _trace_failure(fn_name: str, exc: Exception) -> TraceError:
     text = f"{type(exc).__name__}: {exc}".strip()
     first = text.splitlines()[0] if text else type(exc).__name__
     hint = ""
-    if any(k in text for k in ("data-dependent", "DataDependent", "_local_scalar_dense",
-                               "item()")):
-        hint = ("\n  Fix: control flow or shapes that depend on tensor values cannot be traced; "
-                "make them depend on shapes or static arguments instead.")
+    where = _raising_line(exc)
+    if where:
+        first += f" (at {where})"
+    if any(k in text for k in ("nonzero", "masked_select", "DynamicOutputShape", "unique")):
+        hint = ("\n  Fix: an op whose output shape depends on tensor values (nonzero, "
+                "masked_select, unique, boolean indexing) cannot be traced; keep shapes "
+                "static: torch.where(mask, x, 0) instead of x[mask], torch.nonzero_static "
+                "with a size bound, or a dense formulation (for HF mixture-of-experts, the "
+                "default experts implementation).")
+    elif any(k in text for k in ("data-dependent", "DataDependent", "_local_scalar_dense",
+                                 "item()")):
+        hint = ("\n  Fix: control flow or shapes that depend on tensor values (`.item()`, "
+                "`float(t)`, `if t.any():`) cannot be traced; make them depend on shapes or "
+                "static arguments instead.")
     elif "meta" in text and "device" in text:
         hint = ("\n  Fix: the function uses a tensor on the meta device that it did not get as an "
                 "argument (a captured global or module attribute); pass it as an argument, "
                 "e.g. keep buffers in the params dict that pxform.module_fn returns.")
     return TraceError(f"pxform.trace({fn_name}): tracing failed: {first}{hint}")
+
+
+def _raising_line(exc: BaseException) -> str:
+    """The innermost line outside torch and pxform that led to `exc` (the user's code, or
+    the library it called, such as a transformers model), as `file:line in fn: code`."""
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    found = ""
+    for frame in traceback.extract_tb(exc.__traceback__):
+        path = os.path.abspath(frame.filename)
+        if path.startswith(here) or f"{os.sep}torch{os.sep}" in path:
+            continue
+        found = f"{_short_path(path)}:{frame.lineno} in {frame.name}: {(frame.line or '').strip()}"
+    return found
 
 
 def si(n: float) -> str:
@@ -967,7 +1115,9 @@ def module_fn(module: torch.nn.Module) -> tuple[Callable[..., Any], dict[str, to
     """An `nn.Module` as a pure function `fn(params, *args, **kwargs)` and its params.
 
     `params` maps qualified names to the module's parameters and buffers (buffers are
-    carried as non-trainable state: they keep `requires_grad=False`); tied parameters
+    carried as non-trainable state: they keep `requires_grad=False`, are never
+    differentiated, and a module that updates them, such as BatchNorm in training mode,
+    updates the tensors passed, under every transform); tied parameters
     appear once. `fn` calls the module with `torch.func.functional_call`, so the module's
     own tensors are never used and a model built on the `meta` device traces.
 
@@ -983,9 +1133,22 @@ def module_fn(module: torch.nn.Module) -> tuple[Callable[..., Any], dict[str, to
         if name:
             _MODULE_NAMES[sub] = name
     params: dict[str, torch.Tensor] = dict(module.named_parameters())
+    buffer_names = [name for name, _ in module.named_buffers() if name not in params]
     params.update(module.named_buffers())
 
     def fn(params: dict[str, torch.Tensor], *args: Any, **kwargs: Any) -> Any:
+        # buffers are state, not trainable: read through `detach` (same storage, so an
+        # in-place update still reaches the caller's tensor, as in eager), and reported
+        # to a trace or `value_and_grad` that is collecting them
+        seen = _BUFFERS.get()
+        params = dict(params)
+        for name in buffer_names:
+            t = params.get(name)
+            if isinstance(t, torch.Tensor):
+                if seen is not None:
+                    seen.append(t)
+                if t.is_floating_point():  # the IR shows it: `detach` of the buffer
+                    params[name] = t.detach()
         return torch.func.functional_call(module, params, args, kwargs, tie_weights=True,
                                           strict=False)
 

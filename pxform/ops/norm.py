@@ -34,16 +34,26 @@ def _layer_norm(op: Op) -> OpInfo:
     return OpInfo(sig, _NORM_FLOPS[op.name] * x.type.numel)
 
 
+BATCH_STATS = "pxform.batch_stats"
+"""Tag of a training-mode `batch_norm` (`pxform.frontend.trace`): "rank" when each rank (each
+shard of the batch, as DDP) normalises by its own rows' statistics, "global" when the
+statistics are the whole batch's (synchronised, one process's result)."""
+
+
 @register_rule(*overloads("group_norm", "batch_norm", "instance_norm"))
 def _channel_norm(op: Op) -> OpInfo:
     """Norms over channels or batch: only dim 0 (group/instance norm) or dim 1 (batch norm)
-    may split; affine params and running stats are per channel."""
+    may split; affine params and running stats are per channel. A training-mode batch norm
+    tagged `BATCH_STATS="rank"` may also split the batch (dim 0): each piece normalises by
+    its own statistics, which is the asked-for meaning, as under DDP."""
     x, *params = op.inputs
     lm = LabelMaker()
     labels = lm.many(x.type.rank)
     sizes = dict(zip(labels, x.type.shape))
     keep = labels[1] if op.name == "batch_norm" else labels[0]
     fixed = set(labels) - {keep}
+    if op.name == "batch_norm" and dict(op.tags).get(BATCH_STATS) == "rank" and labels:
+        fixed.discard(labels[0])
     ch = labels[1] if x.type.rank > 1 else labels[0]
     ins = [[(lb,) for lb in labels]] + [[(ch,)] for _ in params]
     sig = Signature.make(ins, [[(lb,) for lb in labels]], sizes, fixed=fixed)

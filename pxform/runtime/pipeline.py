@@ -486,7 +486,8 @@ def run_pipeline(program: PipelineProgram, out_tree: Any, actions: Sequence[Acti
                  arg_of: Sequence[int], leaves: Sequence[Any], layouts: Sequence[Layout],
                  batch_dims: dict[int, int], place: PipelineGroup, axes: AxisGroups,
                  mesh: Mesh | None, sub: AbstractMesh | None, bucket_mb: float,
-                 reshard: Reshard = True) -> tuple[Any, Any]:
+                 reshard: Reshard = True, trainable: Sequence[bool] | None = None
+                 ) -> tuple[Any, Any]:
     """Run this pipeline rank's `actions` on its pieces of `args`, as `pxform.pipeline`
     does (`pxform.value_and_grad` semantics): the value, and with `grad_argnums` the
     gradients laid out like the arguments. `leaves` are the arguments' tensor leaves
@@ -494,13 +495,16 @@ def run_pipeline(program: PipelineProgram, out_tree: Any, actions: Sequence[Acti
     pipeline alone, one device per stage); only the leaves this rank's stages read are
     sliced. Gradients of leaves read on several ranks (tied weights) are summed over the
     pipeline (`share_grads`); DTensor arguments and sharded layouts get DTensor gradients.
+    `trainable` (per leaf) leaves out those it marks False (module buffers, frozen
+    parameters), as `run_spmd`.
     """
     held = reads(program, place)
     full_axes = mesh_axes(mesh) if mesh is not None else AxisGroups({}, {}, {})
     local = [(local_input(leaf, layout, full_axes, mesh.abstract) if mesh is not None
               else leaf) if j in held else None
              for j, (leaf, layout) in enumerate(zip(leaves, layouts))]
-    want = [n in grad_argnums for n in arg_of]
+    want = [n in grad_argnums and (trainable is None or trainable[j])
+            for j, n in enumerate(arg_of)]
     with torch.set_grad_enabled(bool(grad_argnums) or torch.is_grad_enabled()):
         result = run(program, actions, place, axes, local, batch_dims, want,
                      int(bucket_mb * 2**20), weight_stages, reshard)

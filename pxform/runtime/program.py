@@ -14,6 +14,7 @@ from typing import Any
 
 import optree
 import torch
+from torch.distributed.tensor import DTensor, Replicate
 
 from pxform.core.errors import SpecError
 from pxform.core.layout import Layout
@@ -63,16 +64,47 @@ class SpmdResult:
     bucket_stats: BucketStats | None
 
 
+def write_state(leaves: Sequence[torch.Tensor], values: Sequence[Any],
+                outputs: Sequence[Any], mesh: Mesh) -> None:
+    """Write a step's new module state (BatchNorm's running statistics, its batch count)
+    into the tensors the caller passed, as the module's in-place update does in eager:
+    a full tensor takes the whole value; a DTensor, its own piece of it.
+
+    Example:
+        >>> write_state([params["bn.running_mean"]], [new_mean], program.outputs[-1:], mesh)
+    """
+    with torch.no_grad():
+        for leaf, local, out in zip(leaves, values, outputs):
+            value = wrap_output(local, out, mesh)
+            if is_dtensor(value):
+                value = value.full_tensor()  # type: ignore[union-attr]
+            if is_dtensor(leaf):
+                whole = DTensor.from_local(value, leaf.device_mesh,  # type: ignore[attr-defined]
+                                           [Replicate()] * leaf.device_mesh.ndim,  # type: ignore[attr-defined]
+                                           run_check=False)
+                # replicated to the leaf's placements: each rank keeps its piece, no traffic
+                piece = whole.redistribute(leaf.device_mesh,  # type: ignore[attr-defined]
+                                           leaf.placements).to_local()  # type: ignore[attr-defined]
+                leaf.to_local().copy_(piece)  # type: ignore[attr-defined]
+            else:
+                leaf.copy_(value)
+
+
 def run_spmd(program: Program, out_tree: Any, layouts: Sequence[Layout], args: tuple[Any, ...],
              grad_argnums: tuple[int, ...], mesh: Mesh, axes: AxisGroups, bucket_mb: float,
-             name: str, reshard: Reshard = True) -> SpmdResult:
+             name: str, reshard: Reshard = True, trainable: Sequence[bool] | None = None,
+             state: Sequence[int] = ()) -> SpmdResult:
     """Run `program` on this rank's pieces of `args` (full tensors are sliced, DTensors
     redistributed to `layouts`); with `grad_argnums`, also the gradients of the scalar first
     output with respect to those arguments, laid out like them: DTensors for DTensor
     arguments and for sharded layouts, so `p.grad = g` and torch.optim work directly.
     Parameter-gradient collectives run in buckets of `bucket_mb` MiB during backward.
     With `reshard`, parameters gathered in forward (ZeRO-3) are not kept for backward but
-    gathered again there (`pxform.runtime.reshard`).
+    gathered again there (`pxform.runtime.reshard`). `trainable` (per tensor leaf) leaves
+    out of the gradients those it marks False (module buffers, frozen parameters). The
+    program's last `len(state)` outputs are the new values of those tensor leaves (module
+    buffers a module writes, as BatchNorm's running statistics): they are written into
+    the arguments, as eager runs the module (`write_state`), and not returned.
 
     Example:
         >>> result = run_spmd(program, traced.out_tree, layouts, (params, batch), (0,),
@@ -86,7 +118,8 @@ def run_spmd(program: Program, out_tree: Any, layouts: Sequence[Layout], args: t
                      if isinstance(lf, torch.Tensor)]
     for (leaf, arg_index), layout in zip(tensor_leaves, layouts):
         t = local_input(leaf, layout, axes, mesh.abstract)
-        want = arg_index in grad_argnums and t.dtype.is_floating_point
+        want = (arg_index in grad_argnums and t.dtype.is_floating_point
+                and (trainable is None or trainable[len(local)]))
         t = t.detach().requires_grad_(want)
         local.append(t)
         wants.append(want)
@@ -97,6 +130,11 @@ def run_spmd(program: Program, out_tree: Any, layouts: Sequence[Layout], args: t
     with torch.set_grad_enabled(bool(grad_argnums) or torch.is_grad_enabled()):
         outs = execute(program, local, axes, buckets,
                        reshard=reshard_when(reshard, bool(grad_argnums)))
+    if state:
+        num = len(outs) - len(state)
+        write_state([tensor_leaves[k][0] for k in state], outs[num:],
+                    program.outputs[num:], mesh)
+        outs = outs[:num]
     if not grad_argnums:
         value = optree.tree_unflatten(out_tree, [
             wrap_output(o, v, mesh) for o, v in zip(outs, program.outputs)])
