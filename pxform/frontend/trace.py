@@ -46,6 +46,7 @@ from pxform.core.ir import DEVICE, Constant, Graph, Op, Renames, TensorType, Val
 from pxform.core.precision import Precision
 from pxform.core.rng import coordinates, draw_seeds, generator_of, sample
 from pxform.core.units import format_bytes, format_table
+from pxform.frontend.decompositions import DECOMPOSITIONS
 from pxform.frontend.precision import AUTOCAST, apply_precision
 from pxform.frontend.rng import INPLACE, PLAN_INDEPENDENT, RANDOM, tag_random
 from pxform.ops import FALLBACK_TAG, bind, has_rule, rule_info, unsupported_error
@@ -347,7 +348,8 @@ def trace(fn: Callable[..., Any], *args: Any, allow_fallback: bool = False,
     try:
         with mode, _record_modules(), _record_user_frames(), _traceable_init(), \
                 _attention_dropout_explicit(), fx_traceback.preserve_node_meta():
-            gm = make_fx(flat_fn, pre_dispatch=True, record_stack_traces=True)(*fakes)
+            gm = make_fx(flat_fn, decomposition_table=DECOMPOSITIONS, pre_dispatch=True,
+                         record_stack_traces=True)(*fakes)
     except (TraceError, SignatureMismatchError, PxformError):
         raise
     except Exception as exc:

@@ -1,9 +1,11 @@
-"""Pooling: max, average and adaptive pooling over 1 to 3 spatial dims.
+"""Pooling: max, average and adaptive pooling over 1 to 3 spatial dims; and resampling
+(`F.interpolate`: nearest, linear, bilinear, bicubic, trilinear, area), which is laid out
+the same way.
 
 Signature: the leading dims (batch and channels; channels alone for an unbatched input)
 split freely; the spatial dims of the input and of every output are `^`, since a window
-near a split would need its neighbour's rows (halos are not exchanged). Average pooling is
-linear (partial sums pass through it); max pooling is not. FLOPs: one per input element.
+near a split would need its neighbour's rows (halos are not exchanged). Average pooling and
+interpolation are linear (partial sums pass through them); max pooling is not. FLOPs: one per input element.
 """
 
 from __future__ import annotations
@@ -17,13 +19,17 @@ from pxform.ops.signature import LabelMaker, Signature
 _MAX = [f"{p}max_pool{d}d{s}" for p in ("", "adaptive_") for d in (1, 2, 3)
         for s in ("", "_with_indices")]
 _AVG = [f"{p}avg_pool{d}d" for p in ("", "adaptive_", "_adaptive_") for d in (1, 2, 3)]
+_RESAMPLE = [*(f"{p}upsample_nearest{d}d" for p in ("", "_") for d in (1, 2, 3)),
+             *(f"_upsample_nearest_exact{d}d" for d in (1, 2, 3)),
+             "upsample_linear1d", "upsample_bilinear2d", "upsample_bicubic2d",
+             "upsample_trilinear3d", "_upsample_bilinear2d_aa", "_upsample_bicubic2d_aa"]
 
 
 def pooling_info(op: Op, linear: bool) -> OpInfo:
     """The pooling signature of `op` (module doc); the spatial dim count comes from the
     op's name (`..._pool2d` pools 2 dims)."""
     x = op.inputs[0]
-    match = re.search(r"pool(\d)d", op.name)
+    match = re.search(r"(\d)d(?:_aa)?$", op.name) or re.search(r"pool(\d)d", op.name)
     spatial = int(match.group(1)) if match else max(x.type.rank - 2, 1)
     lm = LabelMaker()
     lead = lm.many(x.type.rank - spatial)
@@ -49,4 +55,11 @@ def _max_pool(op: Op) -> OpInfo:
 
 @register_rule(*overloads(*_AVG))
 def _avg_pool(op: Op) -> OpInfo:
+    return pooling_info(op, linear=True)
+
+
+@register_rule(*overloads(*_RESAMPLE))
+def _resample(op: Op) -> OpInfo:
+    """`F.interpolate`'s ops (BEiT resizes its relative-position tables with bilinear):
+    each output element a fixed weighted sum of input elements, so linear."""
     return pooling_info(op, linear=True)

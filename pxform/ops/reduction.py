@@ -107,3 +107,21 @@ def _scan(op: Op) -> OpInfo:
                          fixed={labels[dim]} if labels else set(),
                          linear=[{0}] if op.name == "cumsum" else [])
     return OpInfo(sig, x.type.numel)
+
+
+@register_rule(*overloads("histc", "bincount"))
+def _histogram(op: Op) -> OpInfo:
+    """Counting into bins (MoE routing counts tokens per expert): the counts of a split
+    input are the sums of its pieces' counts, so every input dim may split and the bins
+    become partial sums; the bins themselves are `^`. Not linear in the values (a partial
+    input has no histogram)."""
+    x = op.inputs[0]
+    lm = LabelMaker()
+    labels = lm.many(x.type.rank)
+    sizes = dict(zip(labels, x.type.shape))
+    bins = lm.many(1)[0]
+    sizes[bins] = op.outputs[0].type.shape[0]
+    ins = [[(lb,) for lb in labels]]
+    for v in op.inputs[1:]:  # bincount's weights: split with the input
+        ins.append([(lb,) for lb in labels])
+    return OpInfo(Signature.make(ins, [[(bins,)]], sizes, fixed={bins}), x.type.numel)
