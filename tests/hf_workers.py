@@ -33,6 +33,13 @@ def run_hf(name: str, pin: Pin | None) -> dict:
             "have": have, "num": len(ref_grads), "dtype": str(next(iter(params.values())).dtype)}
 
 
+def zoo_dtype(name: str) -> str:
+    """float64 where the model allows; HF's mixture-of-experts kernels take float32."""
+    import hf_zoo
+
+    return "float32" if hf_zoo.ZOO[name][0] == "moe" else "float64"
+
+
 def run_zoo(name: str, mode: str, dtype: str = "float64") -> dict:
     """One coverage case (`tests/test_coverage.py`, `benchmarks/coverage.py`): the zoo model
     `name` under data parallel (`mode="dp"`: the batch split over every rank) or `auto`, on
@@ -78,7 +85,10 @@ def run_zoo(name: str, mode: str, dtype: str = "float64") -> dict:
         out["loss_err"] = abs(float(value) - float(ref_value)) / max(abs(float(ref_value)), 1.0)
         out["grad_err"] = max((float((full[k] - ref_grads[k]).abs().max()) for k in have),
                               default=0.0) / scale
-        out["have"], out["num"] = len(have), sum(g is not None for g in ref_grads.values())
+        out["have"] = have
+        # leaves the loss depends on (an unused parameter's zero gradient may be missing on
+        # a pipeline rank: no stage reads it)
+        out["need"] = [k for k, g in ref_grads.items() if g is not None and bool(g.any())]
         out["ok"] = True
     except Exception as exc:  # a sweep records every failure
         out["error"] = f"{type(exc).__name__}: {exc}"[:1500]

@@ -148,10 +148,10 @@ ZOO: dict[str, tuple[str, str, str, dict[str, Any], str]] = {
 FAMILIES = ("decoder", "encoder", "seq2seq", "vision", "cnn", "moe")
 
 
-def build(name: str, dtype: torch.dtype = torch.float64, seed: int = 0
+def build(name: str, dtype: torch.dtype = torch.float64, seed: int = 0, batch: int = BATCH
           ) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
     """The model `name` of the zoo, random-init in `dtype` and in eval mode (no dropout;
-    BatchNorm's train mode is tested on its own), and a batch of 2 with labels.
+    BatchNorm's train mode is tested on its own), and a batch of `batch` with labels.
 
     Example:
         >>> model, inputs = build("resnet")
@@ -164,7 +164,7 @@ def build(name: str, dtype: torch.dtype = torch.float64, seed: int = 0
     torch.manual_seed(seed)
     model = getattr(transformers, model_cls)(config).to(dtype).eval()
     g = torch.Generator().manual_seed(seed + 1)
-    ids = torch.randint(2, VOCAB, (BATCH, SEQ), generator=g)
+    ids = torch.randint(2, VOCAB, (batch, SEQ), generator=g)
     inputs: dict[str, torch.Tensor]
     if kind == "causal":
         inputs = {"input_ids": ids, "labels": ids}
@@ -172,17 +172,17 @@ def build(name: str, dtype: torch.dtype = torch.float64, seed: int = 0
         labels = ids.clone()
         labels[:, ::3] = -100
         inputs = {"input_ids": ids, "labels": labels,
-                  "attention_mask": torch.ones(BATCH, SEQ, dtype=torch.long).tril(SEQ // 2)}
+                  "attention_mask": torch.ones(batch, SEQ, dtype=torch.long).tril(SEQ // 2)}
     elif kind == "classify":
-        inputs = {"input_ids": ids, "labels": torch.randint(0, 3, (BATCH,), generator=g)}
+        inputs = {"input_ids": ids, "labels": torch.randint(0, 3, (batch,), generator=g)}
     elif kind == "seq2seq":
-        inputs = {"input_ids": ids, "labels": torch.randint(2, VOCAB, (BATCH, SEQ // 2),
+        inputs = {"input_ids": ids, "labels": torch.randint(2, VOCAB, (batch, SEQ // 2),
                                                             generator=g)}
     else:
         size = getattr(config, "image_size", 32)
         size = size if isinstance(size, int) else 32
-        inputs = {"pixel_values": torch.randn(BATCH, 3, size, size, generator=g, dtype=dtype),
-                  "labels": torch.randint(0, 10, (BATCH,), generator=g)}
+        inputs = {"pixel_values": torch.randn(batch, 3, size, size, generator=g, dtype=dtype),
+                  "labels": torch.randint(0, 10, (batch,), generator=g)}
     return model, inputs
 
 

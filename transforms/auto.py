@@ -162,17 +162,72 @@ class Auto(Executable):
                     # module state written in place (BatchNorm's running statistics) needs
                     # the whole batch in one step: no pipeline (`pxform.pipeline` refuses)
                     pin = dataclasses.replace(pin or Pin(), stages=1)
-                plan = search(graph, names, devices=self.devices, budget=self.memory_budget,
-                              hardware=self.hardware, objective=self.objective,
-                              batch_range=self.batch_range, pin=pin,
-                              batch_dim=self.batch_dim, optimizer=self.optimizer,
-                              fn=f"auto({self.__name__})", function=self.__name__,
-                              progress=self.progress)
+                def best(pin: Pin | None) -> Plan:
+                    return search(graph, names, devices=self.devices,
+                                  budget=self.memory_budget, hardware=self.hardware,
+                                  objective=self.objective, batch_range=self.batch_range,
+                                  pin=pin, batch_dim=self.batch_dim, optimizer=self.optimizer,
+                                  fn=f"auto({self.__name__})", function=self.__name__,
+                                  progress=self.progress)
+
+                plan = best(pin)
+                # never return a plan that cannot run: lower it on its abstract mesh first;
+                # if it fails, the best plan without pipeline stages, then without tensor
+                # parallelism (plain data parallel / ZeRO), says which in its notes
+                failure = self._fails_to_lower(plan, args, graph.inputs, names)
+                tried = [(plan.config_text(), failure)] if failure else []
+                for fewer in ({"stages": 1}, {"stages": 1, "inner": 1}):
+                    if not failure:
+                        break
+                    if pin is not None and any(getattr(pin, k) not in (None, v)
+                                               for k, v in fewer.items()):
+                        continue  # the user pinned otherwise
+                    plan = best(dataclasses.replace(pin or Pin(), **fewer))
+                    failure = self._fails_to_lower(plan, args, graph.inputs, names)
+                    if failure:
+                        tried.append((plan.config_text(), failure))
+                if failure:
+                    raise PxformError(
+                        f"pxform.auto({self.__name__}): no plan the search found lowers for "
+                        f"{self.devices} devices: " + "; ".join(f"{c}: {e}" for c, e in tried)
+                        + "\n  Fix: pass plan=pxform.search.Pin(...) to fix the layout, "
+                        f"or report the error with the function that caused it.")
+                if tried:
+                    plan = dataclasses.replace(plan, notes=(*plan.notes, *(
+                        f"the searched plan {c} does not lower ({e}); this is the best "
+                        f"that does" for c, e in tried)))
                 if self.precision is not None:
                     plan = dataclasses.replace(
                         plan, precision=tuple(self.precision.to_json().items()))
             self._cache[key] = (plan, names, graph.inputs)
         return self._cache[key]
+
+    def _fails_to_lower(self, plan: Plan, args: tuple[Any, ...], inputs: tuple[Any, ...],
+                        names: set[str]) -> str | None:
+        """Why `plan` does not lower on its abstract mesh (None: it does). The lowering
+        checks every conversion and pipeline transfer, on fake tensors, for no devices."""
+        try:
+            self._made(plan, AbstractMesh(dict(plan.mesh.axes)),
+                       self._in_specs(plan, args, inputs, names),
+                       Fallback(allow=self.allow_fallback, report=False)).lower(*args)
+        except Exception as exc:  # any failure rejects the plan; the text says which
+            text = str(exc).strip().splitlines()
+            return f"{type(exc).__name__}: {text[0] if text else ''}"
+        return None
+
+    def _made(self, plan: Plan, mesh: Any, specs: tuple[Any, ...], fallback: Fallback) -> Any:
+        """The `pxform.shard` (over `pxform.pipeline` when the plan has stages) running
+        `plan` on `mesh` (bound, to run; abstract, to lower)."""
+        lowering = self._lowering(plan)
+        if plan.stages > 1:
+            fn: Any = Pipelined(self.fn, plan.stages, plan.microbatches, plan.schedule, "pp",
+                                batch_argnums=self._batch_argnums(len(specs)),
+                                batch_dim=self.batch_dim, planner=lowering, fallback=fallback,
+                                precision=self.precision, sync_batch_norm=self.sync_batch_norm)
+            return Sharded(fn, mesh, specs, precision=self.precision,
+                           sync_batch_norm=self.sync_batch_norm)
+        return Sharded(self.fn, mesh, specs, planner=lowering, fallback=fallback,
+                       precision=self.precision, sync_batch_norm=self.sync_batch_norm)
 
     def executable(self, *args: Any) -> Any:
         """The `pxform.shard` (over `pxform.pipeline` when the plan has stages) that runs
@@ -188,21 +243,10 @@ class Auto(Executable):
                 f"this world has {ranks} process(es).\n  Fix: launch with torchrun "
                 f"--nproc-per-node {plan.devices} (or plan for {ranks} devices: "
                 f"pxform.auto(..., mesh={ranks})).")
-        lowering = self._lowering(plan)
         specs = self._in_specs(plan, args, inputs, names)
-        mesh = Mesh(dict(plan.mesh.axes))
         # planning traced the function and reported its fallback ops: running does not again
-        fallback = Fallback(allow=self.allow_fallback, report=False)
-        if plan.stages > 1:
-            fn: Any = Pipelined(self.fn, plan.stages, plan.microbatches, plan.schedule, "pp",
-                                batch_argnums=self._batch_argnums(len(args)),
-                                batch_dim=self.batch_dim, planner=lowering, fallback=fallback,
-                                precision=self.precision, sync_batch_norm=self.sync_batch_norm)
-            exe = Sharded(fn, mesh, specs, precision=self.precision,
-                          sync_batch_norm=self.sync_batch_norm)
-        else:
-            exe = Sharded(self.fn, mesh, specs, planner=lowering, fallback=fallback,
-                          precision=self.precision, sync_batch_norm=self.sync_batch_norm)
+        exe = self._made(plan, Mesh(dict(plan.mesh.axes)), specs,
+                         Fallback(allow=self.allow_fallback, report=False))
         self._cache[key] = exe
         return exe
 

@@ -1,0 +1,94 @@
+"""The coverage suite (issue 20): small random-init Hugging Face models of every family
+(decoder LMs, encoder LMs, encoder-decoders, vision transformers, CNNs, mixtures of experts;
+`tests/hf_zoo.py`, no downloads), each traced, run data parallel and under `pxform.auto` on
+2 gloo ranks against one process (loss and every gradient), and its `auto` plan lowered
+for 64 devices on an abstract mesh. `python benchmarks/coverage.py` prints the same
+as the table in `docs/models.md`.
+
+float64 where the model allows (HF computes decoder losses in float32, so those agree to
+float32 precision); the MoE models run float32 (their grouped kernels take no float64)."""
+
+from __future__ import annotations
+
+import warnings
+
+import hf_workers as H
+import hf_zoo
+import pytest
+import torch
+
+import pxform
+from pxform.tools.testing import World
+
+pytest.importorskip("transformers")
+
+NAMES = sorted(hf_zoo.ZOO)
+
+
+@pytest.fixture(scope="module")
+def world2():
+    with World(2, timeout=300) as w:
+        yield w
+
+
+def test_the_zoo_covers_every_family_with_30_models():
+    assert len(NAMES) >= 30
+    assert {hf_zoo.ZOO[n][0] for n in NAMES} == set(hf_zoo.FAMILIES)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("mode", ["dp", "auto"])
+def test_every_model_matches_one_process(world2, mode):
+    """One test per mode over all models (a failing model is named with its error), so the
+    world starts once and a sweep is not 80 separate tests' overhead."""
+    failures = []
+    for name in NAMES:
+        tol = 1e-4 if H.zoo_dtype(name) == "float32" else 1e-5
+        results = world2.run(H.run_zoo, name, mode, H.zoo_dtype(name))
+        for r in results:
+            if not r["ok"]:
+                failures.append(f"{name}: {r['error'][:300]}")
+                break
+            if r["loss_err"] > tol or r["grad_err"] > tol:
+                failures.append(f"{name}: loss error {r['loss_err']:.2e}, gradient error "
+                                f"{r['grad_err']:.2e} ({r.get('config', 'dp')})")
+                break
+        else:
+            # every trainable leaf has its gradient on some rank (a pipeline splits them)
+            missing = set(results[0]["need"]) - {k for r in results for k in r["have"]}
+            assert not missing, (name, sorted(missing))
+            assert not any(r["warnings"] for r in results), (name, results[0]["warnings"])
+    assert not failures, "\n".join(failures)
+
+
+# Plans `auto` cannot give yet, each refused with a PxformError at planning time (not a
+# failure while running): BEiT at batch 64 traces to a different graph on the second trace
+# (its relative-position bias is built in forward), and MobileNetV2's search on 64 devices
+# prices a layout splitting an 8-channel dim 64 ways. The set is checked exactly, so a fix
+# (or a new failure) shows here.
+KNOWN = {"beit on 64", "mobilenet_v2 on 64"}
+
+
+@pytest.mark.timeout(600)
+def test_every_plan_lowers_for_64_devices():
+    """`auto` lowers its plan on the abstract mesh before returning it (issue 20, item 7),
+    so a plan coming back at all is the check; a batch of 64 gives 64 devices room. (4
+    devices too in `benchmarks/coverage.py`, left out here for the suite's time.)"""
+    failures = []
+    for name in NAMES:
+        model, inputs = hf_zoo.build(name, dtype=torch.float32, batch=64)
+        fn, params = pxform.module_fn(model)
+
+        def loss(params, inputs, fn=fn):
+            return fn(params, **inputs).loss
+
+        for devices in (64,):
+            step = pxform.auto(loss, mesh=devices, memory_budget="4GiB", hardware="a100-40gb")
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", pxform.PxformWarning)
+                    step.plan(params, inputs)
+            except pxform.PxformError as exc:
+                failures.append(f"{name} on {devices}: {str(exc)[:300]}")
+    failed = {f.split(":")[0] for f in failures}
+    assert failed == KNOWN, "\n".join(failures)
