@@ -162,9 +162,11 @@ class Auto(Executable):
                     # module state written in place (BatchNorm's running statistics) needs
                     # the whole batch in one step: no pipeline (`pxform.pipeline` refuses)
                     pin = dataclasses.replace(pin or Pin(), stages=1)
+                budget, hardware = self.memory_budget, self.hardware
+
                 def best(pin: Pin | None) -> Plan:
                     return search(graph, names, devices=self.devices,
-                                  budget=self.memory_budget, hardware=self.hardware,
+                                  budget=budget, hardware=hardware,
                                   objective=self.objective, batch_range=self.batch_range,
                                   pin=pin, batch_dim=self.batch_dim, optimizer=self.optimizer,
                                   fn=f"auto({self.__name__})", function=self.__name__,
@@ -176,7 +178,8 @@ class Auto(Executable):
                 # parallelism (plain data parallel / ZeRO), says which in its notes
                 failure = self._fails_to_lower(plan, args, graph.inputs, names)
                 tried = [(plan.config_text(), failure)] if failure else []
-                for fewer in ({"stages": 1}, {"stages": 1, "inner": 1}):
+                fallbacks: list[dict[str, Any]] = [{"stages": 1}, {"stages": 1, "inner": 1}]
+                for fewer in fallbacks:
                     if not failure:
                         break
                     if pin is not None and any(getattr(pin, k) not in (None, v)
@@ -191,7 +194,7 @@ class Auto(Executable):
                         f"pxform.auto({self.__name__}): no plan the search found lowers for "
                         f"{self.devices} devices: " + "; ".join(f"{c}: {e}" for c, e in tried)
                         + "\n  Fix: pass plan=pxform.search.Pin(...) to fix the layout, "
-                        f"or report the error with the function that caused it.")
+                        "or report the error with the function that caused it.")
                 if tried:
                     plan = dataclasses.replace(plan, notes=(*plan.notes, *(
                         f"the searched plan {c} does not lower ({e}); this is the best "

@@ -8,10 +8,11 @@ dense form whose ops have sharding rules.
   the groups' sizes depend on the routing. Written as dense dispatch: every row against
   every expert (`einsum`), the row's own expert's result kept by a one-hot mask made from
   the offsets with comparisons. The same numbers (summed in another order), the FLOPs of
-  all experts; expert parallelism is later work.
+  all experts; expert parallelism is later work. HF's own fallback op for it
+  (`transformers::grouped_mm_fallback`, taken under compilation) is written out the same way.
 
 Example:
-    >>> gm = make_fx(fn, decomposition_table=DECOMPOSITIONS, pre_dispatch=True)(*fakes)
+    >>> gm = make_fx(fn, decomposition_table=decompositions(), pre_dispatch=True)(*fakes)
 """
 
 from __future__ import annotations
@@ -51,3 +52,16 @@ def _grouped_mm(mat_a: torch.Tensor, mat_b: torch.Tensor, offs: torch.Tensor | N
 DECOMPOSITIONS: dict[Any, Any] = {}
 if hasattr(aten, "_grouped_mm"):
     DECOMPOSITIONS[aten._grouped_mm.default] = _grouped_mm
+
+
+def decompositions() -> dict[Any, Any]:
+    """`DECOMPOSITIONS`, and the library ops registered by now that have the same meaning:
+    HF's `transformers::grouped_mm_fallback` (its experts' path under compilation, which the
+    trace is: `pxform.frontend.trace._compiling`)."""
+    table = dict(DECOMPOSITIONS)
+    try:
+        fallback = torch.ops.transformers.grouped_mm_fallback.default
+    except (AttributeError, RuntimeError):  # transformers not imported, or another version
+        return table
+    table[fallback] = _grouped_mm
+    return table

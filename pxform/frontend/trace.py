@@ -46,7 +46,7 @@ from pxform.core.ir import DEVICE, Constant, Graph, Op, Renames, TensorType, Val
 from pxform.core.precision import Precision
 from pxform.core.rng import coordinates, draw_seeds, generator_of, sample
 from pxform.core.units import format_bytes, format_table
-from pxform.frontend.decompositions import DECOMPOSITIONS
+from pxform.frontend.decompositions import decompositions
 from pxform.frontend.precision import AUTOCAST, apply_precision
 from pxform.frontend.rng import INPLACE, PLAN_INDEPENDENT, RANDOM, tag_random
 from pxform.ops import FALLBACK_TAG, bind, has_rule, rule_info, unsupported_error
@@ -346,9 +346,9 @@ def trace(fn: Callable[..., Any], *args: Any, allow_fallback: bool = False,
 
     token = _TRACING.set(True)
     try:
-        with mode, _record_modules(), _record_user_frames(), _traceable_init(), \
+        with mode, _record_modules(), _record_user_frames(), _traceable_init(), _compiling(), \
                 _attention_dropout_explicit(), fx_traceback.preserve_node_meta():
-            gm = make_fx(flat_fn, decomposition_table=DECOMPOSITIONS, pre_dispatch=True,
+            gm = make_fx(flat_fn, decomposition_table=decompositions(), pre_dispatch=True,
                          record_stack_traces=True)(*fakes)
     except (TraceError, SignatureMismatchError, PxformError):
         raise
@@ -830,6 +830,22 @@ def _attention_dropout_explicit() -> Iterator[None]:
         yield
     finally:
         functional.scaled_dot_product_attention = fused
+
+
+@contextlib.contextmanager
+def _compiling() -> Iterator[None]:
+    """While tracing, `torch.compiler.is_compiling()` is True, as under torch.export's
+    non-strict tracing (also make_fx on fake tensors): libraries then take their
+    trace-friendly paths. Above all they skip their caches of tensors (HF's
+    `compile_compatible_method_lru_cache`: BEiT's relative-position index), which would
+    otherwise keep one trace's fake tensors and hand them, without data, to the next trace
+    or to an eager call."""
+    old = torch.compiler._is_compiling_flag
+    torch.compiler._is_compiling_flag = True
+    try:
+        yield
+    finally:
+        torch.compiler._is_compiling_flag = old
 
 
 @contextlib.contextmanager

@@ -4,8 +4,9 @@ the same way.
 
 Signature: the leading dims (batch and channels; channels alone for an unbatched input)
 split freely; the spatial dims of the input and of every output are `^`, since a window
-near a split would need its neighbour's rows (halos are not exchanged). Average pooling and
-interpolation are linear (partial sums pass through them); max pooling is not. FLOPs: one per input element.
+near a split would need its neighbour's rows (halos are not exchanged). Average pooling
+and interpolation are linear (partial sums pass through them); max pooling is not.
+FLOPs: one per input element.
 """
 
 from __future__ import annotations

@@ -122,6 +122,6 @@ def _histogram(op: Op) -> OpInfo:
     bins = lm.many(1)[0]
     sizes[bins] = op.outputs[0].type.shape[0]
     ins = [[(lb,) for lb in labels]]
-    for v in op.inputs[1:]:  # bincount's weights: split with the input
+    for _ in op.inputs[1:]:  # bincount's weights: split with the input
         ins.append([(lb,) for lb in labels])
     return OpInfo(Signature.make(ins, [[(bins,)]], sizes, fixed={bins}), x.type.numel)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 
+from pxform.core.errors import SpecError
 from pxform.core.layout import Layout
 from pxform.core.mesh import AbstractMesh
 from pxform.cost.model import BACKWARD_RATIO
@@ -209,12 +210,27 @@ def block_tables(ctx: SearchContext, config: Config) -> list[OptionTable] | None
             for blk, opts in zip(a.blocks, per_block):
                 key = ctx.table_key(opts)
                 if (blk.kind, key) not in by_kind:
+                    costed = [(o, _cost_or_none(ctx, blk, config, o)) for o in opts]
+                    kept = tuple(o for o, c in costed if c is not None)
+                    if not kept:
+                        out = None
+                        break
                     by_kind[blk.kind, key] = OptionTable(
-                        key, opts, tuple(option_cost(ctx, blk, config, o) for o in opts))
+                        ctx.table_key(kept), kept, tuple(c for _, c in costed if c is not None))
                 out.append(by_kind[blk.kind, key])
     ctx.tables[config] = out
     return out
 
+
+
+def _cost_or_none(ctx: SearchContext, block: BlockInfo, config: Config, option: Option
+                  ) -> OptionCost | None:
+    """The option's cost, or None where its layouts cannot exist on this mesh: a value's
+    data-parallel layout splitting a dim that does not divide (an 8-channel dim 64 ways)."""
+    try:
+        return option_cost(ctx, block, config, option)
+    except SpecError:
+        return None
 
 
 def _user_recomputed(a: Analysis, blk: BlockInfo) -> bool:
