@@ -1,5 +1,5 @@
 """Factories: arange, zeros/ones/full/empty (and their _like and new_ forms), random fills,
-scalar_tensor, eye.
+scalar_tensor, eye; meshgrid.
 
 Constant fills split freely: each rank makes its own shard with the local shape. `arange`,
 `eye` and `linspace` are `^`: their values depend on the global position (a lowering rule
@@ -66,3 +66,17 @@ def _like(op: Op) -> OpInfo:
 @register_rule(*overloads(*_POSITIONAL))
 def _positional(op: Op) -> OpInfo:
     return _factory_info(op, positional=True)
+
+
+@register_rule(*overloads("meshgrid"))
+def _meshgrid(op: Op) -> OpInfo:
+    """Coordinate grids from 1-D tensors (relative-position tables: BEiT, Swin): every dim
+    `^`, inputs and outputs alike. Grids are built from small `arange`s, so replicated is
+    what they cost; splitting them would need the grid's global positions."""
+    lm = LabelMaker()
+    sizes: dict[str, int] = {}
+    ins = [[(lb,) for lb in fresh_labels(v, lm, sizes)] for v in op.inputs]
+    outs = [[(lb,) for lb in fresh_labels(v, lm, sizes)] for v in op.outputs]
+    fixed = {lb for t in [*ins, *outs] for term in t for lb in term}
+    return OpInfo(Signature.make(ins, outs, sizes, fixed=fixed),
+                  sum(v.type.numel for v in op.outputs))
