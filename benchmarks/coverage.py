@@ -6,6 +6,10 @@ devices. Writes `benchmarks/results/coverage.json` and prints the table that
 
     python benchmarks/coverage.py                 # all models, about 5 minutes on 2 cores
     python benchmarks/coverage.py gpt2 resnet     # some
+    python benchmarks/coverage.py --census        # the op census only (a minute)
+
+The census counts, of ATen's core opset (`torch.Tag.core`), the ops with a sharding rule,
+and of the ops the models emit when traced, those with one.
 """
 
 from __future__ import annotations
@@ -46,6 +50,35 @@ def plans(name: str) -> dict[int, str]:
     return out
 
 
+def census(models: list[str]) -> dict:
+    """The op census: of ATen's core opset (`torch.Tag.core`), how many ops have a sharding
+    rule; of the ops the zoo's models emit when traced, how many (a model whose trace needs
+    the fallback counts its ops without rules)."""
+    import hf_workers as H
+    import hf_zoo
+    import torch
+
+    import pxform
+    from pxform.ops import has_rule
+
+    core = [getattr(packet, o) for name in dir(torch.ops.aten)
+            if hasattr(packet := getattr(torch.ops.aten, name, None), "overloads")
+            for o in packet.overloads()
+            if torch.Tag.core in getattr(getattr(packet, o), "tags", ())]
+    seen: set = set()
+    for name in models:
+        model, inputs = hf_zoo.build(name, dtype=getattr(torch, H.zoo_dtype(name)))
+        fn, params = pxform.module_fn(model)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            traced = pxform.trace(lambda p, i, fn=fn: fn(p, **i).loss, params, inputs,
+                                  allow_fallback=True)
+        seen |= {op.target for op in traced.graph.ops}
+    return {"core": len(core), "core_with_rules": sum(has_rule(t) for t in core),
+            "core_without": sorted(str(t) for t in core if not has_rule(t)),
+            "seen": len(seen), "seen_with_rules": sum(has_rule(t) for t in seen)}
+
+
 def main() -> None:
     import hf_workers as H
     import hf_zoo
@@ -56,7 +89,15 @@ def main() -> None:
     parser.add_argument("models", nargs="*", default=sorted(hf_zoo.ZOO))
     parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results",
                                                       "coverage.json"))
+    parser.add_argument("--census", action="store_true", help="only the op census")
     args = parser.parse_args()
+    counts = census(args.models)
+    print(f"ATen core opset: {counts['core_with_rules']}/{counts['core']} ops have rules "
+          f"({100 * counts['core_with_rules'] / counts['core']:.1f} %); without: "
+          + ", ".join(counts["core_without"]))
+    print(f"ops the models emit: {counts['seen_with_rules']}/{counts['seen']} have rules")
+    if args.census:
+        return
     rows = []
     with World(2, timeout=600) as world:
         for name in args.models:
@@ -77,7 +118,7 @@ def main() -> None:
             print(row, flush=True)
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump(rows, f, indent=1)
+        json.dump({"models": rows, "census": counts}, f, indent=1)
     print("| model | family | dtype | DP, 2 ranks: max error | auto, 2 ranks: max error "
           "| plan, 2 | plan, 4 | plan, 64 |")
     print("|" + "---|" * 8)

@@ -48,6 +48,43 @@ def along_a_dim(x):
     return values, indices, ordered, ranks, kth
 
 
+def model_family_ops(x, grid, counts, points):
+    """Ops the coverage models emit (or torch's core opset holds) that have rules of their
+    own: interpolation (BEiT), coordinate grids, histograms (MoE routing), pads of every
+    kind, the diagonal view, grid sampling, pairwise distances, and the native norm forms
+    with their saved statistics."""
+    up = F.interpolate(x, scale_factor=2, mode="bilinear", align_corners=False)
+    near = F.interpolate(x, size=(6, 6), mode="nearest")
+    rows, cols = torch.meshgrid(torch.arange(3.0), torch.arange(4.0), indexing="ij")
+    hist = torch.histc(counts, bins=4, min=0, max=3)
+    padded = (aten.reflection_pad2d(x, [1, 1, 1, 1]) + aten.replication_pad2d(x, [1, 1, 1, 1]))
+    padded3 = aten.replication_pad3d(x[None], [1, 1, 1, 1, 0, 0])
+    diag = torch.diagonal(x, dim1=-2, dim2=-1)
+    sampled = F.grid_sample(x, grid, align_corners=False)
+    dist = torch.cdist(points, points + 1)
+    bn, mean, rstd = aten._native_batch_norm_legit.no_stats(x, None, None, True, 0.1, 1e-5)
+    gn, gmean, grstd = aten.native_group_norm(x, None, None, x.shape[0], x.shape[1],
+                                              x.shape[2] * x.shape[3], 2, 1e-5)
+    return (up.sum((2, 3)) + near.sum((2, 3)), rows + cols, hist, padded.sum((2, 3)),
+            padded3.sum(), diag, sampled, dist, bn, mean, rstd, gn, gmean, grstd)
+
+
+@settings(max_examples=4, deadline=None)
+@given(st.sampled_from([(4, 4, 4, 4), (8, 4, 4, 8)]))
+def test_model_family_rules_are_exact_under_every_strategy(shape):
+    x = f64(*shape, seed=7)
+    grid = torch.tanh(f64(shape[0], 4, 2, 2, seed=8))
+    counts = torch.randint(0, 4, (8,), generator=torch.Generator().manual_seed(9)).double()
+    points = f64(4, 8, 3, seed=10)
+    for name in ("upsample_bilinear2d", "meshgrid", "histc", "reflection_pad2d",
+                 "replication_pad3d", "diagonal", "grid_sampler_2d", "_cdist_forward",
+                 "_native_batch_norm_legit", "native_group_norm"):
+        packet = getattr(aten, name)
+        assert all(has_rule(getattr(packet, o)) for o in packet.overloads()), name
+    assert sum(every_strategy_of_every_op(model_family_ops, (x, grid, counts, points), m)
+               for m in MESHES)
+
+
 def test_tagged_pointwise_overloads_have_derived_rules():
     for target in (aten.min.other, aten.max.other, aten.isfinite.default,
                    aten.special_zeta.other_scalar, aten.i0.default):

@@ -187,42 +187,43 @@ def test_no_grad_region_is_kept():
 def test_unknown_op_error_names_op_and_user_line():
     def fn(x):
         y = x + 1
-        return torch.histc(y, bins=4)  # no rule for histc (special_zeta's is now derived)
+        return torch.linalg.cross(y, y)  # no rule for linalg_cross
 
     with pytest.raises(UnsupportedOpError) as err:
-        pxform.trace(fn, torch.rand(4))
+        pxform.trace(fn, torch.rand(4, 3))
     msg = str(err.value)
-    assert msg.startswith("pxform.trace: op aten.histc.default (histc) has "
+    assert msg.startswith("pxform.trace: op aten.linalg_cross.default (linalg_cross) has "
                           "no sharding rule (called at ")
-    assert re.search(r"test_trace.py:\d+ in fn: return torch.histc\(y, bins=4\)", msg)
-    assert "@pxform.ops.register_rule(torch.ops.aten.histc.default)" in msg
+    assert re.search(r"test_trace.py:\d+ in fn: return torch.linalg.cross\(y, y\)", msg)
+    assert "@pxform.ops.register_rule(torch.ops.aten.linalg_cross.default)" in msg
     assert "allow_fallback=True" in msg
 
 
 def test_fallback_runs_replicated_and_reports():
     def fn(x):
-        return torch.histc(x + 1, bins=4).sum()
+        return torch.linalg.cross(x + 1, x).sum()
 
-    x = torch.rand(4)
+    x = torch.rand(4, 3)
     with pytest.warns(pxform.PxformWarning, match=r"1 ops have no sharding rule and will run "
-                                                  r"replicated: histc at .*test_trace"):
+                                                  r"replicated: linalg_cross at .*test_trace"):
         traced = pxform.trace(fn, x, allow_fallback=True)
-    assert [op.name for op in traced.fallbacks] == ["histc"]
+    assert [op.name for op in traced.fallbacks] == ["linalg_cross"]
     sig = pxform.ops.rule_info(traced.fallbacks[0]).signature
     assert sig.splittable() == frozenset()
     pxform.check(traced.graph)
     torch.testing.assert_close(traced(x), fn(x))
-    assert "1 ops run replicated by the fallback: histc" in traced.summary()
+    assert "1 ops run replicated by the fallback: linalg_cross" in traced.summary()
 
 
 def test_registering_a_rule_makes_an_op_traceable():
     from pxform.ops.pointwise import pointwise_info
     from pxform.ops.registry import _RULES
 
-    target = torch.ops.aten.histc.default
+    target = torch.ops.aten.special_bessel_j0.default  # a rule derived, not registered
+    assert target not in _RULES
     pxform.register_rule(target)(lambda op: pointwise_info(op))
     try:
-        traced = pxform.trace(lambda x: torch.histc(x, bins=4), torch.rand(4))
+        traced = pxform.trace(lambda x: torch.special.bessel_j0(x), torch.rand(4))
         assert str(pxform.ops.rule_info(traced.graph.ops[0]).signature) == "a -> a"
         with pytest.raises(pxform.RuleError, match="already has a rule"):
             pxform.register_rule(target)(lambda op: pointwise_info(op))
@@ -299,3 +300,52 @@ def test_cache_key_depends_on_shapes_dtypes_and_static_leaves():
     assert cache_key((x, 1), {}) != cache_key((x, 2), {})
     assert cache_key((x,), {}) != cache_key((x.double(),), {})
     assert cache_key((x,), {}) != cache_key((torch.randn(3, 3),), {})
+
+
+def test_library_tensor_caches_are_skipped_while_tracing():
+    """The trace runs with `torch.compiler.is_compiling()` True, as non-strict export does,
+    so a library's cache of tensors (HF's `compile_compatible_method_lru_cache`) is not
+    filled with one trace's fake tensors: the next trace and eager calls stay correct."""
+    cache: dict[int, torch.Tensor] = {}
+
+    def table(n):
+        if torch.compiler.is_compiling():
+            return torch.arange(n, dtype=torch.float32)
+        return cache.setdefault(n, torch.arange(n, dtype=torch.float32))
+
+    def f(x):
+        return (x + table(x.shape[0])).sum()
+
+    x = torch.ones(3)
+    first = pxform.trace(f, x)
+    second = pxform.trace(f, x)
+    assert not cache and not torch.compiler.is_compiling()
+    assert float(first(x)) == float(second(x)) == float(f(x)) == 6.0
+
+
+def test_grouped_mm_traces_as_dense_dispatch():
+    """`F.grouped_mm` (HF mixture-of-experts' default experts) has no usable fake kernel
+    for float32 on CPU; the trace writes it out as every row against every expert, keeping
+    the row's own group's result. Rows past the last offset belong to no group."""
+    grouped_mm = getattr(torch.nn.functional, "grouped_mm", None)
+    if grouped_mm is None:
+        pytest.skip("this torch has no grouped_mm")
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(10, 8, generator=g, requires_grad=True)  # rows 16-byte aligned
+    b = torch.randn(3, 8, 4, generator=g, requires_grad=True)
+    offs = torch.tensor([3, 7, 9], dtype=torch.int32)
+
+    def f(a, b, offs):
+        return grouped_mm(a, b, offs=offs)
+
+    traced = pxform.trace(f, a, b, offs)
+    assert "einsum" in {op.name for op in traced.graph.ops}
+    got, ref = traced(a, b, offs), f(a, b, offs)
+    torch.testing.assert_close(got[:9], ref[:9], rtol=1e-5, atol=1e-5)
+    assert torch.equal(got[9], torch.zeros(4))
+    ga = torch.autograd.grad(got[:9].square().sum(), (a, b))
+    gr = torch.autograd.grad(ref[:9].square().sum(), (a, b))
+    # the kernel leaves the gradient of rows past the last offset unwritten; ours is zero
+    torch.testing.assert_close(ga[0][:9], gr[0][:9], rtol=1e-5, atol=1e-5)
+    assert torch.equal(ga[0][9], torch.zeros(8))
+    torch.testing.assert_close(ga[1], gr[1], rtol=1e-5, atol=1e-5)

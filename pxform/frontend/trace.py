@@ -840,7 +840,10 @@ def _compiling() -> Iterator[None]:
     `compile_compatible_method_lru_cache`: BEiT's relative-position index), which would
     otherwise keep one trace's fake tensors and hand them, without data, to the next trace
     or to an eager call."""
-    old = torch.compiler._is_compiling_flag
+    old = getattr(torch.compiler, "_is_compiling_flag", None)
+    if old is None:  # a torch without the flag: nothing to set
+        yield
+        return
     torch.compiler._is_compiling_flag = True
     try:
         yield

@@ -7,7 +7,7 @@ softmax 5, log_softmax 5 (max, subtract, exp, sum, divide or log).
 
 from __future__ import annotations
 
-from pxform.core.ir import Op
+from pxform.core.ir import Op, Value
 from pxform.ops.registry import OpInfo, bind, norm_dim, overloads, register_rule
 from pxform.ops.signature import LabelMaker, Signature
 
@@ -71,3 +71,39 @@ def _softmax(op: Op) -> OpInfo:
     sig = Signature.make([terms], [terms], dict(zip(labels, x.type.shape)),
                          fixed={labels[dim]} if labels else set())
     return OpInfo(sig, 5 * x.type.numel)
+
+
+@register_rule(*overloads("_native_batch_norm_legit", "_native_batch_norm_legit_no_training",
+                          "native_batch_norm", "native_group_norm"))
+def _native_norm(op: Op) -> OpInfo:
+    """The forms `batch_norm` and `group_norm` decompose into, with their saved statistics
+    as outputs: batch norm splits channels (dim 1) only, the statistics per channel with
+    them; the rest is `^`. `native_group_norm` takes the global sizes (N, C, HxW) as
+    arguments, so a piece cannot run it: all `^` (`group_norm` itself splits samples)."""
+    x, *rest = op.inputs
+    lm = LabelMaker()
+    labels = lm.many(x.type.rank)
+    sizes = dict(zip(labels, x.type.shape))
+    keep = labels[1]
+    fixed = set(labels) - ({keep} if op.name != "native_group_norm" else set())
+    channels = x.type.shape[1] if x.type.rank > 1 else x.type.shape[0]
+    ch = labels[1] if x.type.rank > 1 else labels[0]
+
+    def terms(v: Value) -> list[tuple[str, ...]]:
+        shape = v.type.shape
+        if shape == (channels,):
+            return [(ch,)]
+        out: list[tuple[str, ...]] = []
+        for d, size in enumerate(shape):
+            if d == 0 and v.type.rank == 2 and size == x.type.shape[0]:
+                out.append((labels[0],))  # group norm's (samples, groups) statistics
+                continue
+            lb = lm()
+            sizes[lb] = size
+            fixed.add(lb)
+            out.append((lb,))
+        return out
+
+    ins = [[(lb,) for lb in labels]] + [terms(v) for v in rest]
+    outs = [[(lb,) for lb in labels]] + [terms(v) for v in op.outputs[1:]]
+    return OpInfo(Signature.make(ins, outs, sizes, fixed=fixed), 8 * x.type.numel)

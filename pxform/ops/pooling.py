@@ -64,3 +64,25 @@ def _resample(op: Op) -> OpInfo:
     """`F.interpolate`'s ops (BEiT resizes its relative-position tables with bilinear):
     each output element a fixed weighted sum of input elements, so linear."""
     return pooling_info(op, linear=True)
+
+
+@register_rule(*overloads("grid_sampler_2d", "grid_sampler_3d", "grid_sampler"))
+def _grid_sample(op: Op) -> OpInfo:
+    """`F.grid_sample`: each output position reads the input where its grid point says.
+    Samples and channels split; the output's positions split with the grid's; the input's
+    spatial dims are `^` (any point may read anywhere); not linear in the grid."""
+    x, grid = op.inputs[0], op.inputs[1]
+    spatial = x.type.rank - 2
+    lm = LabelMaker()
+    n, c = lm.many(2)
+    sizes = {n: x.type.shape[0], c: x.type.shape[1]}
+    src = lm.many(spatial)
+    sizes.update(zip(src, x.type.shape[2:]))
+    where = lm.many(spatial)
+    sizes.update(zip(where, grid.type.shape[1:-1]))
+    coord = lm()
+    sizes[coord] = grid.type.shape[-1]
+    ins = [[(n,), (c,), *((lb,) for lb in src)], [(n,), *((lb,) for lb in where), (coord,)]]
+    outs = [[(n,), (c,), *((lb,) for lb in where)]]
+    return OpInfo(Signature.make(ins, outs, sizes, fixed={*src, coord}),
+                  4 * op.outputs[0].type.numel)

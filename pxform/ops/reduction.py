@@ -125,3 +125,19 @@ def _histogram(op: Op) -> OpInfo:
     for _ in op.inputs[1:]:  # bincount's weights: split with the input
         ins.append([(lb,) for lb in labels])
     return OpInfo(Signature.make(ins, [[(bins,)]], sizes, fixed={bins}), x.type.numel)
+
+
+@register_rule(*overloads("_cdist_forward", "cdist"))
+def _cdist(op: Op) -> OpInfo:
+    """Pairwise distances `(..., P, M), (..., R, M) -> (..., P, R)`: batch dims, and the
+    points of either side, split; the coordinates `M` are `^` (a norm, not a sum)."""
+    x1, x2 = op.inputs[0], op.inputs[1]
+    lm = LabelMaker()
+    batch = lm.many(x1.type.rank - 2)
+    p, r, m = lm.many(3)
+    sizes = dict(zip(batch, x1.type.shape[:-2]))
+    sizes.update({p: x1.type.shape[-2], r: x2.type.shape[-2], m: x1.type.shape[-1]})
+    lead = [(lb,) for lb in batch]
+    return OpInfo(Signature.make([[*lead, (p,), (m,)], [*lead, (r,), (m,)]],
+                                 [[*lead, (p,), (r,)]], sizes, fixed={m}),
+                  3 * op.outputs[0].type.numel * x1.type.shape[-1])

@@ -326,9 +326,12 @@ def _cat(op: Op) -> OpInfo:
                   op.outputs[0].type.numel)
 
 
-@register_rule(*overloads("pad", "constant_pad_nd", "reflection_pad1d", "reflection_pad2d",
-                          "replicate_pad1d", "replicate_pad2d", "roll", "flip", "repeat",
-                          "tile", "repeat_interleave.self_int", "diff"))
+_PADS = ("pad", "constant_pad_nd", *(f"{kind}_pad{d}d" for kind in ("reflection", "replication")
+                                      for d in (1, 2, 3)))
+
+
+@register_rule(*overloads(*_PADS, "roll", "flip", "repeat", "tile",
+                          "repeat_interleave.self_int", "diff"))
 def _positional(op: Op) -> OpInfo:
     """Ops that move data by position along some dims: those dims are `^` (new labels where
     the size changes), the others pass through."""
@@ -364,8 +367,7 @@ def _positional(op: Op) -> OpInfo:
 
 def _positional_dims(op: Op, rank: int, out_rank: int) -> list[int]:
     args = bind(op)
-    if op.name in ("pad", "constant_pad_nd", "reflection_pad1d", "reflection_pad2d",
-                   "replicate_pad1d", "replicate_pad2d"):
+    if op.name in _PADS:
         n = len(args.get("pad", args.get("padding")) or []) // 2
         return list(range(rank - n, rank))
     if op.name in ("roll", "flip"):
@@ -401,3 +403,22 @@ def _scatter_into(op: Op) -> OpInfo:
     fixed = {labels[dim]} | ({src_labels[dim]} if op.name == "slice_scatter" else set())
     return OpInfo(Signature.make([_terms(labels), _terms(src_labels)], [_terms(labels)],
                                  sizes, fixed=fixed, linear=[{0, 1}]), src.type.numel)
+
+
+@register_rule(*overloads("diagonal.default"))
+def _diagonal(op: Op) -> OpInfo:
+    """`diagonal(x, offset, dim1, dim2)`: a view dropping dim1 and dim2 and appending the
+    diagonal; the other dims pass through, the two read and the diagonal are `^`."""
+    x, y = op.inputs[0], op.outputs[0]
+    args = bind(op)
+    rank = x.type.rank
+    d1, d2 = norm_dim(args.get("dim1", 0), rank), norm_dim(args.get("dim2", 1), rank)
+    lm = LabelMaker()
+    sizes: dict[str, int] = {}
+    labels = fresh_labels(x, lm, sizes)
+    diag = lm()
+    sizes[diag] = y.type.shape[-1]
+    out = [(lb,) for d, lb in enumerate(labels) if d not in (d1, d2)] + [(diag,)]
+    return OpInfo(Signature.make([_terms(labels)], [out], sizes,
+                                 fixed={labels[d1], labels[d2], diag}, linear=_LINEAR0),
+                  0, view=True)
