@@ -42,8 +42,8 @@ def zoo_dtype(name: str) -> str:
 
 def run_zoo(name: str, mode: str, dtype: str = "float64") -> dict:
     """One coverage case (`tests/test_coverage.py`, `benchmarks/coverage.py`): the zoo model
-    `name` under data parallel (`mode="dp"`: the batch split over every rank) or `auto`, on
-    this world, against `pxform.value_and_grad` of the plain function on one process.
+    `name` under data parallel (`mode="dp"`: the batch split over every rank), `auto`, or
+    `auto` with one pipeline stage per rank (`"pipeline"`), on this world, against `pxform.value_and_grad` of the plain function on one process.
     Failures are returned, not raised, so one model's failure does not stop a sweep."""
     import time
     import traceback
@@ -71,9 +71,10 @@ def run_zoo(name: str, mode: str, dtype: str = "float64") -> dict:
             if mode == "dp":
                 step = pxform.shard(loss, mesh=pxform.Mesh({"dp": world}),
                                     in_specs=(None, pxform.P("dp")))
-            else:
+            else:  # "pipeline": auto with the stages pinned to the world's size
+                pin = Pin(stages=world, microbatches=2) if mode == "pipeline" else None
                 step = pxform.auto(loss, mesh=world, memory_budget="1GiB",
-                                   hardware="a100-40gb")
+                                   hardware="a100-40gb", plan=pin)
                 out["config"] = step.plan(params, inputs).config_text()
             value, grads = pxform.value_and_grad(step)(params, inputs)
         out["warnings"] = [str(w.message)[:300] for w in caught

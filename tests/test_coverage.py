@@ -83,3 +83,25 @@ def test_every_plan_lowers_for_64_devices():
             except pxform.PxformError as exc:
                 failures.append(f"{name} on {devices}: {str(exc)[:300]}")
     assert not failures, "\n".join(failures)
+
+
+def test_a_cnn_whose_stages_differ_gets_a_block_per_layer(world2):
+    """Issue 20, item 6: ResNet's stages differ in width (no repeated run), yet each layer
+    is a block, so the search plans per layer and a pipeline can cut between them."""
+    from pxform.passes.cuts import graph_blocks
+
+    model, inputs = hf_zoo.build("resnet")
+    fn, params = pxform.module_fn(model)
+    traced = pxform.trace(lambda p, i: fn(p, **i).loss, params, inputs)
+    batch = {v.name for v in traced.graph.inputs if not v.name.startswith("arg0")}
+    labels = [b.label for b in graph_blocks(traced.graph, batch)]
+    assert labels[1:] == ["resnet.encoder.stages.0.layers.0",
+                          "resnet.encoder.stages.1.layers.0"], labels
+    assert labels[0].startswith("embed")
+    results = world2.run(H.run_zoo, "resnet", "pipeline")
+    for r in results:
+        assert r["ok"], r.get("error")
+        assert r["config"].startswith("pp=2 "), r["config"]
+        assert r["loss_err"] < 1e-12 and r["grad_err"] < 1e-12, r
+    missing = set(results[0]["need"]) - {k for r in results for k in r["have"]}
+    assert not missing

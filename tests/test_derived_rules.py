@@ -52,7 +52,7 @@ def model_family_ops(x, grid, counts, points):
     """Ops the coverage models emit (or torch's core opset holds) that have rules of their
     own: interpolation (BEiT), coordinate grids, histograms (MoE routing), pads of every
     kind, the diagonal view, grid sampling, pairwise distances, and the native norm forms
-    with their saved statistics."""
+    with their saved statistics; eval-mode batch norm."""
     up = F.interpolate(x, scale_factor=2, mode="bilinear", align_corners=False)
     near = F.interpolate(x, size=(6, 6), mode="nearest")
     rows, cols = torch.meshgrid(torch.arange(3.0), torch.arange(4.0), indexing="ij")
@@ -65,8 +65,9 @@ def model_family_ops(x, grid, counts, points):
     bn, mean, rstd = aten._native_batch_norm_legit.no_stats(x, None, None, True, 0.1, 1e-5)
     gn, gmean, grstd = aten.native_group_norm(x, None, None, x.shape[0], x.shape[1],
                                               x.shape[2] * x.shape[3], 2, 1e-5)
+    evaluated = F.batch_norm(x, counts[:4], counts[4:] + 1, training=False)  # every dim splits
     return (up.sum((2, 3)) + near.sum((2, 3)), rows + cols, hist, padded.sum((2, 3)),
-            padded3.sum(), diag, sampled, dist, bn, mean, rstd, gn, gmean, grstd)
+            padded3.sum(), diag, sampled, dist, bn, mean, rstd, gn, gmean, grstd, evaluated)
 
 
 @settings(max_examples=4, deadline=None)

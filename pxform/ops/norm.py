@@ -45,7 +45,8 @@ def _channel_norm(op: Op) -> OpInfo:
     """Norms over channels or batch: only dim 0 (group/instance norm) or dim 1 (batch norm)
     may split; affine params and running stats are per channel. A training-mode batch norm
     tagged `BATCH_STATS="rank"` may also split the batch (dim 0): each piece normalises by
-    its own statistics, which is the asked-for meaning, as under DDP."""
+    its own statistics, which is the asked-for meaning, as under DDP. In eval mode batch
+    norm reads its running statistics, so every dim splits."""
     x, *params = op.inputs
     lm = LabelMaker()
     labels = lm.many(x.type.rank)
@@ -54,6 +55,8 @@ def _channel_norm(op: Op) -> OpInfo:
     fixed = set(labels) - {keep}
     if op.name == "batch_norm" and dict(op.tags).get(BATCH_STATS) == "rank" and labels:
         fixed.discard(labels[0])
+    if op.name == "batch_norm" and not bind(op).get("training"):
+        fixed = set()  # eval mode: the running statistics, an affine map per element
     ch = labels[1] if x.type.rank > 1 else labels[0]
     ins = [[(lb,) for lb in labels]] + [[(ch,)] for _ in params]
     sig = Signature.make(ins, [[(lb,) for lb in labels]], sizes, fixed=fixed)

@@ -17,7 +17,8 @@ candidates are compared by their ops and input shapes, and the longest run of a 
 pattern of segments becomes one block per repetition (a transformer layer is two segments:
 attention and MLP). What precedes and follows the repeated run is searched the same way
 (encoder-decoder models have two runs); what is left over becomes one block on each side
-("embed" and "head" in a language model).
+("embed" and "head" in a language model). A model with no repeated run at all (a CNN
+whose stages differ in width, one layer each) gets one block per numbered module instead.
 
 Example:
     >>> cuts = stage_cuts(traced.graph, num_stages=2, batch_inputs={"batch.idx"})
@@ -219,11 +220,16 @@ def graph_blocks(graph: Graph, batch_inputs: set[str]) -> tuple[Block, ...]:
     sigs = [ids.setdefault(block_signature(ops[a:b]), len(ids)) for a, b in segments]
     seg_flops = [_flops(ops[a:b]) for a, b in segments]
     groups = _group_repeats(sigs, seg_flops, 0, len(sigs))
+    if len(groups) == 1 and len(segments) > 1:
+        groups = _by_module([module_label(ops[a:b]) for a, b in segments])
     blocks = []
     layer = 0
     for lo, hi, kind in groups:
         start, stop = segments[lo][0], segments[hi - 1][1]
-        if kind == "layer":
+        if kind.startswith("layer "):  # a numbered module's (`_by_module`)
+            label = kind[len("layer "):]
+            layer += 1
+        elif kind == "layer":
             label = module_label(ops[start:stop]) or f"layer {layer}"
             layer += 1
         else:
@@ -315,6 +321,28 @@ def _group_repeats(sigs: list[int], flops: list[int], lo: int, hi: int,
     after = [(a, b, "head" if k == "block" and hi == len(sigs) else k) for a, b, k in after]
     layers = [(start + i * period, start + (i + 1) * period, "layer") for i in range(reps)]
     return before + layers + after
+
+
+def _by_module(labels: list[str]) -> list[tuple[int, int, str]]:
+    """Segments grouped by the numbered module holding them (`encoder.stages.0.layers.1`),
+    for models with no repeated run at all: a hierarchical CNN whose stages differ in
+    width, one layer each, still gets a block per layer (planned per layer, pipelined). A
+    layer is numbered twice in hierarchical models (`stages.0.layers.1`), once in flat
+    ones (`layers.3`): the depth is the most numbers any label has, up to 2; deeper numbers
+    are parts of a layer. Segments numbered less deeply (a stem, a pooler, a `Sequential`
+    head) join the group before them ("embed" for the first). The kind is "layer <key>"."""
+    numbered = [[j for j, part in enumerate(lb.split(".")) if part.isdigit()] if lb else []
+                for lb in labels]
+    depth = min(2, max(len(n) for n in numbered))
+    groups: list[tuple[int, int, str]] = []
+    for i, (label, nums) in enumerate(zip(labels, numbered)):
+        key = ".".join(label.split(".")[:nums[depth - 1] + 1]) if depth and len(nums) >= depth \
+            else ""
+        if groups and (not key or groups[-1][2] == f"layer {key}"):
+            groups[-1] = (groups[-1][0], i + 1, groups[-1][2])
+        else:
+            groups.append((i, i + 1, f"layer {key}" if key else "embed"))
+    return groups if len(groups) > 1 else [(0, len(labels), "block")]
 
 
 def module_label(ops: Sequence[Op]) -> str:
