@@ -44,7 +44,8 @@ def run_zoo(name: str, mode: str, dtype: str = "float64") -> dict:
     """One coverage case (`tests/test_coverage.py`, `benchmarks/coverage.py`): the zoo model
     `name` under data parallel (`mode="dp"`: the batch split over every rank), `auto`, or
     `auto` with one pipeline stage per rank (`"pipeline"`), on this world, against
-    `pxform.value_and_grad` of the plain function on one process. Failures are returned, not raised, so one model's failure does not stop a sweep."""
+    `pxform.value_and_grad` of the plain function on one process. Failures are returned,
+    not raised, so one model's failure does not stop a sweep."""
     import time
     import traceback
     import warnings
