@@ -97,3 +97,31 @@ def run_zoo(name: str, mode: str, dtype: str = "float64") -> dict:
         out["trace"] = traceback.format_exc()[-3000:]
     out["seconds"] = time.perf_counter() - start
     return out
+
+
+def run_train_mode(name: str) -> dict:
+    """The zoo model in training mode (Swin: stochastic depth 0.1) under data parallel on this
+    world, pxform's own run of the traced function on one process, and eager, each from
+    the same torch seed: the loss of each."""
+    import warnings
+
+    import hf_zoo
+    import torch
+
+    warnings.simplefilter("ignore")
+    model, inputs = hf_zoo.build(name, dtype=torch.float64)
+    model.train()
+    fn, params = pxform.module_fn(model)
+    params = {k: v.detach() for k, v in params.items()}
+
+    def loss(params, inputs):
+        return fn(params, **inputs).loss
+
+    torch.manual_seed(0)
+    step = pxform.shard(loss, mesh=pxform.Mesh({"dp": 2}), in_specs=(None, pxform.P("dp")))
+    parallel = float(step(params, inputs))
+    torch.manual_seed(0)
+    one_rank = float(pxform.trace(loss, params, inputs)(params, inputs).detach())
+    torch.manual_seed(0)
+    eager = float(loss(params, inputs).detach())
+    return {"parallel": parallel, "one_rank": one_rank, "eager": eager}
