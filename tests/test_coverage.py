@@ -116,3 +116,26 @@ def test_stochastic_depth_follows_pxforms_stream(world2):
     for r in world2.run(H.run_train_mode, "swin"):
         assert r["parallel"] == r["one_rank"], r
         assert abs(r["parallel"] - r["eager"]) > 1e-4, r
+
+
+def test_a_plan_that_does_not_lower_is_named():
+    """The check `auto` runs before returning a plan (`_fails_to_lower`): None for its own
+    plan; for a plan that does not lower here (made for another function), the reason."""
+    g = torch.Generator().manual_seed(0)
+    params = {"w1": torch.randn(16, 16, generator=g), "w2": torch.randn(16, 16, generator=g)}
+    batch = torch.randn(8, 16, generator=g)
+
+    def one(params, x):
+        return (x @ params["w1"]).tanh().sum()
+
+    def two(params, x):
+        return (x @ params["w1"] @ params["w2"]).sum()
+
+    kw = dict(mesh=4, memory_budget="1GiB", hardware="a100-40gb")
+    first, second = pxform.auto(one, **kw), pxform.auto(two, **kw)
+    plan = first.plan(params, batch)
+    graph, names, _ = first._graph((params, batch))
+    assert first._fails_to_lower(plan, (params, batch), graph.inputs, names) is None
+    graph, names, _ = second._graph((params, batch))
+    why = second._fails_to_lower(plan, (params, batch), graph.inputs, names)
+    assert why is not None and "another function" in why, why
