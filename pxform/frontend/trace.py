@@ -461,7 +461,7 @@ def last_uses(graph: Graph) -> dict[str, int]:
 # ---------------------------------------------------------------- fx graph -> IR
 
 def _to_ir(gm: torch.fx.GraphModule, fn_name: str, input_names: list[str],
-           allow_fallback: bool, buffers: set[str] = frozenset(),  # type: ignore[assignment]
+           allow_fallback: bool, buffers: Collection[str] = (),
            sync_batch_norm: bool = False) -> tuple[Graph, list[Op], list[str]]:
     env: dict[torch.fx.Node, Any] = {}
     inputs: list[Value] = []

@@ -130,12 +130,16 @@ def run_spmd(program: Program, out_tree: Any, layouts: Sequence[Layout], args: t
     with torch.set_grad_enabled(bool(grad_argnums) or torch.is_grad_enabled()):
         outs = execute(program, local, axes, buckets,
                        reshard=reshard_when(reshard, bool(grad_argnums)))
-    if state:
-        num = len(outs) - len(state)
+    num = len(outs) - len(state)  # the function's own outputs; then the new state
+
+    def written(outs: list[Any]) -> list[Any]:
+        """The function's outputs, once the state outputs are written back."""
         write_state([tensor_leaves[k][0] for k in state], outs[num:],
                     program.outputs[num:], mesh)
-        outs = outs[:num]
+        return outs[:num]
+
     if not grad_argnums:
+        outs = written(outs)
         value = optree.tree_unflatten(out_tree, [
             wrap_output(o, v, mesh) for o, v in zip(outs, program.outputs)])
         return SpmdResult(value, None, None)
@@ -154,7 +158,8 @@ def run_spmd(program: Program, out_tree: Any, layouts: Sequence[Layout], args: t
     # the count N of those not ignored, so the loss and every gradient take a factor M / N
     # (exactly 1.0 when nothing is ignored: multiplying by it changes no bit; a tensor, so
     # no device-to-host sync)
-    outs = [buckets.values.get(("output", k), o) for k, o in enumerate(outs)]
+    # (state outputs too: a statistic reduced as an output may ride in a bucket)
+    outs = written([buckets.values.get(("output", k), o) for k, o in enumerate(outs)])
     count = buckets.values.get(("count", 0))
     factor = None
     if count is not None and buckets.count_scale is not None:
