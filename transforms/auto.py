@@ -209,28 +209,38 @@ class Auto(Executable):
                         names: set[str]) -> str | None:
         """Why `plan` does not lower on its abstract mesh (None: it does). The lowering
         checks every conversion and pipeline transfer, on fake tensors, for no devices."""
+        checked = self._made(plan, AbstractMesh(dict(plan.mesh.axes)),
+                             self._in_specs(plan, args, inputs, names),
+                             Fallback(allow=self.allow_fallback, report=False))
         try:
-            self._made(plan, AbstractMesh(dict(plan.mesh.axes)),
-                       self._in_specs(plan, args, inputs, names),
-                       Fallback(allow=self.allow_fallback, report=False)).lower(*args)
+            checked.lower(*args)
         except Exception as exc:  # any failure rejects the plan; the text says which
             text = str(exc).strip().splitlines()
             return f"{type(exc).__name__}: {text[0] if text else ''}"
+        self._cache[("checked", id(plan))] = checked  # its programs serve `executable`
         return None
 
-    def _made(self, plan: Plan, mesh: Any, specs: tuple[Any, ...], fallback: Fallback) -> Any:
+    def _made(self, plan: Plan, mesh: Any, specs: tuple[Any, ...], fallback: Fallback,
+              like: Sharded | None = None) -> Sharded:
         """The `pxform.shard` (over `pxform.pipeline` when the plan has stages) running
-        `plan` on `mesh` (bound, to run; abstract, to lower)."""
+        `plan` on `mesh` (bound, to run; abstract, to lower). `like`, the same made on the
+        abstract mesh and lowered already, lends its programs (lowering depends on the
+        abstract mesh only), so a checked plan is not lowered twice."""
         lowering = self._lowering(plan)
         if plan.stages > 1:
-            fn: Any = Pipelined(self.fn, plan.stages, plan.microbatches, plan.schedule, "pp",
-                                batch_argnums=self._batch_argnums(len(specs)),
-                                batch_dim=self.batch_dim, planner=lowering, fallback=fallback,
-                                precision=self.precision, sync_batch_norm=self.sync_batch_norm)
-            return Sharded(fn, mesh, specs, precision=self.precision,
-                           sync_batch_norm=self.sync_batch_norm)
-        return Sharded(self.fn, mesh, specs, planner=lowering, fallback=fallback,
-                       precision=self.precision, sync_batch_norm=self.sync_batch_norm)
+            fn: Any = like.fn if like is not None else Pipelined(
+                self.fn, plan.stages, plan.microbatches, plan.schedule, "pp",
+                batch_argnums=self._batch_argnums(len(specs)), batch_dim=self.batch_dim,
+                planner=lowering, fallback=fallback, precision=self.precision,
+                sync_batch_norm=self.sync_batch_norm)
+            exe = Sharded(fn, mesh, specs, precision=self.precision,
+                          sync_batch_norm=self.sync_batch_norm)
+        else:
+            exe = Sharded(self.fn, mesh, specs, planner=lowering, fallback=fallback,
+                          precision=self.precision, sync_batch_norm=self.sync_batch_norm)
+        if like is not None:
+            exe._cache.update(like._cache)
+        return exe
 
     def executable(self, *args: Any) -> Any:
         """The `pxform.shard` (over `pxform.pipeline` when the plan has stages) that runs
@@ -249,7 +259,8 @@ class Auto(Executable):
         specs = self._in_specs(plan, args, inputs, names)
         # planning traced the function and reported its fallback ops: running does not again
         exe = self._made(plan, Mesh(dict(plan.mesh.axes)), specs,
-                         Fallback(allow=self.allow_fallback, report=False))
+                         Fallback(allow=self.allow_fallback, report=False),
+                         like=self._cache.pop(("checked", id(plan)), None))
         self._cache[key] = exe
         return exe
 
