@@ -133,7 +133,10 @@ def distribute(args: Any, layouts: Any, mesh: Mesh) -> Any:
             return leaf
         layout = next(todo)
         # distribute_tensor keeps a replicated tensor's storage as the local piece
-        source = leaf if layout.used_axes() else leaf.detach().clone()
-        return distribute_tensor(source, mesh.device_mesh, placements(layout, mesh.abstract))
+        source = leaf.detach() if layout.used_axes() else leaf.detach().clone()
+        out = distribute_tensor(source, mesh.device_mesh, placements(layout, mesh.abstract))
+        # requires_grad follows the leaf, sharded or not: it marks the trainable leaves
+        # (`value_and_grad` differentiates only those where any is marked)
+        return out.requires_grad_(leaf.requires_grad) if out.is_floating_point() else out
 
     return optree.tree_map(one, args)  # type: ignore[arg-type]
