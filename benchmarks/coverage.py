@@ -1,7 +1,7 @@
 """Model coverage: every model of the zoo (`tests/hf_zoo.py`, small random-init Hugging Face
 models of six families) traced, run data parallel and under `pxform.auto` on 2 gloo ranks
 against one process, and its `auto` plan made (so lowered on the abstract mesh) for 4 and 64
-devices. Writes `benchmarks/results/coverage.json` and prints the table that
+devices. Writes `benchmarks/results/coverage-<date>.json` and prints the table that
 `docs/models.md` shows.
 
     python benchmarks/coverage.py                 # all models, about 5 minutes on 2 cores
@@ -15,13 +15,12 @@ and of the ops the models emit when traced, those with one.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import warnings
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [os.path.join(ROOT, "tests"), ROOT]
+sys.path[:0] = [os.path.join(ROOT, "tests"), os.path.join(ROOT, "benchmarks"), ROOT]
 
 
 def plans(name: str) -> dict[int, str]:
@@ -80,6 +79,7 @@ def census(models: list[str]) -> dict:
 
 
 def main() -> None:
+    import harness
     import hf_workers as H
     import hf_zoo
 
@@ -87,8 +87,7 @@ def main() -> None:
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("models", nargs="*", default=sorted(hf_zoo.ZOO))
-    parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results",
-                                                      "coverage.json"))
+    parser.add_argument("--out", default=harness.RESULTS, help="results folder")
     parser.add_argument("--census", action="store_true", help="only the op census")
     args = parser.parse_args()
     counts = census(args.models)
@@ -116,9 +115,7 @@ def main() -> None:
             row.update({f"plan{k}": v.split(" schedule")[0] for k, v in plans(name).items()})
             rows.append(row)
             print(row, flush=True)
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump({"models": rows, "census": counts}, f, indent=1)
+    harness.write_result("coverage", {"models": rows, "census": counts}, args.out)
     print("| model | family | dtype | DP, 2 ranks: max error | auto, 2 ranks: max error "
           "| plan, 2 | plan, 4 | plan, 64 |")
     print("|" + "---|" * 8)
