@@ -52,7 +52,8 @@ def model_family_ops(x, grid, counts, points):
     """Ops the coverage models emit (or torch's core opset holds) that have rules of their
     own: interpolation (BEiT), coordinate grids, histograms (MoE routing), pads of every
     kind, the diagonal view, grid sampling, pairwise distances, and the native norm forms
-    with their saved statistics; eval-mode batch norm."""
+    with their saved statistics; eval-mode batch norm; Python-API aliases of pointwise ops
+    (`torch.multiply`), FFTs and their real part, and `unfold`."""
     up = F.interpolate(x, scale_factor=2, mode="bilinear", align_corners=False)
     near = F.interpolate(x, size=(6, 6), mode="nearest")
     rows, cols = torch.meshgrid(torch.arange(3.0), torch.arange(4.0), indexing="ij")
@@ -66,8 +67,12 @@ def model_family_ops(x, grid, counts, points):
     gn, gmean, grstd = aten.native_group_norm(x, None, None, x.shape[0], x.shape[1],
                                               x.shape[2] * x.shape[3], 2, 1e-5)
     evaluated = F.batch_norm(x, counts[:4], counts[4:] + 1, training=False)  # every dim splits
+    aliases = torch.multiply(x, 2.0) + torch.greater(x, 0).to(x.dtype) - torch.negative(x)
+    mixed = torch.fft.fftn(x, dim=(1, 2)).real                 # FNet's token mixing
+    patches = F.unfold(x, kernel_size=2)                        # ConvBERT's span convolution
     return (up.sum((2, 3)) + near.sum((2, 3)), rows + cols, hist, padded.sum((2, 3)),
-            padded3.sum(), diag, sampled, dist, bn, mean, rstd, gn, gmean, grstd, evaluated)
+            padded3.sum(), diag, sampled, dist, bn, mean, rstd, gn, gmean, grstd, evaluated,
+            aliases, mixed, patches)
 
 
 @settings(max_examples=4, deadline=None)
@@ -79,7 +84,8 @@ def test_model_family_rules_are_exact_under_every_strategy(shape):
     points = f64(4, 8, 3, seed=10)
     for name in ("upsample_bilinear2d", "meshgrid", "histc", "reflection_pad2d",
                  "replication_pad3d", "diagonal", "grid_sampler_2d", "_cdist_forward",
-                 "_native_batch_norm_legit", "native_group_norm"):
+                 "_native_batch_norm_legit", "native_group_norm", "multiply", "fft_fftn",
+                 "real", "im2col"):
         packet = getattr(aten, name)
         assert all(has_rule(getattr(packet, o)) for o in packet.overloads()), name
     assert sum(every_strategy_of_every_op(model_family_ops, (x, grid, counts, points), m)

@@ -349,3 +349,24 @@ def test_grouped_mm_traces_as_dense_dispatch():
     torch.testing.assert_close(ga[0][:9], gr[0][:9], rtol=1e-5, atol=1e-5)
     assert torch.equal(ga[0][9], torch.zeros(8))
     torch.testing.assert_close(ga[1], gr[1], rtol=1e-5, atol=1e-5)
+
+
+def test_an_in_place_write_through_a_reshape_view_is_written_back():
+    """Funnel writes `positional_attn *= cls_mask` into a reshape of a fresh tensor. A
+    reshape that was a view when traced is written back like any view; one that copied
+    made a fresh tensor, which the write changes alone (as eager)."""
+    def through_view(x, m):
+        y = x * 2
+        v = y.reshape(4, 6)  # contiguous: a view of y
+        v *= m
+        return y.sum()
+
+    def through_copy(x, m):
+        y = x * 2
+        v = y.t().reshape(6, 4)  # a copy
+        v *= m.t()
+        return v.sum() + y.sum()
+
+    x, m = torch.randn(2, 12), torch.randn(4, 6)
+    for fn in (through_view, through_copy):
+        torch.testing.assert_close(pxform.trace(fn, x, m)(x, m), fn(x, m))

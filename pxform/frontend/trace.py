@@ -527,8 +527,11 @@ def _to_ir(gm: torch.fx.GraphModule, fn_name: str, input_names: list[str],
                 emitted += _functionalize(one, input_ids, views, fn_name, fresh, buffers,
                                           state)
             op = emitted[len(retaken)]
+            # a reshape is a view only where its input's strides allowed one when traced
+            # (as they will when it runs); one that copied makes a fresh tensor
             if isinstance(op.target, torch._ops.OpOverload) and op.inputs \
-                    and op.name in _VIEW_NAMES:
+                    and op.name in _VIEW_NAMES \
+                    and (op.name != "reshape" or _aliases_its_input(node)):
                 views.add(op)
             for new in emitted:
                 if not has_rule(new.target):
@@ -642,8 +645,9 @@ class _Views:
 _FUNCTIONAL_NAMES = {("normal_", "default"): ("normal_functional", "default"),
                      ("bernoulli_", "float"): ("bernoulli", "p"),
                      ("bernoulli_", "Tensor"): ("bernoulli", "Tensor")}
-# view ops an in-place write can be carried back through (reshape may copy: not a view)
-_WRITE_BACK = {"select", "slice", "narrow", "alias", "detach", "view", "_unsafe_view",
+# view ops an in-place write can be carried back through (a reshape is one only where it
+# was a view when traced: `_aliases_its_input`)
+_WRITE_BACK = {"select", "slice", "narrow", "alias", "detach", "view", "_unsafe_view", "reshape",
                "view_as", "squeeze", "unsqueeze", "flatten", "unflatten", "t", "transpose",
                "permute"}
 
@@ -708,6 +712,17 @@ def _functionalize(op: Op, input_ids: set[str], views: _Views, fn_name: str,
             views.renames.add(mutated, child)
         state[root] = child
     return out
+
+
+def _aliases_its_input(node: torch.fx.Node) -> bool:
+    """Did this (reshape) node's traced output share its input's storage?"""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    source = node.args[0] if node.args else None
+    out, inp = node.meta.get("val"), getattr(source, "meta", {}).get("val")
+    if not (isinstance(out, torch.Tensor) and isinstance(inp, torch.Tensor)):
+        return False
+    return StorageWeakRef(out.untyped_storage()) == StorageWeakRef(inp.untyped_storage())
 
 
 def _batch_norm_train(op: Op, fresh: Callable[[TensorType], Value], sync: bool) -> list[Op]:

@@ -7,17 +7,21 @@ that broadcasts is `1` (it can't be split, it is replicated). FLOPs: one per out
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from pxform.core.ir import Op
 from pxform.ops.registry import (
     OpInfo,
     bind,
+    has_rule,
     norm_dim,
     overloads,
     pointwise_terms,
     register_family,
     register_rule,
+    rule_info,
 )
 from pxform.ops.signature import LabelMaker, Signature
 
@@ -173,3 +177,41 @@ def _broadcast_tensors(op: Op) -> OpInfo:
     sig = Signature.make(ins, [out] * len(op.outputs), sizes,
                          linear=[set(range(len(op.inputs)))])
     return OpInfo(sig, 0, view=True)
+
+
+# Python-API aliases of pointwise ops (`torch.multiply`, `torch.greater`, ...): not tagged
+# pointwise; each takes the rule of the op it aliases, with the same overload (bilinear
+# `multiply` stays bilinear). ConvBERT calls `torch.multiply`.
+_ALIASES = {"multiply": "mul", "divide": "div", "subtract": "sub", "true_divide": "div",
+            "greater": "gt", "less": "lt", "greater_equal": "ge", "less_equal": "le",
+            "not_equal": "ne", "negative": "neg", "absolute": "abs", "arctan2": "atan2",
+            "fix": "trunc", "arccos": "acos", "arcsin": "asin", "arctan": "atan",
+            "arccosh": "acosh", "arcsinh": "asinh", "arctanh": "atanh"}
+
+
+def _aliased(alias: str, overload: str) -> tuple[Any, Any] | None:
+    target = getattr(getattr(torch.ops.aten, alias, None), overload, None)
+    packet = getattr(torch.ops.aten, _ALIASES[alias], None)
+    canonical = getattr(packet, overload, None)
+    if target is None or canonical is None:
+        return None
+    return target, canonical
+
+
+def _alias_rule(canonical: Any) -> Any:
+    def rule(op: Op) -> OpInfo:
+        return rule_info(op.replace(target=canonical))
+    return rule
+
+
+for _alias in _ALIASES:
+    for _overload in getattr(getattr(torch.ops.aten, _alias, None), "overloads", list)():
+        _pair = _aliased(_alias, _overload)
+        if _pair is not None and not has_rule(_pair[0]) and has_rule(_pair[1]):
+            register_rule(_pair[0])(_alias_rule(_pair[1]))
+
+
+@register_rule(*overloads("real", "imag"))
+def _complex_part(op: Op) -> OpInfo:
+    """The real or imaginary part of a complex tensor (a view): elementwise and linear."""
+    return pointwise_info(op, [{0}])

@@ -86,3 +86,23 @@ def _grid_sample(op: Op) -> OpInfo:
     outs = [[(n,), (c,), *((lb,) for lb in where)]]
     return OpInfo(Signature.make(ins, outs, sizes, fixed={*src, coord}),
                   4 * op.outputs[0].type.numel)
+
+
+@register_rule(*overloads("im2col", "col2im"))
+def _unfold_patches(op: Op) -> OpInfo:
+    """`F.unfold` / `F.fold` (ConvBERT's span convolution): sliding patches gathered into
+    columns and back. Samples (dim 0 of a batched input) split; channels and positions mix
+    into the column dims, so the rest is `^`. Linear."""
+    x, y = op.inputs[0], op.outputs[0]
+    lm = LabelMaker()
+    unbatched = x.type.rank == 3 if op.name == "im2col" else x.type.rank == 2
+    lead = [] if unbatched else [lm()]
+    sizes = dict(zip(lead, x.type.shape[:1]))
+    rest_in = lm.many(x.type.rank - len(lead))
+    rest_out = lm.many(y.type.rank - len(lead))
+    sizes.update(zip(rest_in, x.type.shape[len(lead):]))
+    sizes.update(zip(rest_out, y.type.shape[len(lead):]))
+    ins = [[*((lb,) for lb in lead), *((lb,) for lb in rest_in)]]
+    outs = [[*((lb,) for lb in lead), *((lb,) for lb in rest_out)]]
+    return OpInfo(Signature.make(ins, outs, sizes, fixed={*rest_in, *rest_out},
+                                 linear=[{0}]), y.type.numel)

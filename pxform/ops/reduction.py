@@ -141,3 +141,38 @@ def _cdist(op: Op) -> OpInfo:
     return OpInfo(Signature.make([[*lead, (p,), (m,)], [*lead, (r,), (m,)]],
                                  [[*lead, (p,), (r,)]], sizes, fixed={m}),
                   3 * op.outputs[0].type.numel * x1.type.shape[-1])
+
+
+_FFTS = [f"fft_{p}{k}" for p in ("", "i", "r", "ir", "h", "ih")
+         for k in ("fft", "fft2", "fftn")]
+
+
+@register_rule(*overloads(*_FFTS))
+def _fft(op: Op) -> OpInfo:
+    """Fourier transforms (FNet mixes tokens with `fftn`): the transformed dims are `^` in
+    the input and the output (a new label where the size changes: rfft's half spectrum);
+    every other dim splits. Linear in the input (partial sums pass through)."""
+    x, y = op.inputs[0], op.outputs[0]
+    args = bind(op)
+    rank = x.type.rank
+    dims = args.get("dim")
+    if dims is None:
+        dims = list(range(rank)) if op.name.endswith("n") else \
+            ([rank - 2, rank - 1] if op.name.endswith("2") else [rank - 1])
+    dims = norm_dims(dims if isinstance(dims, (list, tuple)) else [dims], rank)
+    lm = LabelMaker()
+    labels = lm.many(rank)
+    sizes = dict(zip(labels, x.type.shape))
+    fixed = {labels[d] for d in dims}
+    out = []
+    for d, size in enumerate(y.type.shape):
+        if d in dims and size != x.type.shape[d]:
+            lb = lm()
+            sizes[lb] = size
+            fixed.add(lb)
+            out.append((lb,))
+        else:
+            out.append((labels[d],))
+    return OpInfo(Signature.make([[(lb,) for lb in labels]], [out], sizes, fixed=fixed,
+                                 linear=[{0}]),
+                  5 * x.type.numel * max(1, len(dims)))
