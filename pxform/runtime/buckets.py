@@ -225,7 +225,10 @@ def _start(grads: Sequence[torch.Tensor], steps: Sequence[Step], axes: AxisGroup
         return torch.cat([g.reshape(-1) for g in grads])  # run per tensor in _end
     group = axes.groups[axis]
     if kind == "all_reduce":
-        return fc.all_reduce(torch.cat([g.reshape(-1) for g in grads]), "sum", group)
+        # in place on the packed buffer: the functional `all_reduce` would copy it first
+        # (measured: 1.5 ms of a 55 ms data-parallel step for 3.3 MiB of gradients)
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        return torch.ops._c10d_functional.all_reduce_(flat, "sum", group.group_name)
     if kind == "all_gather":
         return all_gather(torch.cat([g.reshape(-1) for g in grads]), 0, group)
     pieces = [g.chunk(n, dim=_dim(s)) for g, s in zip(grads, steps)]

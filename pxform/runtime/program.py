@@ -162,7 +162,10 @@ def run_spmd(program: Program, out_tree: Any, layouts: Sequence[Layout], args: t
     outs = written([buckets.values.get(("output", k), o) for k, o in enumerate(outs)])
     count = buckets.values.get(("count", 0))
     factor = None
-    if count is not None and buckets.count_scale is not None:
+    # on a CPU count the factor is known without a device sync: when nothing was ignored
+    # it is exactly 1.0 and the multiplications (a pass over every gradient) are skipped
+    if count is not None and buckets.count_scale is not None and not (
+            count.device.type == "cpu" and float(count) == buckets.count_scale):
         factor = buckets.count_scale / count.double()  # in float64: no extra rounding
         outs[0] = outs[0] * factor.to(outs[0].dtype)
     # value_and_grad returns values, not graphs: detached, as on a plain function
