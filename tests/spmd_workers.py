@@ -446,9 +446,25 @@ def collectives_against_ddp(batch_size=16):
         counts[name] = sorted(e.name for e in prof.events() if e.name.startswith("gloo:"))
         if name == "pxform":
             px_loss, px_grads = out
+            # autograd nodes pxform adds per parameter (none: gradients reach the buckets
+            # from tensor hooks, as DDP's reach its reducer)
+            functions = sum("BucketedConvert" in e.name for e in prof.events())
+    from pxform.runtime.graph_module import module_of
+
+    sharded = pxform.shard(loss, mesh=pxform.Mesh({"dp": 2}),
+                           in_specs=(None, {"idx": P("dp"), "targets": P("dp")}))
+    program = sharded.lower(params, batch)
+    zero3 = pxform.shard(loss, mesh=pxform.Mesh({"dp": 2}),
+                         in_specs=(P("dp"), {"idx": P("dp"), "targets": P("dp")}))
+    zparams, zbatch = zero3.distribute(params, batch)
+    hooked = {"dp": len(module_of(program, hooked=True).__dict__["hooked"]),
+              "zero3": len(module_of(zero3.lower(zparams, zbatch), hooked=True
+                                     ).__dict__["hooked"]),
+              "params": len(optree.tree_leaves(params))}
     ddp_loss = ddp_step().detach()
     torch.distributed.all_reduce(ddp_loss)
     grad_err = max(float((a - b).abs().max()) for a, b in zip(
         optree.tree_leaves(px_grads), optree.tree_leaves(module.grad_tree())))
     return {"pxform": counts["pxform"], "ddp": counts["ddp"], "grad_err": grad_err,
-            "loss_err": abs(float(px_loss) - float(ddp_loss) / 2)}
+            "loss_err": abs(float(px_loss) - float(ddp_loss) / 2), "functions": functions,
+            "hooked": hooked}

@@ -258,3 +258,7 @@ def test_data_parallel_runs_no_more_all_reduces_than_ddp(world2):
         assert r["pxform"] == ["gloo:all_reduce"], r
         assert r["pxform"].count("gloo:all_reduce") <= r["ddp"].count("gloo:all_reduce"), r
         assert r["loss_err"] < 1e-6 and r["grad_err"] < 1e-6, r
+        # every replicated parameter's gradient is bucketed from a hook, with no autograd
+        # Function of pxform's per parameter; ZeRO-3's gathered parameters keep theirs
+        assert r["functions"] == 0, r
+        assert r["hooked"]["dp"] == r["hooked"]["params"] and r["hooked"]["zero3"] == 0, r

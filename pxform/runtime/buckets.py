@@ -109,6 +109,19 @@ class GradBuckets:
         # what the loss was divided by before its count was known (`GlobalCount.final`)
         self.count_scale: float | None = None
         self.out_dtypes: dict[int, torch.dtype] = {}  # gradients reduced in another dtype
+        # inputs whose gradients came from a tensor hook (`graph_module.hook_gradients`):
+        # what autograd returns for them is an expanded zero, not a part of the gradient
+        self.hooked: set[int] = set()
+        self._zeros: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+
+    def zero(self, like: torch.Tensor) -> torch.Tensor:
+        """A zero scalar of `like`'s dtype and device, made once per step (what a
+        gradient hook gives autograd back, expanded)."""
+        key = (like.dtype, like.device)
+        zero = self._zeros.get(key)
+        if zero is None:
+            zero = self._zeros[key] = like.new_zeros(())
+        return zero
 
     @staticmethod
     def _signature(steps: tuple[Step, ...], like: torch.Tensor) -> tuple:

@@ -453,28 +453,96 @@ def _single_tensor(target: Any) -> bool:
         str(schema.returns[0].type) == "Tensor"
 
 
-def module_of(program: Program | StageProgram) -> torch.fx.GraphModule:
+def module_of(program: Program | StageProgram, hooked: bool = False) -> torch.fx.GraphModule:
     """`program` (an SPMD program, or one pipeline stage's, whose parameter gradients are
     keyed by graph input index) as its per-rank fx GraphModule, built on first use and
     kept with the program (programs are immutable; lowering caches them per signature).
+    With `hooked` (an SPMD program run under `GradBuckets`), the module leaves out the
+    conversions of `hooked_inputs` and lists them in its `hooked` attribute: the caller
+    sends those inputs' gradients to the buckets with tensor hooks (`hook_gradients`).
 
     Example:
         >>> print(module_of(step.lower(params, batch)).code)
     """
-    module = program.__dict__.get("_graph_module")
+    key = "_graph_module_hooked" if hooked else "_graph_module"
+    module = program.__dict__.get(key)
     if module is None:
-        module = (build(program.program, program.graph_inputs)
-                  if isinstance(program, StageProgram) else build(program))
-        program.__dict__["_graph_module"] = module  # frozen dataclass: no __setattr__
+        if isinstance(program, StageProgram):
+            assert not hooked, "pipeline stages send gradients through their conversions"
+            module = build(program.program, program.graph_inputs)
+        else:
+            module = build(program, hooked=hooked)
+        program.__dict__[key] = module  # frozen dataclass: no __setattr__
     return module
 
 
-def build(program: Program, input_ids: Sequence[int] | None = None) -> torch.fx.GraphModule:
+def hooked_inputs(program: Program) -> dict[str, tuple[Step, ...]]:
+    """The program inputs whose gradient needs nothing but a bucketed reduction, and its
+    steps: every read of the input is a conversion that is the identity in forward
+    (no cast, no gather, not left running, not a deferred output) with the same backward
+    steps, some of them collectives (a replicated parameter under data parallelism:
+    `all_reduce(dp)`). Such a conversion needs no autograd node of its own: a hook on the
+    input's gradient, which autograd has already summed over its reads, hands it to the
+    buckets (sum then reduce equals reduce then sum). What DDP does with its C++ hooks;
+    it saves an autograd Function per parameter, forward and backward, in Python."""
+    deferred, _ = deferred_outputs(program)
+    sites = gather_plan(program).site_of()
+    inputs = {v.name for v in program.inputs}
+    steps: dict[str, tuple[Step, ...] | None] = {}
+    for instr in program.instrs:
+        if isinstance(instr, ConvertInstr):
+            if instr.src not in inputs:
+                continue
+            ok = (not instr.forward.steps and instr.cast is None and instr.grad_dtype is None
+                  and not instr.asynchronous and instr.dst.name not in deferred
+                  and instr.dst.name not in sites
+                  and any(s.kind not in LOCAL_STEPS for s in instr.backward.steps))
+            mine = instr.backward.steps if ok else None
+            steps[instr.src] = mine if steps.get(instr.src, mine) == mine else None
+        else:
+            for name in _reads([instr]):
+                if name in inputs:
+                    steps[name] = None  # read by an op: its gradient is not all partial
+    for o in program.outputs:
+        if isinstance(o, Value) and o.name in steps:
+            steps[o.name] = None
+    return {name: s for name, s in steps.items() if s is not None}
+
+
+def hook_gradients(module: torch.fx.GraphModule, inputs: Sequence[torch.Tensor],
+                   buckets: GradBuckets) -> None:
+    """Send the gradients of the inputs `module` (`module_of(..., hooked=True)`) lists in
+    `hooked` to `buckets`, from tensor hooks: each hook hands over the gradient as autograd
+    computes it and gives autograd back an expanded zero (no memory), which the caller
+    ignores for those inputs (`GradBuckets.hooked`).
+
+    Example:
+        >>> module = module_of(program, hooked=True)
+        >>> hook_gradients(module, local_inputs, buckets)
+    """
+    hooked: tuple[tuple[int, int, tuple[Step, ...]], ...] = module.__dict__["hooked"]
+    for position, key, steps in hooked:
+        x = inputs[position]
+        if x.requires_grad:
+            buckets.expect(steps, x)
+            x.register_hook(functools.partial(_to_buckets, buckets, key, steps))
+
+
+def _to_buckets(buckets: GradBuckets, key: int, steps: tuple[Step, ...],
+                grad: torch.Tensor) -> torch.Tensor:
+    buckets.hooked.add(key)
+    buckets.add(key, grad, steps)
+    return buckets.zero(grad).expand(grad.shape)
+
+
+def build(program: Program, input_ids: Sequence[int] | None = None, hooked: bool = False
+          ) -> torch.fx.GraphModule:
     """The program as an fx GraphModule taking this rank's local inputs, in order.
     Gradients of input i go to the buckets under key i, or `input_ids[i]` when given (a
     pipeline stage's program reads some of the function's inputs; later inputs, values
     received from another stage, are not bucketed). The instructions of each recompute
-    region become one `Recompute` submodule (activation checkpointing).
+    region become one `Recompute` submodule (activation checkpointing). With `hooked`,
+    the conversions of `hooked_inputs(program)` are left out (see `module_of`).
 
     Example:
         >>> gm = build(sharded.lower(params, batch))
@@ -491,7 +559,8 @@ def build(program: Program, input_ids: Sequence[int] | None = None) -> torch.fx.
     for j, c in enumerate(program.constants):
         root.register_buffer(f"constant_{j}", c.data)
         env[c.value.name] = graph.get_attr(f"constant_{j}")
-    main = _Emitter(program, graph, root, env, index)
+    hooks = hooked_inputs(program) if hooked and input_ids is None else {}
+    main = _Emitter(program, graph, root, env, index, set(hooks))
     runs = _region_runs(program.instrs)
     last_run: dict[str, int] = {}
     for r, (_, instrs) in enumerate(runs):
@@ -508,7 +577,7 @@ def build(program: Program, input_ids: Sequence[int] | None = None) -> torch.fx.
         inner = set(defined)
         ins = [n for n in dict.fromkeys(_reads(instrs)) if n not in inner]
         outs = [n for n in defined if last_run.get(n, -1) > r]
-        body = _body(program, instrs, ins, outs, index)
+        body = _body(program, instrs, ins, outs, index, set(hooks))
         name = f"recompute_{region.region}"
         while hasattr(root, name):
             name += "_"
@@ -520,17 +589,20 @@ def build(program: Program, input_ids: Sequence[int] | None = None) -> torch.fx.
     results = [env[o.name] if isinstance(o, Value) else o for o in program.outputs]
     graph.output(tuple(results))
     gm = torch.fx.GraphModule(root, graph, class_name=f"Rank_{_ident(program.name)}")
+    # (position, bucket key, backward steps) of each hooked input; a plain attribute
+    gm.__dict__["hooked"] = tuple((k, index[v.name], hooks[v.name])
+                                  for k, v in enumerate(program.inputs) if v.name in hooks)
     return gm
 
 
 def _body(program: Program, instrs: list[Instr], ins: list[str], outs: list[str],
-          index: dict[str, int]) -> torch.fx.GraphModule:
+          index: dict[str, int], hooked: set[str]) -> torch.fx.GraphModule:
     """One recompute region's instructions as a module of its inputs, returning its
     outputs (the values read after it)."""
     root = torch.nn.Module()
     graph = torch.fx.Graph()
     env = {n: graph.placeholder(_ident(n)) for n in ins}
-    _Emitter(program, graph, root, env, index).emit(instrs)
+    _Emitter(program, graph, root, env, index, hooked).emit(instrs)
     graph.output(tuple(env[n] for n in outs))
     return torch.fx.GraphModule(root, graph, class_name="Region")
 
@@ -540,9 +612,11 @@ class _Emitter:
     counts), reading and defining values in `env`."""
 
     def __init__(self, program: Program, graph: torch.fx.Graph, root: torch.nn.Module,
-                 env: dict[str, torch.fx.Node], index: dict[str, int]) -> None:
+                 env: dict[str, torch.fx.Node], index: dict[str, int],
+                 hooked: set[str] | frozenset[str] = frozenset()) -> None:
         self.program, self.graph, self.root, self.env, self.index = \
             program, graph, root, env, index
+        self.hooked = hooked  # inputs whose conversions are left out (`hooked_inputs`)
         self.device: Any = None
         self.num = 0
         self.deferred, self.final = deferred_outputs(program)
@@ -567,6 +641,9 @@ class _Emitter:
                     wait = f"wait_{_ident(name)}"
                     root.add_module(wait, Wait(self.running.pop(name)))
                     env[name] = graph.call_module(wait, (env[name],))
+            if isinstance(instr, ConvertInstr) and instr.src in self.hooked:
+                env[instr.dst.name] = env[instr.src]  # identity: its gradient is hooked
+                continue
             if isinstance(instr, ConvertInstr):
                 name = f"convert_{num}"
                 root.add_module(name, Convert(instr.forward.steps, instr.backward.steps,

@@ -31,7 +31,7 @@ from pxform.runtime.boundary import (
 )
 from pxform.runtime.buckets import BucketStats, GradBuckets, GradSink
 from pxform.runtime.collectives import AxisGroups
-from pxform.runtime.graph_module import draw_seeds, module_of, with_groups
+from pxform.runtime.graph_module import draw_seeds, hook_gradients, module_of, with_groups
 from pxform.runtime.mesh import Mesh
 from pxform.runtime.prefetch import Prefetch, gather_plan
 from pxform.runtime.reshard import Reshard, reshard_after_forward, reshard_when
@@ -46,11 +46,16 @@ def execute(program: Program, inputs: Sequence[torch.Tensor], axes: AxisGroups,
     (ZeRO-3) are freed after their forward use and gathered again in backward."""
     plan = gather_plan(program)
     prefetch = Prefetch(plan, axes, inputs) if plan.groups else None
+    hooked = isinstance(buckets, GradBuckets) and torch.is_grad_enabled()
+    module = module_of(program, hooked=hooked)
+    if hooked:
+        assert isinstance(buckets, GradBuckets)
+        hook_gradients(module, inputs, buckets)
     # without parameter gathers there is nothing to reshard: no saved-tensor hooks (they
     # would run Python for every tensor autograd saves)
     with with_groups(axes, buckets, draw_seeds([program]), prefetch), \
             reshard_after_forward(reshard_when(reshard, bool(plan.groups))):
-        return list(module_of(program)(*inputs))
+        return list(module(*inputs))
 
 
 @dataclass(frozen=True)
@@ -181,6 +186,8 @@ def run_spmd(program: Program, out_tree: Any, layouts: Sequence[Layout], args: t
             wrapped.append(None)
             continue
         g = next(grad_iter)
+        if index in buckets.hooked:
+            g = None  # autograd's is an expanded zero: the gradient went to the buckets
         ours = g is None and index in reduced  # a bucket's own buffer: may be scaled in place
         if index in reduced:
             g = reduced[index] if g is None else g + reduced[index]
