@@ -127,6 +127,11 @@ def stand_ins(args: tuple[Any, ...]) -> tuple[Any, ...]:
 def refuse_meta(fn: Any, args: tuple[Any, ...], name: str, mesh: Any = None) -> None:
     """Refuse `meta` tensors (no data) among the arguments of a run, naming the first one
     and the fix: parameters built on meta are initialised with `step.init`."""
+    # every call runs this: the paths and names are found only for the error
+    leaves: Any = optree.tree_leaves(args, is_leaf=is_dtensor)  # type: ignore[arg-type]
+    if not any(isinstance(leaf, torch.Tensor) and leaf.device.type == "meta"
+               for leaf in leaves):
+        return
     flat: Any = optree.tree_flatten_with_path(args, is_leaf=is_dtensor)  # type: ignore[arg-type]
     paths, leaves, _ = flat
     names = arg_names(fn, len(args))

@@ -129,9 +129,11 @@ def run_spmd(program: Program, out_tree: Any, layouts: Sequence[Layout], args: t
         local.append(t)
         wants.append(want)
     # parameter-gradient collectives go to buckets, launched during backward
-    buckets = GradBuckets(axes, int(bucket_mb * 2**20),
-                          {k: block_name(v.name) for k, v in enumerate(program.inputs)}
-                          ) if grad_argnums else None
+    blocks = program.__dict__.get("_input_blocks")  # once per program, not per call
+    if blocks is None:
+        blocks = program.__dict__["_input_blocks"] = {
+            k: block_name(v.name) for k, v in enumerate(program.inputs)}
+    buckets = GradBuckets(axes, int(bucket_mb * 2**20), blocks) if grad_argnums else None
     with torch.set_grad_enabled(bool(grad_argnums) or torch.is_grad_enabled()):
         outs = execute(program, local, axes, buckets,
                        reshard=reshard_when(reshard, bool(grad_argnums)))
