@@ -426,8 +426,9 @@ def collectives_against_ddp(batch_size=16):
     import harness
 
     cfg, params, batch, local, loss = harness.gpt_case("small", batch_size)
-    step = pxform.value_and_grad(pxform.shard(
-        loss, mesh=pxform.Mesh({"dp": 2}), in_specs=(None, {"idx": P("dp"), "targets": P("dp")})))
+    sharded = pxform.shard(loss, mesh=pxform.Mesh({"dp": 2}),
+                           in_specs=(None, {"idx": P("dp"), "targets": P("dp")}))
+    step = pxform.value_and_grad(sharded)
     module = harness.gpt_module(cfg, params)
     ddp = DistributedDataParallel(module, bucket_cap_mb=25)
 
@@ -451,8 +452,6 @@ def collectives_against_ddp(batch_size=16):
             functions = sum("BucketedConvert" in e.name for e in prof.events())
     from pxform.runtime.graph_module import module_of
 
-    sharded = pxform.shard(loss, mesh=pxform.Mesh({"dp": 2}),
-                           in_specs=(None, {"idx": P("dp"), "targets": P("dp")}))
     program = sharded.lower(params, batch)
     zero3 = pxform.shard(loss, mesh=pxform.Mesh({"dp": 2}),
                          in_specs=(P("dp"), {"idx": P("dp"), "targets": P("dp")}))

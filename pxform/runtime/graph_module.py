@@ -22,7 +22,7 @@ import contextvars
 import functools
 import math
 import operator
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -470,8 +470,12 @@ def module_of(program: Program | StageProgram, hooked: bool = False) -> torch.fx
         if isinstance(program, StageProgram):
             assert not hooked, "pipeline stages send gradients through their conversions"
             module = build(program.program, program.graph_inputs)
+        elif hooked:
+            hooks = hooked_inputs(program)
+            # nothing to hook (ZeRO-3, tensor parallelism): the plain module serves
+            module = build(program, hooks=hooks) if hooks else module_of(program)
         else:
-            module = build(program, hooked=hooked)
+            module = build(program)
         program.__dict__[key] = module  # frozen dataclass: no __setattr__
     return module
 
@@ -535,14 +539,15 @@ def _to_buckets(buckets: GradBuckets, key: int, steps: tuple[Step, ...],
     return buckets.zero(grad).expand(grad.shape)
 
 
-def build(program: Program, input_ids: Sequence[int] | None = None, hooked: bool = False
-          ) -> torch.fx.GraphModule:
+def build(program: Program, input_ids: Sequence[int] | None = None,
+          hooks: Mapping[str, tuple[Step, ...]] | None = None) -> torch.fx.GraphModule:
     """The program as an fx GraphModule taking this rank's local inputs, in order.
     Gradients of input i go to the buckets under key i, or `input_ids[i]` when given (a
     pipeline stage's program reads some of the function's inputs; later inputs, values
     received from another stage, are not bucketed). The instructions of each recompute
-    region become one `Recompute` submodule (activation checkpointing). With `hooked`,
-    the conversions of `hooked_inputs(program)` are left out (see `module_of`).
+    region become one `Recompute` submodule (activation checkpointing). The conversions of
+    the inputs in `hooks` (`hooked_inputs`: input name -> backward steps) are left out, and
+    the module's `hooked` attribute lists those inputs (see `module_of`).
 
     Example:
         >>> gm = build(sharded.lower(params, batch))
@@ -559,7 +564,7 @@ def build(program: Program, input_ids: Sequence[int] | None = None, hooked: bool
     for j, c in enumerate(program.constants):
         root.register_buffer(f"constant_{j}", c.data)
         env[c.value.name] = graph.get_attr(f"constant_{j}")
-    hooks = hooked_inputs(program) if hooked and input_ids is None else {}
+    hooks = hooks or {}
     main = _Emitter(program, graph, root, env, index, set(hooks))
     runs = _region_runs(program.instrs)
     last_run: dict[str, int] = {}
