@@ -46,11 +46,11 @@ def execute(program: Program, inputs: Sequence[torch.Tensor], axes: AxisGroups,
     (ZeRO-3) are freed after their forward use and gathered again in backward."""
     plan = gather_plan(program)
     prefetch = Prefetch(plan, axes, inputs) if plan.groups else None
-    hooked = isinstance(buckets, GradBuckets) and torch.is_grad_enabled()
-    module = module_of(program, hooked=hooked)
-    if hooked:
-        assert isinstance(buckets, GradBuckets)
+    if isinstance(buckets, GradBuckets) and torch.is_grad_enabled():
+        module = module_of(program, hooked=True)
         hook_gradients(module, inputs, buckets)
+    else:
+        module = module_of(program)
     # without parameter gathers there is nothing to reshard: no saved-tensor hooks (they
     # would run Python for every tensor autograd saves)
     with with_groups(axes, buckets, draw_seeds([program]), prefetch), \
