@@ -483,3 +483,30 @@ def test_block_memory_counts_gradients_as_they_replace_activations():
     assert c.memory(1, False, 4) == 160 + 100           # accumulating over microbatches
     assert c.memory(1, True, 1) == 120 + 40             # recomputed: gradients dominate
     assert (c.workspace(False), c.workspace(True)) == (5.0, 105.0)
+    # with the recomputed peak known op by op, it replaces the saved + transient bound
+    redo = OptionCost(forward=0.0, backward=0.0, step_extra=0.0, saved=100.0, kept=10.0,
+                      params=160.0, grads=40.0, transient=5.0, redo=70.0)
+    assert (redo.workspace(False), redo.workspace(True)) == (5.0, 70.0)
+
+
+def test_backward_extra_orders_workspaces_and_counts_the_packed_bucket():
+    """`cost.model.backward_extra`: a late block's workspace comes before the early blocks'
+    gradients exist (with every microbatch in flight), and after the last backward data
+    parallel's bucket is packed on top of every gradient."""
+    from pxform.cost.model import BUCKET_BYTES, backward_extra
+    from pxform.runtime.buckets import DEFAULT_BUCKET_MB
+
+    acts, grads = [10.0, 10.0, 10.0], [30.0, 30.0, 30.0]
+    # the last block's workspace of 50 comes while blocks 0 and 1 hold 10, not 30, each
+    assert backward_extra(acts, grads, [5.0, 5.0, 50.0], 1, 1, packed=0.0) == 10.0
+    # the first block's workspace comes last, on every gradient
+    assert backward_extra(acts, grads, [50.0, 5.0, 5.0], 1, 1, packed=0.0) == 50.0
+    # accumulating over microbatches: gradients exist from the first backward on
+    assert backward_extra(acts, grads, [5.0, 5.0, 50.0], 1, 4, packed=0.0) == 50.0
+    # the packed bucket, once the activations are gone: 90 bytes of gradients, 0 freed
+    assert backward_extra(acts, grads, [0.0] * 3, 1, 1, packed=90.0) == 90.0
+    # ... with two microbatches in flight their other activations (30) are gone too
+    assert backward_extra(acts, grads, [0.0] * 3, 2, 2, packed=90.0) == 60.0
+    # at most one bucket is packed at once: the runtime's own bucket size
+    assert backward_extra([0.0], [1e12], [0.0], 1, 1, packed=1e12) == BUCKET_BYTES
+    assert BUCKET_BYTES == DEFAULT_BUCKET_MB * 2**20

@@ -247,11 +247,58 @@ def peak_bytes(state: float, grads: float, activations: float, in_flight: int,
     return state + grads + in_flight * activations
 
 
-def workspace_bytes(transient: float, saved: float, recompute: bool) -> float:
+BUCKET_BYTES = 25 * 2**20
+"""The gradient bucket `auto`'s plans run with (`pxform.runtime.buckets.DEFAULT_BUCKET_MB`,
+DDP's default)."""
+
+
+def backward_extra(activations: Sequence[float], grads: Sequence[float],
+                   workspaces: Sequence[float], in_flight: int, microbatches: int,
+                   packed: float) -> float:
+    """Bytes a stage needs on top of its blocks' summed `peak_bytes` while backward runs,
+    per block (in forward order) its activations, parameter gradients and workspace.
+
+    Block k's backward holds its workspace (`workspace_bytes`) while the blocks before it
+    have not run theirs: when every microbatch is in flight, those hold their activations
+    where `peak_bytes` counted max(activations, gradients), so their gradients beyond their
+    activations are not there yet. After the last backward, data parallel's last gradient
+    bucket is packed into one buffer (`packed`: the all-reduced gradient bytes, at most one
+    bucket) while the activations are gone.
+
+    Example:
+        >>> # the last block's large workspace comes before the first block's gradients
+        >>> backward_extra([10, 10], [30, 30], [5, 25], 1, 1, packed=0)
+        5.0
+    """
+    every = in_flight >= microbatches
+    extra = ahead = 0.0
+    for act, grad, work in zip(activations, grads, workspaces):
+        extra = max(extra, work - ahead)
+        if every:
+            ahead += max(act, grad) - act
+    if every:
+        gone = sum((in_flight - 1) * a + max(a, g) - g for a, g in zip(activations, grads))
+    else:
+        gone = sum(in_flight * a for a in activations)
+    return max(extra, min(packed, BUCKET_BYTES) - gone)
+
+
+def workspace_bytes(transient: float, saved: float, recompute: bool,
+                    redo: float | None = None) -> float:
     """Bytes alive only while one block's backward runs: its largest op's inputs and
     outputs (`transient`, their gradients), and when it is recomputed the activations it
-    saves (`saved`), made again."""
-    return transient + (saved if recompute else 0.0)
+    saves (`saved`), made again. `redo`, where known, is that recomputed peak op by op:
+    the op at work's transient plus what it and the ops before it saved, since torch's
+    checkpoint frees each recomputed tensor once backward has used it; `saved + transient`
+    bounds it.
+
+    Example:
+        >>> workspace_bytes(4.0, 10.0, recompute=True), workspace_bytes(4.0, 10.0, True, 11.0)
+        (14.0, 11.0)
+    """
+    if not recompute:
+        return transient
+    return redo if redo is not None else transient + saved
 
 
 def one_f_one_b_time(forward: Sequence[float], backward: Sequence[float],

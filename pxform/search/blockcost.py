@@ -93,6 +93,9 @@ class WalkCost:
     grad_bytes: float     # of which their gradients
     transient_bytes: float  # the block's largest op's inputs and outputs: about what its
                             # backward holds at once (output and input gradients)
+    packed_bytes: float = 0.0  # parameter gradients all-reduced from a packed bucket
+    redo_bytes: float = 0.0  # the peak of its backward when recomputed: what its ops up
+                             # to the one at work save, plus that op's transient
 
 
 def _floating(v: Value) -> bool:
@@ -143,6 +146,7 @@ def walk(a: Analysis, block: BlockInfo, strats: list[Strategy], outside: Mapping
     layouts: dict[str, Layout] = {}
     done: set[tuple[str, Layout]] = set()
     fwd_compute = fwd_comm = bwd_comm = grad_comm = saved = transient = gathered = 0.0
+    redo = 0.0
     graph = a.graph
     values = {}
     # parameter gradients go to buckets (`pxform.runtime.buckets`): one collective per
@@ -166,11 +170,15 @@ def walk(a: Analysis, block: BlockInfo, strats: list[Strategy], outside: Mapping
                 saved += nbytes * sc * _local_fraction(v, lay, cache)
         saved += kept_by.other * sc / ways
         # (parameters gathered whole are counted per block, below)
-        transient = max(transient, sum(
+        here = sum(
             v.type.nbytes * (sc if v.name not in a.params else 1.0)
             * _local_fraction(v, lay, cache)
             for v, lay in (*zip(op.inputs, s.inputs), *zip(op.outputs, s.outputs))
-            if not (v.name in a.params and v.name in params and params[v.name] != lay)))
+            if not (v.name in a.params and v.name in params and params[v.name] != lay))
+        transient = max(transient, here)
+        # a recomputed block's backward reaches this op holding what it and the ops before
+        # it saved: torch's checkpoint frees each recomputed tensor once backward used it
+        redo = max(redo, saved + here)
         for i, v in enumerate(op.inputs):
             values[v.name] = v
             have = layouts.get(v.name) or params.get(v.name) or outside.get(v.name)
@@ -202,6 +210,8 @@ def walk(a: Analysis, block: BlockInfo, strats: list[Strategy], outside: Mapping
             values[v.name] = v
     grad_comm = sum(model.step_time(kind, axis, sent, axes)
                     for (kind, axis), sent in bucket.items())
+    # data parallel's bucket is packed into one buffer before its all-reduce
+    packed = sum(sent for (kind, _), sent in bucket.items() if kind == "all_reduce")
     for name, want in outputs.items():
         have = layouts.get(name)
         if have is None or have == want:
@@ -231,7 +241,7 @@ def walk(a: Analysis, block: BlockInfo, strats: list[Strategy], outside: Mapping
     # the op at work (metered within 5 %, tests/test_auto.py)
     transient += gathered
     return WalkCost(fwd_compute, fwd_comm, bwd_comm, grad_comm, saved, kept, pbytes, gbytes,
-                    transient)
+                    transient, packed, redo + gathered)
 
 
 # ---------------------------------------------------------------- tensor-axis beam search

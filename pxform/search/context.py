@@ -52,6 +52,8 @@ class OptionCost:
     params: float       # parameters, their gradients and optimizer state
     grads: float        # of which the gradients
     transient: float    # the largest op's inputs and outputs (`WalkCost.transient_bytes`)
+    packed: float = 0.0  # gradients all-reduced from a packed bucket (`WalkCost.packed_bytes`)
+    redo: float | None = None  # its backward's peak when recomputed (`WalkCost.redo_bytes`)
 
     def step_time(self, m: int) -> float:
         return m * (self.forward + self.backward) + self.step_extra
@@ -65,7 +67,7 @@ class OptionCost:
     def workspace(self, recompute: bool) -> float:
         """Bytes alive only while this block's backward runs
         (`pxform.cost.model.workspace_bytes`)."""
-        return workspace_bytes(self.transient, self.saved, recompute)
+        return workspace_bytes(self.transient, self.saved, recompute, self.redo)
 
 
 

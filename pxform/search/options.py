@@ -95,7 +95,7 @@ def walk_cost(ctx: SearchContext, block: BlockInfo, config: Config, option: Opti
 
 def _fields(w: WalkCost) -> tuple[float, ...]:
     return (w.fwd_compute, w.fwd_comm, w.bwd_comm, w.grad_comm, w.saved_bytes, w.kept_bytes,
-            w.param_bytes, w.grad_bytes, w.transient_bytes)
+            w.param_bytes, w.grad_bytes, w.transient_bytes, w.packed_bytes, w.redo_bytes)
 
 
 def _walk_at(ctx: SearchContext, block: BlockInfo, config: Config, option: Option,
@@ -141,7 +141,7 @@ def option_cost(ctx: SearchContext, block: BlockInfo, config: Config, option: Op
         b = bc
         extra = model.overlap(bc, w.grad_comm) - bc
     return OptionCost(f, b, extra, w.saved_bytes, w.kept_bytes, w.param_bytes, w.grad_bytes,
-                      w.transient_bytes)
+                      w.transient_bytes, w.packed_bytes, w.redo_bytes)
 
 
 

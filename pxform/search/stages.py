@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pxform.cost.model import one_f_one_b_time
+from pxform.cost.model import backward_extra, one_f_one_b_time
 from pxform.search.context import OptionCost, OptionTable, SearchContext
 from pxform.search.frontier import Point, chain_frontier
 from pxform.search.options import transition
@@ -112,8 +112,7 @@ def stage_frontier(ctx: SearchContext, config: Config, idx: list[int],
         trans_time.append(mat)
     held = borrowed(ctx, idx, tables) if config.stages > 1 else 0.0
     budget = ctx.budget - held
-    workspace = max(min(c.workspace(o.recompute)
-                        for c, o in zip(tables[k].costs, tables[k].options)) for k in idx)
+    workspace = _least_extra(tables, idx, flight, m)
     for _ in range(3):
         limit = budget - workspace
         if limit <= 0:
@@ -125,8 +124,7 @@ def stage_frontier(ctx: SearchContext, config: Config, idx: list[int],
         out = []
         worst = workspace
         for pt in pts:
-            ws = max(tables[k].costs[c].workspace(tables[k].options[c].recompute)
-                     for k, c in zip(idx, pt.choices))
+            ws = _extra(tables, idx, pt.choices, flight, m)
             worst = max(worst, ws)
             if pt.memory + ws <= budget:
                 out.append((pt, pt.memory + ws + held))
@@ -134,6 +132,31 @@ def stage_frontier(ctx: SearchContext, config: Config, idx: list[int],
             return out
         workspace = worst
     return []
+
+
+def _extra(tables: Sequence[OptionTable], idx: list[int], choices: Sequence[int],
+           flight: int, m: int) -> float:
+    """Bytes on top of the chosen options' summed memory (`cost.model.backward_extra`)."""
+    costs = [tables[k].costs[c] for k, c in zip(idx, choices)]
+    redo = [tables[k].options[c].recompute for k, c in zip(idx, choices)]
+    return backward_extra([c.kept if r else c.saved for c, r in zip(costs, redo)],
+                          [c.grads for c in costs],
+                          [c.workspace(r) for c, r in zip(costs, redo)], flight, m,
+                          sum(c.packed for c in costs))
+
+
+def _least_extra(tables: Sequence[OptionTable], idx: list[int], flight: int, m: int
+                 ) -> float:
+    """A lower bound of `_extra` over every choice of options: each block's least
+    workspace, less the most the blocks before it may not yet hold."""
+    least = ahead = 0.0
+    for k in idx:
+        pairs = list(zip(tables[k].costs, tables[k].options))
+        least = max(least, min(c.workspace(o.recompute) for c, o in pairs) - ahead)
+        if flight >= m:
+            ahead += max(max(c.grads - (c.kept if o.recompute else c.saved), 0.0)
+                         for c, o in pairs)
+    return least
 
 
 def assemble(ctx: SearchContext, config: Config, part: tuple[int, ...],
