@@ -18,6 +18,7 @@ goal >= 1.0).
 
     python benchmarks/dp_vs_ddp.py                    # GPT "small", global batch 16
     python benchmarks/dp_vs_ddp.py --batch 32 --reps 20
+    python benchmarks/dp_vs_ddp.py --malloc pinned    # glibc's heap thresholds fixed
     python benchmarks/dp_vs_ddp.py --quick            # a few seconds, smoke run
 """
 
@@ -81,8 +82,16 @@ def rank_main(cfg_name: str, batch_size: int, bucket_mb: float, reps: int, steps
     for _ in range(warmup):
         px_step(params, batch)
         ddp_step()
-    times = harness.interleave({"pxform": lambda: px_step(params, batch), "ddp": ddp_step},
-                               reps, steps, sync=dist.barrier)
+    held: list[Any] = []
+
+    def px_call() -> None:
+        # as DDP's side: the last step's gradients are dropped when the next step starts
+        # and kept after it (a training loop keeps them for the optimizer)
+        held.clear()
+        held.append(px_step(params, batch))
+
+    times = harness.interleave({"pxform": px_call, "ddp": ddp_step}, reps, steps,
+                               sync=dist.barrier)
     program = step.lower(params, batch)
     ddp_log = ddp._get_ddp_logging_data()
     stats = step.bucket_stats
@@ -104,6 +113,7 @@ def main() -> None:
     from pxform.tools.testing import World
 
     cfg = gpt.GPT_CONFIGS[args.config]
+    malloc = harness.pin_malloc(args)
     with World(args.ranks) as world:
         per_rank = world.run(dp_vs_ddp.rank_main, args.config, args.batch, args.bucket_mb,
                              args.reps, args.steps, args.warmup)
@@ -128,14 +138,15 @@ def main() -> None:
           f"({summary['ratio']['of_medians']:.4f})")
     if args.quick:
         return
-    tag = harness.variant(args, parser, {"config": "", "batch": "batch", "ranks": "ranks"})
+    tag = harness.variant(args, parser, {"config": "", "batch": "batch", "ranks": "ranks",
+                                         "malloc": "malloc-"})
     path = harness.write_result("dp_vs_ddp", {
         "goal": {"ddp_time_over_pxform_time": 1.0},
         "config": {"model": args.config, "params": cfg.num_params(), "global_batch":
                    args.batch, "seq_len": cfg.seq_len, "dtype": "float32", "ranks":
                    args.ranks, "backend": "gloo", "threads_per_rank": r0["threads"],
                    "bucket_mb": args.bucket_mb, "reps": args.reps, "steps": args.steps,
-                   "warmup": args.warmup},
+                   "warmup": args.warmup, "malloc_env": malloc},
         "check": checks,
         "first_call_s": [r["first_call_s"] for r in per_rank],
         "pxform_forward_collectives": r0["pxform_forward_collectives"],

@@ -39,6 +39,8 @@ def parser(doc: str, batch: int, reps: int, steps: int, ranks: bool = False) -> 
     if ranks:
         p.add_argument("--ranks", type=int, default=2)
         p.add_argument("--bucket-mb", type=float, default=25.0, help="pxform's buckets")
+        p.add_argument("--malloc", choices=("default", "pinned"), default="default",
+                       help="glibc's heap thresholds on every rank (`pin_malloc`)")
     p.add_argument("--reps", type=int, default=reps, help="timed blocks per contender")
     p.add_argument("--steps", type=int, default=steps, help="steps per timed block")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps of each first")
@@ -56,6 +58,26 @@ def parse(p: Any) -> Any:
     if getattr(args, "ranks", 1) and args.batch % getattr(args, "ranks", 1):
         p.error(f"--batch {args.batch} must be a multiple of --ranks {args.ranks}")
     return args
+
+
+PINNED_MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(32 * 2**20),
+                 "MALLOC_TRIM_THRESHOLD_": str(4 * 2**30)}
+"""glibc's heap thresholds fixed: tensors under 32 MiB come from the heap, and freed heap
+is kept rather than returned to the OS and faulted in again on the next step."""
+
+
+def pin_malloc(args: Any) -> dict[str, str]:
+    """With `--malloc pinned`, set `PINNED_MALLOC` in the environment the ranks inherit
+    (glibc reads it at start). Both contenders run in the same processes, so both get it.
+
+    By default glibc adapts its thresholds as tensors are freed, and a step can end with
+    its heap top trimmed: the next step takes page faults to get the memory back (tens of
+    thousands per step at GPT small, batch 256, more for one contender's allocation order
+    than the other's; `docs/benchmarks/dp_vs_ddp.md`). Returns what was set."""
+    if getattr(args, "malloc", "default") != "pinned":
+        return {}
+    os.environ.update(PINNED_MALLOC)
+    return dict(PINNED_MALLOC)
 
 
 def free_port() -> int:

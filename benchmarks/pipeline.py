@@ -138,6 +138,7 @@ def main() -> None:
     from pxform.tools.testing import World
 
     reps = 2 if args.quick else args.reps
+    harness.pin_malloc(args)  # --malloc pinned
     with World(args.ranks) as world:
         results = world.run(rank_main, args.config, args.batch, args.microbatches, reps,
                             1 if args.quick else args.warmup)[0]

@@ -121,6 +121,7 @@ def main() -> None:
     from pxform.tools.testing import World
 
     cfg = gpt.GPT_CONFIGS[args.config]
+    harness.pin_malloc(args)  # --malloc pinned
     with World(args.ranks) as world:
         per_rank = world.run(precision.rank_main, args.config, args.batch, args.mode,
                              args.reps, args.steps, args.warmup)

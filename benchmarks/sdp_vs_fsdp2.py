@@ -21,6 +21,7 @@ time (> 1: pxform faster; goal >= 1.0).
 
     python benchmarks/sdp_vs_fsdp2.py                 # GPT "small", global batch 16
     python benchmarks/sdp_vs_fsdp2.py --wrap root --batch 32
+    python benchmarks/sdp_vs_fsdp2.py --malloc pinned # glibc's heap thresholds fixed
     python benchmarks/sdp_vs_fsdp2.py --quick         # a few seconds, smoke run
 """
 
@@ -143,6 +144,7 @@ def main() -> None:
     from pxform.tools.testing import World
 
     cfg = gpt.GPT_CONFIGS[args.config]
+    malloc = harness.pin_malloc(args)
     with World(args.ranks) as world:
         per_rank = world.run(sdp_vs_fsdp2.rank_main, args.config, args.batch, args.bucket_mb,
                              args.wrap, args.reps, args.steps, args.warmup)
@@ -182,14 +184,14 @@ def main() -> None:
     if args.quick:
         return
     tag = harness.variant(args, parser, {"config": "", "wrap": "wrap-", "batch": "batch",
-                                         "ranks": "ranks"})
+                                         "ranks": "ranks", "malloc": "malloc-"})
     path = harness.write_result("sdp_vs_fsdp2", {
         "goal": {"fsdp2_time_over_pxform_time": 1.0},
         "config": {"model": args.config, "params": cfg.num_params(), "global_batch":
                    args.batch, "seq_len": cfg.seq_len, "dtype": "float32", "ranks":
                    args.ranks, "backend": "gloo", "threads_per_rank": r0["threads"],
                    "bucket_mb": args.bucket_mb, "fsdp2_wrap": args.wrap, "reps": args.reps,
-                   "steps": args.steps, "warmup": args.warmup},
+                   "steps": args.steps, "warmup": args.warmup, "malloc_env": malloc},
         "check": checks,
         "first_call_s": [r["first_call_s"] for r in per_rank],
         "pxform_forward_collectives": r0["pxform_forward_collectives"],
