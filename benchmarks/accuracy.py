@@ -138,6 +138,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=7, help="timed calls per case and rank")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--quick", action="store_true", help="two cases, 2 steps; writes nothing")
+    p.add_argument("--malloc", choices=("default", "pinned"), default="default",
+                   help="glibc's heap thresholds on every rank (`harness.pin_malloc`)")
     p.add_argument("--out", default=harness.RESULTS)
     args = p.parse_args()
     if args.quick:
@@ -151,6 +153,7 @@ def main() -> None:
 
     sizes = (2**10, 2**14, 2**18, 2**20, 2**22)
     cfg = gpt.GPT_CONFIGS[args.config]
+    malloc = harness.pin_malloc(args)
     with World(args.ranks) as world:
         per_rank = world.run(accuracy.rank_main, args.config, args.batch, args.steps,
                              args.warmup, args.quick, sizes)
@@ -177,12 +180,14 @@ def main() -> None:
         return
     tag = "" if (args.config, args.batch, args.ranks) == ("small", 16, 2) else \
         f"{args.config}-batch{args.batch}-ranks{args.ranks}"
+    if args.malloc != "default":
+        tag = "-".join(t for t in (tag, f"malloc-{args.malloc}") if t)
     path = harness.write_result("accuracy", {
         "goal": {"abs_time_error": GOAL_TIME, "abs_memory_error": GOAL_MEMORY},
         "config": {"model": args.config, "params": cfg.num_params(), "global_batch":
                    args.batch, "seq_len": cfg.seq_len, "dtype": "float32",
                    "ranks": args.ranks, "backend": "gloo", "threads_per_rank": r0["threads"],
-                   "steps": args.steps, "warmup": args.warmup},
+                   "steps": args.steps, "warmup": args.warmup, "malloc_env": malloc},
         "calibrate_s": r0["calibrate_s"], "hardware": r0["hardware"], "cases": r0["rows"],
         "summary": {"time_within_goal": met_t, "memory_within_goal": met_m,
                     "cases": len(time_errors), "worst_abs_time_error": max(time_errors),

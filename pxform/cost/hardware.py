@@ -27,7 +27,7 @@ import bisect
 import json
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,7 +35,7 @@ import torch
 
 from pxform.core.layout import AxisCost
 
-__all__ = ["CommTable", "Hardware", "Link", "PRESETS", "hardware"]
+__all__ = ["CommTable", "Hardware", "Link", "OP_CLASSES", "OpCurve", "PRESETS", "hardware"]
 
 FORMAT = "pxform-hardware/1"
 
@@ -170,23 +170,89 @@ class CommTable:
             >>> round(CommTable("p2p", 0, 2, ((100.0, 1.0), (1e4, 100.0))).time(1000.0), 9)
             10.0
         """
-        xs = [b for b, _ in self.points]
-        ys = [s for _, s in self.points]
-        if sent_bytes <= xs[0]:
-            return ys[0]
-        if sent_bytes >= xs[-1]:
-            if len(xs) >= 2 and ys[-1] > ys[-2]:
-                slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
-            else:
-                slope = ys[-1] / xs[-1]
-            return ys[-1] + slope * (sent_bytes - xs[-1])
-        i = bisect.bisect_right(xs, sent_bytes) - 1
-        if xs[i] == sent_bytes:
-            return ys[i]
-        frac = (math.log(sent_bytes) - math.log(xs[i])) / (math.log(xs[i + 1]) -
-                                                          math.log(xs[i]))
-        t = math.exp(math.log(ys[i]) + frac * (math.log(ys[i + 1]) - math.log(ys[i])))
-        return min(max(t, ys[i]), ys[i + 1])  # rounding must not break monotonicity
+        return _power_law([b for b, _ in self.points], [s for _, s in self.points],
+                          sent_bytes)
+
+
+def _power_law(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
+    """`ys` at `x` from increasing `xs` and non-decreasing `ys`: the first point's value
+    below it, log-log interpolation between points, linear beyond the last with the last
+    two points' slope (or the last point's own y per x). See `CommTable`."""
+    if x <= xs[0]:
+        return ys[0]
+    if x >= xs[-1]:
+        if len(xs) >= 2 and ys[-1] > ys[-2]:
+            slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
+        else:
+            slope = ys[-1] / xs[-1]
+        return ys[-1] + slope * (x - xs[-1])
+    i = bisect.bisect_right(xs, x) - 1
+    if xs[i] == x:
+        return ys[i]
+    frac = (math.log(x) - math.log(xs[i])) / (math.log(xs[i + 1]) - math.log(xs[i]))
+    t = math.exp(math.log(ys[i]) + frac * (math.log(ys[i + 1]) - math.log(ys[i])))
+    return min(max(t, ys[i]), ys[i + 1])  # rounding must not break monotonicity
+
+
+OP_CLASSES = ("matmul", "attention", "gelu", "gelu_tanh", "silu", "softmax",
+              "transcendental", "norm", "elementwise")
+"""Op classes with their own measured time curve (`OpCurve`; `pxform.cost.model.op_class`
+says which an op is): matmuls and attention by FLOPs; the others, memory-bound, by the
+bytes an op reads and writes. The activations transformers use most have their own:
+their costs per byte differ several-fold on CPUs (GELU's tanh form is 3x its erf form).
+Views cost the per-op host time only."""
+
+
+@dataclass(frozen=True)
+class OpCurve:
+    """Measured forward and backward seconds of one op class (`OP_CLASSES`) by size: FLOPs
+    for "matmul" and "attention" (in float32), else bytes read and written. `points` are
+    (size, forward_s, backward_s), sorted by size, sizes distinct, times > 0 and
+    non-decreasing (`pxform.runtime.calibrate` takes running maxima of medians). Times
+    include the eager op's own dispatch and autograd bookkeeping. `spread`: the largest
+    relative interquartile range of a point's repeats (how noisy the measurement was).
+    Interpolation as `CommTable.time`: the first point's time below it, log-log between
+    points, linear beyond the last.
+
+    Example:
+        >>> c = OpCurve("transcendental", ((1e4, 1e-6, 2e-6), (1e6, 1e-4, 2e-4)))
+        >>> [round(t, 9) for t in c.times(1e5)]   # a power law between the points
+        [1e-05, 2e-05]
+    """
+
+    kind: str
+    points: tuple[tuple[float, float, float], ...]
+    spread: float = 0.0
+
+    def __post_init__(self) -> None:
+        what = f"OpCurve({self.kind!r})"
+        if self.kind not in OP_CLASSES:
+            raise ValueError(f"{what}: kind must be one of {', '.join(OP_CLASSES)}")
+        try:
+            points = sorted((float(p[0]), float(p[1]), float(p[2])) for p in self.points
+                            if len(p) == 3)
+            ok = len(points) == len(self.points) and bool(points)
+        except (TypeError, IndexError, ValueError):
+            ok = False
+        if not ok:
+            raise ValueError(f"{what}: points must be a non-empty sequence of (size, "
+                             f"forward_s, backward_s), got {self.points!r}")
+        for p in points:
+            if not all(math.isfinite(x) and x > 0 for x in p):
+                raise ValueError(f"{what}: point {p!r} must have size and times > 0, finite")
+        for a, b in zip(points, points[1:]):
+            if a[0] == b[0] or b[1] < a[1] or b[2] < a[2]:
+                raise ValueError(f"{what}: points {a!r} and {b!r}: sizes must be distinct "
+                                 f"and times must not decrease with size")
+        if not _number(self.spread) or self.spread < 0:
+            raise ValueError(f"{what}: spread must be a number >= 0, got {self.spread!r}")
+        object.__setattr__(self, "points", tuple(points))
+
+    def times(self, size: float) -> tuple[float, float]:
+        """(forward, backward) seconds of one op of `size` FLOPs or bytes."""
+        xs = [p[0] for p in self.points]
+        return (_power_law(xs, [p[1] for p in self.points], size),
+                _power_law(xs, [p[2] for p in self.points], size))
 
 
 # dtype names used in `peak_flops` / `compute_flops`, and the aliases users write.
@@ -250,6 +316,11 @@ class Hardware:
             bookkeeping, the runtime's interpreter). It is on the critical path where the
             host runs the ops itself (CPUs), and what makes many small microbatches slow
             there. 0 for the GPU presets: kernel launches overlap with the GPU's work.
+        op_curves: measured forward and backward times per op class (`OpCurve`, from
+            calibrate); an op of a class with a curve costs the curve's times instead of
+            the roofline (they include the eager op's dispatch and autograd bookkeeping).
+        overlap_slowdown: measured slowdown of a collective and compute running at once
+            (`pxform.cost.model.OVERLAP_SLOWDOWN`'s meaning); 0: not measured.
         source: where the numbers come from.
 
     Example:
@@ -271,6 +342,8 @@ class Hardware:
     source: str = ""
     memory_bandwidth: float = 0.0
     op_overhead_s: float = 0.0
+    op_curves: tuple[OpCurve, ...] = ()
+    overlap_slowdown: float = 0.0
 
     def __post_init__(self) -> None:
         what = f"Hardware {self.name!r}"
@@ -304,6 +377,14 @@ class Hardware:
         if not _number(self.op_overhead_s) or self.op_overhead_s < 0:
             raise ValueError(f"{what}: op_overhead_s must be a number >= 0 (seconds), got "
                              f"{self.op_overhead_s!r}")
+        object.__setattr__(self, "op_curves", tuple(self.op_curves))
+        if not all(isinstance(c, OpCurve) for c in self.op_curves) or \
+                len({c.kind for c in self.op_curves}) != len(self.op_curves):
+            raise ValueError(f"{what}: op_curves must hold OpCurve objects, one per kind")
+        if not _number(self.overlap_slowdown) or not (self.overlap_slowdown == 0
+                                                      or self.overlap_slowdown >= 1):
+            raise ValueError(f"{what}: overlap_slowdown must be 0 (not measured) or >= 1, "
+                             f"got {self.overlap_slowdown!r}")
         if "fp32" not in dict(self.peak_flops) and "fp32" not in dict(self.compute_flops):
             raise ValueError(f"{what}: needs an 'fp32' entry in peak_flops or "
                              f"compute_flops (the fallback for dtypes without a number)")
@@ -353,6 +434,13 @@ class Hardware:
         if flops < 0:
             raise ValueError(f"Hardware.compute_time: flops must be >= 0, got {flops!r}")
         return flops / self.flops_per_second(dtype)
+
+    def op_curve(self, kind: str) -> OpCurve | None:
+        """The measured curve of op class `kind`, if the profile has one."""
+        for c in self.op_curves:
+            if c.kind == kind:
+                return c
+        return None
 
     def memory_time(self, nbytes: float) -> float:
         """Seconds to stream `nbytes` through device memory (0 when the bandwidth is
@@ -459,6 +547,9 @@ class Hardware:
             "compute_flops": dict(self.compute_flops),
             "memory_bandwidth": self.memory_bandwidth,
             "op_overhead_s": self.op_overhead_s,
+            "op_curves": [{"kind": c.kind, "points": [list(p) for p in c.points],
+                           "spread": c.spread} for c in self.op_curves],
+            "overlap_slowdown": self.overlap_slowdown,
             "source": self.source,
         }
 
@@ -528,7 +619,7 @@ def _from_json(d: Any, where: str) -> Hardware:
                             f"one from another pxform version)")
     known = {"format", "name", "devices_per_node", "memory_bytes", "peak_flops",
              "efficiency", "links", "comm_tables", "compute_flops", "source",
-             "memory_bandwidth", "op_overhead_s"}
+             "memory_bandwidth", "op_overhead_s", "op_curves", "overlap_slowdown"}
     for key in d:
         if key not in known:
             raise bad(key, f"is not a profile key (known: {', '.join(sorted(known))})")
@@ -562,6 +653,8 @@ def _from_json(d: Any, where: str) -> Hardware:
     source = get("source", "a string", "", required=False)
     bandwidth = get("memory_bandwidth", "a number", 0.0, required=False)
     overhead = get("op_overhead_s", "a number", 0.0, required=False)
+    curves_json = get("op_curves", "a list", [], required=False)
+    overlap = get("overlap_slowdown", "a number", 0.0, required=False)
 
     links: list[Link] = []
     for i, x in enumerate(links_json):
@@ -589,13 +682,29 @@ def _from_json(d: Any, where: str) -> Hardware:
                                     tuple((float(b), float(s)) for b, s in t["points"])))
         except ValueError as e:
             raise bad("comm_tables", f"entry {i}: {e}") from None
+    curves: list[OpCurve] = []
+    for i, c in enumerate(curves_json):
+        if not (isinstance(c, Mapping) and set(c) <= {"kind", "points", "spread"}
+                and {"kind", "points"} <= set(c) and isinstance(c["points"], list)
+                and all(isinstance(p, list) and len(p) == 3 and all(map(_number, p))
+                        for p in c["points"]) and _number(c.get("spread", 0.0))):
+            raise bad("op_curves", f"entry {i} must be an object with kind, points (a list "
+                                   f"of [size, forward_s, backward_s]) and optional spread, "
+                                   f"got {c!r}")
+        try:
+            curves.append(OpCurve(c["kind"], tuple((float(p[0]), float(p[1]), float(p[2]))
+                                                   for p in c["points"]),
+                                  float(c.get("spread", 0.0))))
+        except ValueError as e:
+            raise bad("op_curves", f"entry {i}: {e}") from None
     try:
         return Hardware(name=name, devices_per_node=devices_per_node,
                         memory_bytes=memory_bytes, peak_flops=tuple(peak.items()),
                         efficiency=float(efficiency), links=tuple(links),
                         comm_tables=tuple(tables), compute_flops=tuple(compute.items()),
                         source=source, memory_bandwidth=float(bandwidth),
-                        op_overhead_s=float(overhead))
+                        op_overhead_s=float(overhead), op_curves=tuple(curves),
+                        overlap_slowdown=float(overlap))
     except ValueError as e:
         raise ValueError(f"Hardware.load: {where}: {e}; {_FIX}") from None
 

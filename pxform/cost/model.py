@@ -49,7 +49,59 @@ OVERLAP_SLOWDOWN = 1.3
 about 1.3x for data-parallel gradient all-reduce during backward on A100 nodes)."""
 
 BACKWARD_RATIO = 2.0
-"""Backward FLOPs per forward FLOP: input gradient and weight gradient are one matmul each."""
+"""Backward FLOPs per forward FLOP: input gradient and weight gradient are one matmul each.
+Used where the profile has no measured curve for an op's class (`Hardware.op_curves`)."""
+
+_MATMUL = frozenset({
+    "linear", "mm", "addmm", "bmm", "baddbmm", "addbmm", "matmul", "einsum", "mv", "addmv",
+    "dot", "vdot", "tensordot", "bilinear", "conv1d", "conv2d", "conv3d", "convolution",
+    "_convolution", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d"})
+_ATTENTION = frozenset({
+    "scaled_dot_product_attention", "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_attention_math"})
+_SOFTMAX = frozenset({"softmax", "_softmax", "log_softmax", "_log_softmax",
+                      "cross_entropy_loss", "logsumexp", "_safe_softmax"})
+_TRANSCENDENTAL = frozenset({
+    "mish", "tanh", "sigmoid", "logsigmoid", "softplus", "elu", "selu",
+    "celu", "exp", "exp2", "expm1", "log", "log1p", "log2", "log10", "erf", "erfc",
+    "erfinv", "pow", "rsqrt", "sqrt", "sin", "cos", "tan", "asin", "acos", "atan",
+    "sinh", "cosh", "asinh", "acosh", "atanh", "lgamma", "digamma", "glu", "hardswish",
+    "hardsigmoid", "reciprocal"})
+_NORM = frozenset({
+    "layer_norm", "native_layer_norm", "batch_norm", "native_batch_norm",
+    "_native_batch_norm_legit", "_native_batch_norm_legit_no_training",
+    "_native_batch_norm_legit_functional", "group_norm", "native_group_norm",
+    "instance_norm", "rms_norm", "_fused_rms_norm"})
+
+
+def op_class(target: Any, view: bool = False, kwargs: Mapping[str, Any] | None = None
+             ) -> str:
+    """The class whose measured curve prices an op (`Hardware.op_curves`,
+    `pxform.cost.hardware.OP_CLASSES`): "matmul", "attention", "gelu", "gelu_tanh" (GELU's
+    tanh approximation, `kwargs` says), "silu", "softmax" (log-softmax and cross-entropy
+    too), "transcendental" (other exponentials, logarithms, trigonometry, powers), "norm",
+    or "elementwise" (anything else that moves bytes); or "view" (`view`: it aliases its
+    input and costs the host time only).
+
+    Example:
+        >>> op_class(torch.ops.aten.gelu.default), op_class(torch.ops.aten.add.Tensor)
+        ('gelu', 'elementwise')
+    """
+    if view:
+        return "view"
+    name = getattr(target, "__name__", str(target))
+    name = name.split(".")[0] if "." in name else name
+    if name == "gelu":
+        return "gelu_tanh" if (kwargs or {}).get("approximate") == "tanh" else "gelu"
+    if name in ("silu", "gelu_tanh"):
+        return name
+    for kind, names in (("matmul", _MATMUL), ("attention", _ATTENTION),
+                        ("softmax", _SOFTMAX), ("transcendental", _TRANSCENDENTAL),
+                        ("norm", _NORM)):
+        if name in names:
+            return kind
+    return "elementwise"
 
 @dataclass(frozen=True)
 class CostModel:
@@ -64,6 +116,11 @@ class CostModel:
     hardware: Hardware
     optimizer: str = "adam"
     overlap_slowdown: float = OVERLAP_SLOWDOWN
+
+    def __post_init__(self) -> None:
+        # a profile that measured the overlap (`pxform calibrate`) overrides the constant
+        if self.overlap_slowdown == OVERLAP_SLOWDOWN and self.hardware.overlap_slowdown:
+            object.__setattr__(self, "overlap_slowdown", self.hardware.overlap_slowdown)
 
     def state_bytes_per_param(self, dtype: torch.dtype) -> float:
         """Bytes per parameter for the parameter, its gradient and the optimizer state.
@@ -99,6 +156,39 @@ class CostModel:
             compute = max(compute, self.hardware.memory_time(nbytes))
         return compute + self.hardware.op_overhead_s
 
+    def op_times(self, flops: float, dtype: torch.dtype, nbytes: float, kind: str
+                 ) -> tuple[float, float]:
+        """(forward, backward) seconds of one op of class `kind` (`op_class`) doing
+        `flops` and reading and writing `nbytes` on one device.
+
+        With a measured curve for the class (`Hardware.op_curves`), the curve's times at
+        the op's size: FLOPs for matmuls and attention (scaled by the dtype's rate against
+        float32's, the curve's), bytes otherwise. Without one, the roofline
+        (`compute_time`) forward and `BACKWARD_RATIO` times it backward. A view costs the
+        per-op host time only (`Hardware.op_overhead_s`), forward and backward.
+
+        Example:
+            >>> model = CostModel(hardware("a100-80gb"))
+            >>> f, b = model.op_times(2e12, torch.float32, 0.0, "matmul")
+            >>> b == 2 * f
+            True
+        """
+        host = self.hardware.op_overhead_s
+        if kind == "view":
+            return host, BACKWARD_RATIO * host
+        curve = self.hardware.op_curve(kind)
+        if curve is None:
+            f = self.compute_time(flops, dtype, nbytes)
+            return f, BACKWARD_RATIO * f
+        if kind in ("matmul", "attention"):
+            size = flops * (self.hardware.flops_per_second("fp32")
+                            / self.hardware.flops_per_second(dtype))
+        else:
+            size = nbytes
+        if size <= 0:
+            return host, BACKWARD_RATIO * host
+        return curve.times(size)
+
     def relayout_time(self, relayout: Relayout, axes: Mapping[str, tuple[int, int]],
                       scale: float = 1.0) -> float:
         """Seconds for one re-layout; `axes` maps each mesh axis to (size, link level);
@@ -112,6 +202,30 @@ class CostModel:
         if kind in LOCAL_STEPS or size <= 1:
             return 0.0
         return self.hardware.comm_time(kind, sent, size, level)
+
+    def bucketed_all_reduce(self, sent: float, axis: str,
+                            axes: Mapping[str, tuple[int, int]]) -> float:
+        """Seconds a step's packed gradient all-reduce over `axis` adds to backward, for
+        `sent` bytes sent per rank in all (ring volume): the runtime packs gradients into
+        buckets of `BUCKET_BYTES` and launches each as it fills
+        (`pxform.runtime.buckets`). The last bucket (the rest) is launched when backward
+        ends and costs its whole time; each full bucket before it runs under the
+        backward that follows and costs `overlap_slowdown - 1` of its time (`overlap`).
+
+        Example:
+            >>> model.bucketed_all_reduce(0.0, "outer", axes)
+            0.0
+        """
+        if sent <= 0:
+            return 0.0
+        n = axes[axis][0]
+        bucket = BUCKET_BYTES * 2 * (n - 1) / n  # a full bucket's ring volume
+        full, rest = divmod(sent, bucket)
+        if rest == 0:
+            full, rest = full - 1, bucket
+        return (self.step_time("all_reduce", axis, rest, axes)
+                + (self.overlap_slowdown - 1) * full
+                * self.step_time("all_reduce", axis, bucket, axes))
 
     def overlap(self, compute: float, comm: float) -> float:
         """Backward time with gradient communication `comm` overlapping `compute`."""

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import math
 import os
 import statistics
@@ -45,7 +46,7 @@ import torch
 import torch.distributed as dist
 
 from pxform.core.units import format_bytes, parse_bytes
-from pxform.cost.hardware import COLLECTIVE_KINDS, CommTable, Hardware, Link, ring_steps
+from pxform.cost.hardware import COLLECTIVE_KINDS, CommTable, Hardware, Link, OpCurve, ring_steps
 
 __all__ = ["add_arguments", "calibrate", "main", "summary"]
 
@@ -134,6 +135,8 @@ def calibrate(*, sizes: Sequence[int] = (2**10, 2**14, 2**18, 2**22), repeats: i
     bandwidth = _measure_bandwidth(device, say)
     overhead = _measure_op_overhead(say) if device.type == "cpu" else 0.0
     compute = _measure_compute(device, say)
+    curves = _measure_op_curves(device, max(3, min(repeats, 7)), say)
+    overlap = _measure_overlap(device, max(3, repeats // 3), say) if world >= 2 else 0.0
     profile: dict[str, Any] | None = None
     if rank == 0:
         links, levels_note = _fit_links(tables, world)
@@ -152,7 +155,8 @@ def calibrate(*, sizes: Sequence[int] = (2**10, 2**14, 2**18, 2**22), repeats: i
             memory_bytes=_memory_bytes(device, min(world, devices_per_node)),
             peak_flops=(), efficiency=1.0,  # compute_flops are achieved rates already
             links=links, comm_tables=tuple(tables), compute_flops=tuple(compute.items()),
-            source=source, memory_bandwidth=bandwidth, op_overhead_s=overhead)
+            source=source, memory_bandwidth=bandwidth, op_overhead_s=overhead,
+            op_curves=curves, overlap_slowdown=overlap)
         profile = hw.to_json()
     if distributed and world >= 2:
         box = [profile]
@@ -246,6 +250,179 @@ def _measure_op_overhead(say: Callable[[str], None]) -> float:
     per_op = statistics.median(times) / (3 * ops)
     say(f"per-op host time: {per_op * 1e6:.3g} us (autograd chain of {ops} small ops)")
     return per_op
+
+
+def _timed_median(run: Callable[[], object], device: torch.device, repeats: int
+                  ) -> tuple[float, float]:
+    """(median seconds, relative interquartile range) of `repeats` runs after one."""
+    run()
+    _sync(device)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    times.sort()
+    med = statistics.median(times)
+    q1, q3 = times[len(times) // 4], times[(3 * len(times)) // 4]
+    return med, (q3 - q1) / med if med > 0 else 0.0
+
+
+Case = tuple[float, Callable[..., torch.Tensor], tuple[tuple[int, ...], ...]]
+
+
+def _op_cases(device: torch.device) -> list[tuple[str, list[Case]]]:
+    """Per op class (`pxform.cost.hardware.OP_CLASSES`): (size, function, input shapes)
+    per size. Sizes: FLOPs for matmul and attention (as pxform's rules count them), bytes
+    read and written for the memory-bound classes."""
+    import torch.nn.functional as F
+
+    gpu = device.type == "cuda"
+    cases: list[tuple[str, list[Case]]] = []
+    dims = (256, 512, 1024, 2048, 4096) if gpu else (32, 64, 128, 256, 512)
+    cases.append(("matmul", [(2.0 * n**3, torch.matmul, ((n, n), (n, n))) for n in dims]))
+    heads, seq, dim = 4, 64, 32
+    batches = (16, 64, 256, 1024, 4096) if gpu else (1, 4, 16, 64)
+    cases.append(("attention", [
+        (b * heads * (4.0 * seq * seq * dim + 5.0 * seq * seq),
+         F.scaled_dot_product_attention, ((b, heads, seq, dim),) * 3) for b in batches]))
+    sizes = [2**k for k in ((18, 20, 22, 24, 26) if gpu else (12, 14, 16, 18, 20))]  # floats
+    width = 512
+
+    def norm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, (width,), w, b)
+
+    def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+        return F.gelu(x, approximate="tanh")
+
+    def softmax(x: torch.Tensor) -> torch.Tensor:
+        return torch.softmax(x, dim=-1)
+
+    for kind, fn in (("gelu", F.gelu), ("gelu_tanh", gelu_tanh), ("silu", F.silu),
+                     ("transcendental", torch.exp)):
+        cases.append((kind, [(8.0 * n, fn, ((n,),)) for n in sizes]))
+    cases.append(("softmax", [(8.0 * n, softmax, ((n // width, width),)) for n in sizes]))
+    cases.append(("norm", [(8.0 * n + 8.0 * width, norm, ((n // width, width), (width,),
+                                                          (width,))) for n in sizes]))
+    cases.append(("elementwise", [(12.0 * n, torch.add, ((n,), (n,))) for n in sizes]))
+    # (each function's first input is also its output's shape: `_runs` chains them)
+    return cases
+
+
+_CHAIN = (2, 10)  # ops per timed chain: the difference leaves out fixed per-call costs
+
+
+def _runs(fn: Callable[..., torch.Tensor], inputs: Sequence[torch.Tensor], length: int
+          ) -> tuple[Callable[[], None], Callable[[], None]]:
+    """(forward, forward and backward) of a chain of `length` calls of `fn`, each on the
+    previous one's output and the other `inputs`, as calls to time."""
+    first, rest = inputs[0], inputs[1:]
+
+    def chain() -> torch.Tensor:
+        y = first
+        for _ in range(length):
+            y = fn(y, *rest)
+        return y
+
+    grad = torch.ones_like(chain())
+
+    def forward() -> None:
+        chain()
+
+    def backward() -> None:
+        for x in inputs:
+            x.grad = None
+        chain().backward(grad)
+
+    return forward, backward
+
+
+def _measure_op_curves(device: torch.device, repeats: int, say: Callable[[str], None]
+                       ) -> tuple[OpCurve, ...]:
+    """Forward and backward seconds of one op per class and size (`_op_cases`), under
+    autograd as training runs them: chains of 2 and of 10 ops, each timed as the median
+    of `repeats` after a warm-up, and the difference over 8 ops, so that what one
+    backward call costs whatever its length (the engine's start, the first gradient's
+    allocation) is not charged to every op. Gradients of the inputs are set to None
+    before each backward (allocated afresh, as in a training step). Times are made
+    non-decreasing in size (running maxima), as the comm tables are."""
+    gen = torch.Generator(device).manual_seed(0)  # leave the global RNG state alone
+    short, long = _CHAIN
+    curves = []
+    for kind, points in _op_cases(device):
+        rows = []
+        worst = 0.0
+        for size, fn, shapes in points:
+            inputs = [torch.randn(*shape, device=device, generator=gen) for shape in shapes]
+            if kind == "matmul":  # keep a chain of matmuls in range
+                inputs[1] /= shapes[1][0] ** 0.5
+            inputs = [x.requires_grad_(True) for x in inputs]
+            medians = []
+            for length in (short, long):
+                forward, both = _runs(fn, inputs, length)
+                f, spread_f = _timed_median(forward, device, repeats)
+                fb, spread_b = _timed_median(both, device, repeats)
+                medians.append((f, fb))
+                worst = max(worst, spread_f, spread_b)
+            (f0, fb0), (f1, fb1) = medians
+            fwd = max((f1 - f0) / (long - short), 1e-9)
+            bwd = max((fb1 - fb0) / (long - short) - fwd, 1e-9)
+            rows.append((size, fwd, bwd))
+            say(f"op {kind} {size:.3g}: forward {fwd * 1e6:.1f} us, backward "
+                f"{bwd * 1e6:.1f} us")
+        f_max = b_max = 0.0
+        monotone = []
+        for size, fwd, bwd in rows:
+            f_max, b_max = max(f_max, fwd), max(b_max, bwd)
+            monotone.append((size, f_max, b_max))
+        curves.append(OpCurve(kind, tuple(monotone), round(worst, 4)))
+    return tuple(curves)
+
+
+def _measure_overlap(device: torch.device, repeats: int, say: Callable[[str], None]
+                     ) -> float:
+    """Slowdown of a gradient all-reduce and compute run at once, every rank at once:
+    `s` with both = max(c, g) + (s - 1) min(c, g) for compute alone `c` and the
+    collective alone `g` (the cost model's `overlap`); 1.0 is perfect overlap, 2.0 none.
+    Compute: matmuls of about the collective's time; the collective: a 4 MiB all-reduce
+    launched asynchronously before them. The median of `repeats`, clamped to [1, 2]."""
+    n = 2**20
+    buf = torch.zeros(n, device=device)
+    side = 512 if device.type == "cpu" else 4096
+    a = torch.randn(side, side, device=device)
+
+    def comm() -> None:
+        dist.all_reduce(buf)
+
+    def matmuls(count: int) -> None:
+        for _ in range(count):
+            torch.mm(a, a)
+
+    comm()
+    matmuls(1)
+    _sync(device)
+    slowdowns = []
+    for _ in range(repeats):
+        dist.barrier()
+        g, _ = _timed_median(comm, device, 3)
+        one, _ = _timed_median(lambda: matmuls(1), device, 3)
+        count = max(1, round(g / one))
+        c, _ = _timed_median(functools.partial(matmuls, count), device, 3)
+        dist.barrier()
+        _sync(device)
+        start = time.perf_counter()
+        work = dist.all_reduce(buf, async_op=True)
+        matmuls(count)
+        assert work is not None
+        work.wait()
+        _sync(device)
+        both = time.perf_counter() - start
+        slowdowns.append(1.0 + (both - max(c, g)) / min(c, g))
+    s = min(2.0, max(1.0, statistics.median(slowdowns)))
+    say(f"overlap: a 4 MiB all_reduce and compute at once take {s:.2f}x the longer plus "
+        f"the shorter's share (1: full overlap, 2: none)")
+    return s
 
 
 def _memory_bytes(device: torch.device, ranks_per_node: int) -> int:

@@ -27,7 +27,7 @@ from pxform.core.ir import Graph, Value
 from pxform.core.layout import LOCAL_STEPS, Layout, plan_relayout
 from pxform.core.mesh import AbstractMesh
 from pxform.core.spec import P
-from pxform.cost.model import SavedBytes, saved_bytes_per_op
+from pxform.cost.model import SavedBytes, op_class, saved_bytes_per_op
 from pxform.frontend.precision import INPUT_CAST
 from pxform.frontend.trace import last_uses
 from pxform.ops import rule_info
@@ -81,6 +81,8 @@ class Analysis:
     # reduce dtype per byte of the cast value (float32 gradients of a bf16 copy: 2.0).
     # Priced as the parameter: gathered at use, its gradient reduced in the buckets
     param_casts: dict[str, float] = field(default_factory=dict)
+    # per op, the class whose measured curve prices it (`cost.model.op_class`)
+    op_classes: tuple[str, ...] = ()
 
     @property
     def num_kinds(self) -> int:
@@ -115,7 +117,10 @@ def analyse(graph: Graph, batch_inputs: set[str], batch_dim: int = 0,
         if on:
             depends.update(v.name for v in op.outputs)
         op_batch.append(on)
-    op_flops = tuple(rule_info(op).flops for op in graph.ops)
+    infos_of = [rule_info(op) for op in graph.ops]
+    op_flops = tuple(i.flops for i in infos_of)
+    op_classes = tuple(op_class(op.target, i.view, dict(op.kwargs))
+                       for op, i in zip(graph.ops, infos_of))
     op_bytes = tuple(sum(v.type.numel * v.type.dtype.itemsize
                          for v in (*op.inputs, *op.outputs) if hasattr(v, "type"))
                      for op in graph.ops)
@@ -156,7 +161,8 @@ def analyse(graph: Graph, batch_inputs: set[str], batch_dim: int = 0,
     return Analysis(graph, infos, batch, params, op_flops, op_bytes, tuple(op_batch), tuple(saved),
                     tuple(strategies), layouts, traced, marked, tuple(kind_of),
                     frozenset(depends), defined_at, whole_batch,
-                    {v.name: v for v in graph.values()}, _param_casts(graph, params))
+                    {v.name: v for v in graph.values()}, _param_casts(graph, params),
+                    op_classes)
 
 
 def _param_casts(graph: Graph, params: frozenset[str]) -> dict[str, float]:

@@ -37,7 +37,7 @@ from typing import Any
 from pxform.core.ir import Value
 from pxform.core.layout import Layout, Relayout, plan_relayout
 from pxform.core.mesh import AbstractMesh
-from pxform.cost.model import BACKWARD_RATIO, CostModel, relayout_steps
+from pxform.cost.model import CostModel, relayout_steps
 from pxform.ops.strategy import REPLICATE, Strategy, strategies, strategy_for
 from pxform.passes.propagate import consumer_gradient_layout, gradient_layout
 from pxform.search.analysis import DATA, Analysis, BlockInfo
@@ -94,8 +94,11 @@ class WalkCost:
     transient_bytes: float  # the block's largest op's inputs and outputs: about what its
                             # backward holds at once (output and input gradients)
     packed_bytes: float = 0.0  # parameter gradients all-reduced from a packed bucket
+    packed_outer: float = 0.0  # of which sent over the outer axis (ring volume), and
+    packed_inner: float = 0.0  # over the inner: priced per step (`bucketed_all_reduce`)
     redo_bytes: float = 0.0  # the peak of its backward when recomputed: what its ops up
                              # to the one at work save, plus that op's transient
+    bwd_compute: float = 0.0  # the backward of its ops (`CostModel.op_times`)
 
 
 def _floating(v: Value) -> bool:
@@ -146,7 +149,8 @@ def walk(a: Analysis, block: BlockInfo, strats: list[Strategy], outside: Mapping
     layouts: dict[str, Layout] = {}
     done: set[tuple[str, Layout]] = set()
     fwd_compute = fwd_comm = bwd_comm = grad_comm = saved = transient = gathered = 0.0
-    redo = 0.0
+    redo = bwd_compute = 0.0
+    classes = a.op_classes or ("elementwise",) * len(a.graph.ops)
     graph = a.graph
     values = {}
     # parameter gradients go to buckets (`pxform.runtime.buckets`): one collective per
@@ -157,8 +161,10 @@ def walk(a: Analysis, block: BlockInfo, strats: list[Strategy], outside: Mapping
         ways = _ways(s, axes)
         sc = scale if a.op_batch[k] else 1.0
         dtype = op.outputs[0].type.dtype if op.outputs else op.inputs[0].type.dtype
-        fwd_compute += model.compute_time(a.op_flops[k] * sc / ways, dtype,
-                                          a.op_bytes[k] * sc / ways)
+        f, b = model.op_times(a.op_flops[k] * sc / ways, dtype, a.op_bytes[k] * sc / ways,
+                              classes[k])
+        fwd_compute += f
+        bwd_compute += b
         # each saved tensor at its own layout's local size; the op's intermediates as its
         # split (`ways`)
         kept_by = a.op_saved[k]
@@ -208,10 +214,15 @@ def walk(a: Analysis, block: BlockInfo, strats: list[Strategy], outside: Mapping
         for v, lay in zip(op.outputs, s.outputs):
             layouts[v.name] = lay
             values[v.name] = v
+    # all-reduces are packed across blocks into the step's buckets (`bucketed_all_reduce`,
+    # per step); the others (ZeRO-3's reduce-scatters) go per block
     grad_comm = sum(model.step_time(kind, axis, sent, axes)
-                    for (kind, axis), sent in bucket.items())
-    # data parallel's bucket is packed into one buffer before its all-reduce
-    packed = sum(sent for (kind, _), sent in bucket.items() if kind == "all_reduce")
+                    for (kind, axis), sent in bucket.items() if kind != "all_reduce")
+    packed_sent = {axis: sent for (kind, axis), sent in bucket.items() if kind == "all_reduce"}
+    # data parallel's bucket is packed into one buffer before its all-reduce: its bytes
+    # (local: the ring volume's n / 2(n - 1))
+    packed = sum(sent * axes[axis][0] / (2 * (axes[axis][0] - 1))
+                 for axis, sent in packed_sent.items() if axes[axis][0] > 1)
     for name, want in outputs.items():
         have = layouts.get(name)
         if have is None or have == want:
@@ -241,7 +252,8 @@ def walk(a: Analysis, block: BlockInfo, strats: list[Strategy], outside: Mapping
     # the op at work (metered within 5 %, tests/test_auto.py)
     transient += gathered
     return WalkCost(fwd_compute, fwd_comm, bwd_comm, grad_comm, saved, kept, pbytes, gbytes,
-                    transient, packed, redo + gathered)
+                    transient, packed, packed_sent.get("outer", 0.0),
+                    packed_sent.get("inner", 0.0), redo + gathered, bwd_compute)
 
 
 # ---------------------------------------------------------------- tensor-axis beam search
@@ -342,9 +354,10 @@ def _tensor_step(a: Analysis, k: int, s: Strategy, st: _State, cache: RelayoutCa
     split = any(c[0] == "split" for _, c in s.choices)
     # forward and backward of the op in one call: its per-op time counts once here,
     # the same for every choice, so the beam's ranking is unchanged
-    t = model.compute_time(a.op_flops[k] * sc * (1.0 + BACKWARD_RATIO)
-                           / (size if split else 1), dtype,
-                           a.op_bytes[k] * sc * (1.0 + BACKWARD_RATIO) / (size if split else 1))
+    f, b = model.op_times(a.op_flops[k] * sc / (size if split else 1), dtype,
+                          a.op_bytes[k] * sc / (size if split else 1),
+                          a.op_classes[k] if a.op_classes else "elementwise")
+    t = f + b
     bad = 0.0
     for i, v in enumerate(op.inputs):
         need = s.inputs[i]

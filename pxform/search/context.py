@@ -54,6 +54,8 @@ class OptionCost:
     transient: float    # the largest op's inputs and outputs (`WalkCost.transient_bytes`)
     packed: float = 0.0  # gradients all-reduced from a packed bucket (`WalkCost.packed_bytes`)
     redo: float | None = None  # its backward's peak when recomputed (`WalkCost.redo_bytes`)
+    packed_outer: float = 0.0  # ring volume of those over the outer axis, per step
+    packed_inner: float = 0.0  # and over the inner (`SearchContext.packed_rate`)
 
     def step_time(self, m: int) -> float:
         return m * (self.forward + self.backward) + self.step_extra
@@ -122,6 +124,7 @@ class SearchContext:
     borrowed: dict[tuple[int, ...], tuple[tuple[int, float], ...]] = field(
         default_factory=dict)
     p2p: dict[tuple[Config, int], float] = field(default_factory=dict)
+    packed_rates: dict[tuple[Config, str], float] = field(default_factory=dict)
     tables: dict[Config, list[OptionTable] | None] = field(default_factory=dict)
     groups: dict[Config, list[list[OptionTable]]] = field(default_factory=dict)
     frontiers: dict[StageKey, list[tuple[Point, float]]] = field(default_factory=dict)
@@ -136,6 +139,26 @@ class SearchContext:
         hw = self.hardware
         return {OUTER: (config.outer, hw.level(config.outer * config.inner)),
                 INNER: (config.inner, hw.level(config.inner))}
+
+    def packed_rate(self, config: Config, axis: str) -> float:
+        """Seconds per byte sent of the step's packed gradient all-reduce over `axis`
+        (`CostModel.bucketed_all_reduce`), at the bytes of every parameter replicated
+        over one stage: what a block's all-reduced gradients add to the step, as a share
+        of the whole (the last bucket's and latencies included)."""
+        key = (config, axis)
+        rate = self.packed_rates.get(key)
+        if rate is None:
+            axes = self.axes(config)
+            n = axes[axis][0]
+            if n <= 1:
+                rate = 0.0
+            else:
+                vals = self.analysis.values()
+                whole = sum(vals[p].type.nbytes for p in self.analysis.params)
+                sent = max(1.0, whole / config.stages * 2 * (n - 1) / n)
+                rate = self.model.bucketed_all_reduce(sent, axis, axes) / sent
+            self.packed_rates[key] = rate
+        return rate
 
     def cache(self, config: Config) -> RelayoutCache:
         mesh = config.stage_mesh

@@ -22,7 +22,6 @@ from collections.abc import Mapping, Sequence
 from pxform.core.errors import SpecError
 from pxform.core.layout import Layout
 from pxform.core.mesh import AbstractMesh
-from pxform.cost.model import BACKWARD_RATIO
 from pxform.frontend.regions import RECOMPUTE
 from pxform.ops.strategy import Strategy
 from pxform.search.analysis import Analysis, BlockInfo
@@ -34,7 +33,7 @@ from pxform.search.context import (
     SearchContext,
     first_block,
 )
-from pxform.search.space import OUTER, Config, Option, options
+from pxform.search.space import INNER, OUTER, Config, Option, options
 
 
 def block_strategies(ctx: SearchContext, block: BlockInfo, config: Config, option: Option,
@@ -95,7 +94,8 @@ def walk_cost(ctx: SearchContext, block: BlockInfo, config: Config, option: Opti
 
 def _fields(w: WalkCost) -> tuple[float, ...]:
     return (w.fwd_compute, w.fwd_comm, w.bwd_comm, w.grad_comm, w.saved_bytes, w.kept_bytes,
-            w.param_bytes, w.grad_bytes, w.transient_bytes, w.packed_bytes, w.redo_bytes)
+            w.param_bytes, w.grad_bytes, w.transient_bytes, w.packed_bytes, w.packed_outer,
+            w.packed_inner, w.redo_bytes, w.bwd_compute)
 
 
 def _walk_at(ctx: SearchContext, block: BlockInfo, config: Config, option: Option,
@@ -133,15 +133,20 @@ def option_cost(ctx: SearchContext, block: BlockInfo, config: Config, option: Op
     w = walk_cost(ctx, block, config, option)
     model = ctx.model
     f = w.fwd_compute + w.fwd_comm
-    bc = BACKWARD_RATIO * w.fwd_compute + w.bwd_comm + (f if option.recompute else 0.0)
+    bc = w.bwd_compute + w.bwd_comm + (f if option.recompute else 0.0)
     if option.sdp_axes:
         b = model.overlap(bc, w.grad_comm)
         extra = 0.0
     else:
         b = bc
         extra = model.overlap(bc, w.grad_comm) - bc
+    # the packed all-reduces: this block's share of the step's (`assemble` prices the
+    # chosen blocks' sum exactly)
+    extra += (ctx.packed_rate(config, OUTER) * w.packed_outer
+              + ctx.packed_rate(config, INNER) * w.packed_inner)
     return OptionCost(f, b, extra, w.saved_bytes, w.kept_bytes, w.param_bytes, w.grad_bytes,
-                      w.transient_bytes, w.packed_bytes, w.redo_bytes)
+                      w.transient_bytes, w.packed_bytes, w.redo_bytes, w.packed_outer,
+                      w.packed_inner)
 
 
 

@@ -14,7 +14,7 @@ from pxform.cost.model import backward_extra, one_f_one_b_time
 from pxform.search.context import OptionCost, OptionTable, SearchContext
 from pxform.search.frontier import Point, chain_frontier
 from pxform.search.options import transition
-from pxform.search.space import Config, Option
+from pxform.search.space import INNER, OUTER, Config, Option
 
 QUANTUM = 1 / 256
 """Frontier memory rounding, as a fraction of the budget (`frontier` module doc)."""
@@ -179,7 +179,7 @@ def assemble(ctx: SearchContext, config: Config, part: tuple[int, ...],
             pt, mem = min(fit, key=lambda x: (x[1], x[0].time))
         else:
             pt, mem = min(fit, key=lambda x: (x[0].time, x[1]))
-        f = b = extra = pbytes = 0.0
+        f = b = extra = pbytes = outer = inner = 0.0
         for k, c in zip(idx, pt.choices):
             o = tables[k].options[c]
             oc = tables[k].costs[c]
@@ -191,6 +191,15 @@ def assemble(ctx: SearchContext, config: Config, part: tuple[int, ...],
             b += oc.backward
             extra += oc.step_extra
             pbytes += oc.params
+            outer += oc.packed_outer
+            inner += oc.packed_inner
+        # the stage's packed all-reduces priced whole (its buckets, the last one exposed)
+        # instead of as the blocks' shares (`SearchContext.packed_rate`)
+        axes = ctx.axes(config)
+        for axis, sent in ((OUTER, outer), (INNER, inner)):
+            if sent > 0:
+                extra += (ctx.model.bucketed_all_reduce(sent, axis, axes)
+                          - ctx.packed_rate(config, axis) * sent)
         if config.stages > 1:  # the owner's chosen option, not the least the DP assumed
             exact = borrowed(ctx, idx, tables, chosen_cost)
             mem += exact - borrowed(ctx, idx, tables)
