@@ -76,11 +76,12 @@ def rank_main(config: str, batch_size: int, steps: int, warmup: int, quick: bool
 
     import pxform
     from pxform.runtime.calibrate import calibrate
+    from pxform.tools.runtime_costs import runtime_costs
 
     world = dist.get_world_size()
     cfg = gpt.GPT_CONFIGS[config]
     start = time.perf_counter()
-    hw = calibrate(sizes=sizes, repeats=15, name=f"cpu-x{world}")
+    hw = runtime_costs(calibrate(sizes=sizes, repeats=15, name=f"cpu-x{world}"))
     calibrate_s = time.perf_counter() - start
     params = gpt.init_params(cfg, dtype=torch.float32)
     batch = gpt.make_batch(cfg, batch_size)

@@ -161,8 +161,9 @@ def class_token(schedule, microbatches):
 
 
 def class_token_auto():
-    """`pxform.auto` on 2 ranks for a small class-token transformer: the searched plan (a
-    2-stage pipeline) runs, against one process."""
+    """`pxform.auto` on 2 ranks for a small class-token transformer: its plan with 2
+    pipeline stages (pinned: since the search prices data parallelism's all-reduce per
+    bucket, it prefers that here) runs, against one process."""
     import optree
 
     import pxform
@@ -183,7 +184,9 @@ def class_token_auto():
               "layers": [randn(16, 16) / 4 for _ in range(4)], "head": randn(16, 4)}
     x = randn(8, 5, 8)
     ref_loss, ref_grads = pxform.value_and_grad(loss)(params, x)
-    step = pxform.auto(loss, mesh=2)
+    from pxform.search import Pin
+
+    step = pxform.auto(loss, mesh=2, plan=Pin(stages=2))
     plan = step.plan(params, x)
     value, grads = pxform.value_and_grad(step)(params, x)
     full = pxform.gather(grads)

@@ -148,7 +148,9 @@ def test_no_command_exits_2(capsys):
 
 def test_calibrate_is_wired(capsys):
     args = build_parser().parse_args(["calibrate", "--out", "p.json", "--sizes", "1KiB"])
-    assert args.run is calibrate.main and args.sizes == [1024] and args.out == "p.json"
+    # the hardware, then the runtime's own fixed costs (`pxform.tools.runtime_costs`)
+    assert args.run.func is calibrate.main and args.sizes == [1024] and args.out == "p.json"
+    assert args.run.keywords["refine"].__name__ == "runtime_costs"
     assert main(["calibrate", "--help"]) == 0
     assert "--repeats" in capsys.readouterr().out
 

@@ -13,7 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from pxform.core.layout import AxisCost
-from pxform.cost.hardware import PRESETS, CommTable, Hardware, Link, hardware
+from pxform.cost.hardware import OP_CLASSES, PRESETS, CommTable, Hardware, Link, OpCurve, hardware
 from pxform.runtime.calibrate import add_arguments, calibrate, main, summary
 from pxform.tools.testing import World
 
@@ -33,7 +33,10 @@ def measured(**kw) -> Hardware:
     args = dict(name="test", devices_per_node=2, memory_bytes=2**30, peak_flops=(),
                 efficiency=1.0, links=(Link("l0", 1e-5, 1e9), Link("l1", 1e-4, 1e8)),
                 comm_tables=(CommTable("all_reduce", 0, 2, ((1e3, 2e-5), (1e6, 1e-3))),),
-                compute_flops=(("fp32", 1e11), ("bf16", 4e11)), source="hand-made")
+                compute_flops=(("fp32", 1e11), ("bf16", 4e11)), source="hand-made",
+                op_curves=(OpCurve("gelu", ((1e3, 1e-6, 3e-6), (1e6, 1e-3, 2e-3)), 0.05),),
+                overlap_slowdown=1.8, step_overhead_s=1e-3, param_overhead_s=2e-5,
+                action_overhead_s=4e-4)
     args.update(kw)
     return Hardware(**args)  # type: ignore[arg-type]
 
@@ -230,6 +233,17 @@ def write(tmp_path, content) -> str:
      r"key 'comm_tables' entry 0: .*times must not decrease"),
     (lambda d: d["comm_tables"][0].update(kind="bcast"),
      r"key 'comm_tables' entry 0: .*unknown collective kind 'bcast'"),
+    (lambda d: d["op_curves"][0].update(kind="conv"),
+     r"key 'op_curves' entry 0: OpCurve\('conv'\): kind must be one of matmul, attention"),
+    (lambda d: d["op_curves"][0].update(points=[[1e3, 1e-6]]),
+     r"key 'op_curves' entry 0 must be an object with kind, points \(a list of \[size, "
+     r"forward_s, backward_s\]\)"),
+    (lambda d: d["op_curves"][0].update(points=[[1e3, 1e-3, 1e-3], [1e6, 1e-6, 1e-3]]),
+     r"key 'op_curves' entry 0: .*times must not decrease with size"),
+    (lambda d: d.update(overlap_slowdown=0.5),
+     r"overlap_slowdown must be 0 \(not measured\) or >= 1, got 0.5"),
+    (lambda d: d.update(action_overhead_s=-1.0),
+     r"action_overhead_s must be a number >= 0 \(seconds\), got -1.0"),
 ])
 def test_load_of_a_bad_profile_names_the_file_the_key_and_the_fix(tmp_path, change, message):
     d = measured().to_json()
@@ -286,6 +300,14 @@ def test_calibrate_on_two_gloo_ranks(world, tmp_path):
     # a roofline needs the memory rate, and CPUs pay host time per op
     assert 1e8 < hw.memory_bandwidth < 1e13 and 0 < hw.op_overhead_s < 1e-3
     assert "memory bandwidth" in summary(hw) and "per-op host time" in summary(hw)
+    # a curve per op class, forward and backward, non-decreasing in size; the overlap
+    assert sorted(c.kind for c in hw.op_curves) == sorted(OP_CLASSES)
+    for c in hw.op_curves:
+        assert len(c.points) >= 4 and all(f > 0 and b > 0 for _, f, b in c.points)
+        assert [p[1] for p in c.points] == sorted(p[1] for p in c.points)
+        assert c.spread >= 0
+    assert 1.0 <= hw.overlap_slowdown <= 2.0
+    assert "op class" in summary(hw) and "overlap slowdown" in summary(hw)
     assert hw.links[0].latency_s > 0 and 0 < hw.links[0].bandwidth < math.inf
     assert sorted(t.kind for t in hw.comm_tables) == sorted(KINDS)
     for t in hw.comm_tables:
@@ -403,3 +425,75 @@ def test_roofline_and_per_op_time():
         replace(hw, memory_bandwidth=-1.0)
     with pytest.raises(ValueError, match="op_overhead_s must be a number >= 0"):
         replace(hw, op_overhead_s=float("nan"))
+
+
+def test_op_curves_price_ops_by_class():
+    """With a measured curve for an op's class, an op costs the curve's forward and
+    backward at its size (FLOPs for matmuls, scaled by the dtype's rate; bytes otherwise);
+    without one, the roofline and twice it; a view the host time only."""
+    from dataclasses import replace
+
+    from pxform.cost.model import BACKWARD_RATIO, CostModel, op_class
+
+    assert op_class(torch.ops.aten.linear.default) == "matmul"
+    assert op_class(torch.ops.aten.scaled_dot_product_attention.default) == "attention"
+    assert op_class(torch.ops.aten.gelu.default, kwargs={"approximate": "tanh"}) == "gelu_tanh"
+    assert op_class(torch.ops.aten.gelu.default) == "gelu"
+    assert op_class(torch.ops.aten.cross_entropy_loss.default) == "softmax"
+    assert op_class(torch.ops.aten.native_layer_norm.default) == "norm"
+    assert op_class(torch.ops.aten.sigmoid.default) == "transcendental"
+    assert op_class(torch.ops.aten.add.Tensor) == "elementwise"
+    assert op_class(torch.ops.aten.view.default, view=True) == "view"
+
+    curve = OpCurve("matmul", ((1e6, 1e-5, 2e-5), (1e9, 1e-2, 3e-2)))
+    hw = replace(hardware("a100-80gb"), op_curves=(curve,), op_overhead_s=1e-6)
+    model = CostModel(hw)
+    assert model.op_times(1e9, torch.float32, 0.0, "matmul") == (1e-2, 3e-2)
+    # bf16 runs at its own rate: the same FLOPs are fewer fp32-equivalent ones
+    ratio = hw.flops_per_second("fp32") / hw.flops_per_second("bf16")
+    assert model.op_times(1e9, torch.bfloat16, 0.0, "matmul") == curve.times(1e9 * ratio)
+    f, b = model.op_times(1e3, torch.float32, 1e9, "norm")  # no curve: roofline
+    assert f == model.compute_time(1e3, torch.float32, 1e9) and b == BACKWARD_RATIO * f
+    assert model.op_times(0.0, torch.float32, 1e9, "view") == (1e-6, BACKWARD_RATIO * 1e-6)
+    # a profile's measured overlap replaces the default constant
+    assert CostModel(replace(hw, overlap_slowdown=1.9)).overlap_slowdown == 1.9
+    assert CostModel(hw).overlap_slowdown == 1.3
+
+
+def test_bucketed_all_reduce_exposes_the_last_bucket():
+    """The step's packed all-reduce: every full bucket but the last overlaps backward
+    (costing overlap_slowdown - 1 of it), the last (the rest) is exposed whole."""
+    from dataclasses import replace
+
+    from pxform.cost.model import BUCKET_BYTES, CostModel
+
+    table = CommTable("all_reduce", 0, 2, ((1e3, 1e-4), (1e9, 1.0)))
+    hw = replace(measured(), comm_tables=(table,), overlap_slowdown=1.5)
+    model = CostModel(hw)
+    axes = {"dp": (2, 0)}
+    bucket = BUCKET_BYTES * 2 * (2 - 1) / 2  # a full bucket's ring volume on 2 ranks
+    assert model.bucketed_all_reduce(0.0, "dp", axes) == 0.0
+    assert model.bucketed_all_reduce(1e6, "dp", axes) == table.time(1e6)  # one bucket
+    t = model.bucketed_all_reduce(2.5 * bucket, "dp", axes)
+    assert t == pytest.approx(table.time(0.5 * bucket) + 0.5 * 2 * table.time(bucket))
+    # one latency per bucket, not per block: cheaper than 10 blocks' own all-reduces
+    assert model.bucketed_all_reduce(1e6, "dp", axes) < 10 * table.time(1e5)
+
+
+def measure_runtime_costs() -> tuple[float, float, float]:
+    """On every rank: a compute-only profile refined by `runtime_costs`."""
+    from pxform.tools.runtime_costs import runtime_costs
+
+    hw = runtime_costs(calibrate(sizes=SIZES, repeats=1), repeats=3)
+    return hw.param_overhead_s, hw.step_overhead_s, hw.action_overhead_s
+
+
+def test_runtime_costs_are_measured_on_real_programs(world):
+    """`pxform.tools.runtime_costs` times data-parallel steps over 4 and 64 parameters and
+    a 2-stage pipeline at 2 and 8 microbatches: every rank gets rank 0's numbers, each
+    positive and below the step times they come from (a hook and a gradient per
+    parameter, a pipeline action: microseconds to a millisecond here, not seconds)."""
+    results = world.run(measure_runtime_costs)
+    assert results[0] == results[1]
+    per_param, per_step, per_action = results[0]
+    assert 0 < per_param < 5e-3 and 0 <= per_step < 0.1 and 0 < per_action < 0.1

@@ -203,7 +203,7 @@ def test_a_class_token_expanded_to_the_batch_trains_in_a_pipeline(world2, schedu
 def test_auto_runs_its_pipelined_plan_of_a_class_token_model(world2):
     # five held-out models failed this way under the default auto on 2 ranks
     for r in world2.run(W.class_token_auto):
-        assert r["stages"] == 2, r  # the search pipelines it (measured); the case at issue
+        assert r["stages"] == 2, r  # a pipelined plan: the case at issue
         assert r["loss_err"] < 1e-12 and r["grad_err"] < 1e-12, r
 
 

@@ -76,6 +76,7 @@ class Auto(Executable):
     allow_fallback: bool = True  # ops without a rule run replicated, reported once
     precision: Precision | None = None  # mixed precision, applied by the trace
     sync_batch_norm: bool = False  # training-mode BatchNorm by the whole batch's statistics
+    memory_margin: float = 0.0  # plans fit memory_budget x (1 - memory_margin)
     _cache: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -170,7 +171,7 @@ class Auto(Executable):
                                   objective=self.objective, batch_range=self.batch_range,
                                   pin=pin, batch_dim=self.batch_dim, optimizer=self.optimizer,
                                   fn=f"auto({self.__name__})", function=self.__name__,
-                                  progress=self.progress)
+                                  progress=self.progress, margin=self.memory_margin)
 
                 plan = best(pin)
                 # never return a plan that cannot run: lower it on its abstract mesh first;
@@ -333,12 +334,18 @@ class Auto(Executable):
         return self.executable(*filled).run(args, grad_argnums)
 
 
+DEFAULT_MEMORY_MARGIN = 0.05
+"""The share of the memory budget `auto`'s plans keep free by default: the memory model's
+error on measured plans (`docs/benchmarks/accuracy.md`)."""
+
+
 def auto(fn: Any = None, *, mesh: Any, memory_budget: Any = None, objective: str = "time",
          hardware: Any = None, batch_range: tuple[int, int] | None = None,
          batch_argnums: int | tuple[int, ...] | None = None, batch_dim: int = 0,
          plan: Plan | Pin | None = None, optimizer: str = "adam",
          progress: Callable[[int, int], None] | None = None, allow_fallback: bool = True,
-         precision: Precision | None = None, sync_batch_norm: bool = False) -> Any:
+         precision: Precision | None = None, sync_batch_norm: bool = False,
+         memory_margin: float = DEFAULT_MEMORY_MARGIN) -> Any:
     """Search a parallel plan for `fn` and run it (module doc). Usable as a decorator.
 
     Args:
@@ -367,6 +374,10 @@ def auto(fn: Any = None, *, mesh: Any, memory_budget: Any = None, objective: str
         sync_batch_norm: training-mode BatchNorm by the whole batch's statistics (see
             `pxform.shard`); by default each rank's rows by their own, as DDP. A function
             that writes running statistics gets a plan without pipeline stages.
+        memory_margin: a fraction of `memory_budget` the plan keeps free (default 0.05:
+            plans fit 95 % of it): a plan at 99.9 % of the budget fails on the memory
+            model's first error. The plan's `headroom_bytes` and `explain()` show what it
+            leaves; 0 plans to the whole budget.
 
     Example:
         >>> step = pxform.auto(loss_fn, mesh=8, memory_budget="40GiB", hardware="a100-40gb")
@@ -378,7 +389,8 @@ def auto(fn: Any = None, *, mesh: Any, memory_budget: Any = None, objective: str
                                  batch_range=batch_range, batch_argnums=batch_argnums,
                                  batch_dim=batch_dim, plan=plan, optimizer=optimizer,
                                  progress=progress, allow_fallback=allow_fallback,
-                                 precision=precision, sync_batch_norm=sync_batch_norm)
+                                 precision=precision, sync_batch_norm=sync_batch_norm,
+                                 memory_margin=memory_margin)
     if isinstance(fn, torch.nn.Module):
         raise module_given(fn, "auto")
     devices = _device_count(mesh)
@@ -406,9 +418,16 @@ def auto(fn: Any = None, *, mesh: Any, memory_budget: Any = None, objective: str
     hw = get_hardware(hardware if hardware is not None else "h100-80gb")
     budget = hw.memory_bytes if memory_budget is None else \
         _budget(memory_budget, getattr(fn, "__name__", "fn"))
+    if isinstance(memory_margin, bool) or not isinstance(memory_margin, (int, float)) or \
+            not 0 <= memory_margin < 1:
+        raise PxformError(
+            f"pxform.auto({getattr(fn, '__name__', 'fn')}): memory_margin={memory_margin!r}; "
+            f"give a fraction of memory_budget in [0, 1).\n  Fix: e.g. memory_margin=0.05 "
+            f"plans within 95 % of the budget; 0 plans to all of it.")
     return Auto(fn, devices, budget, objective, hw, batch_range, nums, batch_dim, plan,
                 optimizer, progress, allow_fallback=allow_fallback,
-                precision=precision_arg(precision, "auto"), sync_batch_norm=sync_batch_norm)
+                precision=precision_arg(precision, "auto"), sync_batch_norm=sync_batch_norm,
+                memory_margin=memory_margin)
 
 
 def _budget(value: Any, name: str) -> int:
@@ -476,7 +495,8 @@ def profile(fn: Any, *args: Any, devices: Sequence[int], memory_budget: Any = No
             assert step.memory_budget is not None
             plan = search(graph, names, devices=n, budget=step.memory_budget,
                           hardware=step.hardware, batch_dim=batch_dim, optimizer=optimizer,
-                          fn=f"profile({step.__name__})", function=step.__name__)
+                          fn=f"profile({step.__name__})", function=step.__name__,
+                          margin=step.memory_margin)
             out.append((n, plan, ""))
         except SearchError as exc:
             first = str(exc).split("\n")[0]

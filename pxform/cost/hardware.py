@@ -321,6 +321,10 @@ class Hardware:
             the roofline (they include the eager op's dispatch and autograd bookkeeping).
         overlap_slowdown: measured slowdown of a collective and compute running at once
             (`pxform.cost.model.OVERLAP_SLOWDOWN`'s meaning); 0: not measured.
+        step_overhead_s, param_overhead_s, action_overhead_s: pxform's own host time per
+            training step, per parameter tensor per step, and per pipeline action (one
+            stage's forward or backward of one microbatch), beyond the ops and
+            collectives (`pxform.tools.runtime_costs` measures them; 0: not measured).
         source: where the numbers come from.
 
     Example:
@@ -344,6 +348,9 @@ class Hardware:
     op_overhead_s: float = 0.0
     op_curves: tuple[OpCurve, ...] = ()
     overlap_slowdown: float = 0.0
+    step_overhead_s: float = 0.0
+    param_overhead_s: float = 0.0
+    action_overhead_s: float = 0.0
 
     def __post_init__(self) -> None:
         what = f"Hardware {self.name!r}"
@@ -385,6 +392,11 @@ class Hardware:
                                                       or self.overlap_slowdown >= 1):
             raise ValueError(f"{what}: overlap_slowdown must be 0 (not measured) or >= 1, "
                              f"got {self.overlap_slowdown!r}")
+        for key in ("step_overhead_s", "param_overhead_s", "action_overhead_s"):
+            value = getattr(self, key)
+            if not _number(value) or value < 0:
+                raise ValueError(f"{what}: {key} must be a number >= 0 (seconds), got "
+                                 f"{value!r}")
         if "fp32" not in dict(self.peak_flops) and "fp32" not in dict(self.compute_flops):
             raise ValueError(f"{what}: needs an 'fp32' entry in peak_flops or "
                              f"compute_flops (the fallback for dtypes without a number)")
@@ -550,6 +562,9 @@ class Hardware:
             "op_curves": [{"kind": c.kind, "points": [list(p) for p in c.points],
                            "spread": c.spread} for c in self.op_curves],
             "overlap_slowdown": self.overlap_slowdown,
+            "step_overhead_s": self.step_overhead_s,
+            "param_overhead_s": self.param_overhead_s,
+            "action_overhead_s": self.action_overhead_s,
             "source": self.source,
         }
 
@@ -619,7 +634,8 @@ def _from_json(d: Any, where: str) -> Hardware:
                             f"one from another pxform version)")
     known = {"format", "name", "devices_per_node", "memory_bytes", "peak_flops",
              "efficiency", "links", "comm_tables", "compute_flops", "source",
-             "memory_bandwidth", "op_overhead_s", "op_curves", "overlap_slowdown"}
+             "memory_bandwidth", "op_overhead_s", "op_curves", "overlap_slowdown",
+             "step_overhead_s", "param_overhead_s", "action_overhead_s"}
     for key in d:
         if key not in known:
             raise bad(key, f"is not a profile key (known: {', '.join(sorted(known))})")
@@ -655,6 +671,8 @@ def _from_json(d: Any, where: str) -> Hardware:
     overhead = get("op_overhead_s", "a number", 0.0, required=False)
     curves_json = get("op_curves", "a list", [], required=False)
     overlap = get("overlap_slowdown", "a number", 0.0, required=False)
+    fixed = {key: float(get(key, "a number", 0.0, required=False))
+             for key in ("step_overhead_s", "param_overhead_s", "action_overhead_s")}
 
     links: list[Link] = []
     for i, x in enumerate(links_json):
@@ -704,7 +722,7 @@ def _from_json(d: Any, where: str) -> Hardware:
                         comm_tables=tuple(tables), compute_flops=tuple(compute.items()),
                         source=source, memory_bandwidth=float(bandwidth),
                         op_overhead_s=float(overhead), op_curves=tuple(curves),
-                        overlap_slowdown=float(overlap))
+                        overlap_slowdown=float(overlap), **fixed)
     except ValueError as e:
         raise ValueError(f"Hardware.load: {where}: {e}; {_FIX}") from None
 

@@ -300,7 +300,7 @@ def _op_cases(device: torch.device) -> list[tuple[str, list[Case]]]:
         return torch.softmax(x, dim=-1)
 
     for kind, fn in (("gelu", F.gelu), ("gelu_tanh", gelu_tanh), ("silu", F.silu),
-                     ("transcendental", torch.exp)):
+                     ("transcendental", torch.sigmoid)):
         cases.append((kind, [(8.0 * n, fn, ((n,),)) for n in sizes]))
     cases.append(("softmax", [(8.0 * n, softmax, ((n // width, width),)) for n in sizes]))
     cases.append(("norm", [(8.0 * n + 8.0 * width, norm, ((n // width, width), (width,),
@@ -645,8 +645,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the profile's name (default: device name and world size)")
 
 
-def main(args: argparse.Namespace) -> int:
+def main(args: argparse.Namespace,
+         refine: Callable[[Hardware], Hardware] | None = None) -> int:
     """`pxform calibrate`: measure, print a summary on rank 0, write the profile there.
+    `refine` (on every rank) adds what only higher floors can measure: the CLI passes
+    `pxform.tools.runtime_costs`, the runtime's own fixed costs.
 
     Under torchrun (WORLD_SIZE set) it initialises the process group itself if needed
     (nccl with CUDA, else gloo) and destroys it at the end; without torchrun it measures
@@ -667,6 +670,8 @@ def main(args: argparse.Namespace) -> int:
         if args.sizes:
             kwargs["sizes"] = args.sizes
         hw = calibrate(**kwargs)
+        if refine is not None:
+            hw = refine(hw)
         if rank == 0:
             print(summary(hw))
             hw.save(args.out)
@@ -700,4 +705,17 @@ def summary(hw: Hardware) -> str:
         for t in hw.comm_tables:
             cells = ", ".join(f"{format_bytes(b)}: {s * 1e6:.1f} us" for b, s in t.points)
             lines.append(f"  {t.kind:<15}{t.group_size:>4}{t.level:>6}  {cells}")
+    if hw.op_curves:
+        lines.append("  op class        size: forward / backward (spread)")
+        for c in hw.op_curves:
+            unit = "FLOP" if c.kind in ("matmul", "attention") else "B"
+            cells = ", ".join(f"{size:.3g} {unit}: {f * 1e6:.3g} / {b * 1e6:.3g} us"
+                              for size, f, b in c.points)
+            lines.append(f"  {c.kind:<15} {cells} ({c.spread:.0%})")
+    if hw.overlap_slowdown:
+        lines.append(f"  overlap slowdown: {hw.overlap_slowdown:.2f} (1: full overlap, 2: none)")
+    if hw.step_overhead_s or hw.param_overhead_s or hw.action_overhead_s:
+        lines.append(f"  runtime: {hw.step_overhead_s * 1e3:.3g} ms per step, "
+                     f"{hw.param_overhead_s * 1e6:.3g} us per parameter, "
+                     f"{hw.action_overhead_s * 1e6:.3g} us per pipeline action")
     return "\n".join(lines)

@@ -168,6 +168,19 @@ class Plan:
         return (f"pp={self.stages} outer={self.outer} inner={self.inner} "
                 f"microbatches={self.microbatches} schedule={self.schedule}")
 
+    @property
+    def headroom_bytes(self) -> float:
+        """What the predicted peak leaves of the budget per device. The memory model is
+        within about 5 % of the meter on the plans `benchmarks/accuracy.py` measures (10 %
+        for tensor parallelism): a plan with less headroom than that may not fit; the
+        search keeps `auto`'s `memory_margin` (5 % by default) free.
+
+        Example:
+            >>> plan.headroom_bytes / plan.memory_budget
+            0.31
+        """
+        return self.memory_budget - self.peak_memory_bytes
+
     def explain(self, per_block: bool = False) -> str:
         """A readable report: set-up, the mesh, per-block strategies (consecutive blocks
         with the same kind, stage and strategy share a row unless `per_block`), stages,
@@ -179,7 +192,9 @@ class Plan:
             f"mesh {self.mesh}: {self.config_text()}",
             *([f"precision: {self.policy}"] if self.precision else []),
             f"predicted step {self.step_time_s:.4g} s, peak memory "
-            f"{format_bytes(int(self.peak_memory_bytes))} per device "
+            f"{format_bytes(int(self.peak_memory_bytes))} per device, headroom "
+            f"{format_bytes(max(0, int(self.headroom_bytes)))} "
+            f"({self.headroom_bytes / self.memory_budget:.0%} of the budget) "
             f"(searched in {self.search_seconds:.2f} s)",
             "",
         ]

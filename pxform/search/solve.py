@@ -10,6 +10,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -43,7 +44,7 @@ def search(graph: Graph, batch_inputs: set[str], *, devices: int, budget: int,
            batch_range: tuple[int, int] | None = None, pin: Pin | None = None,
            batch_dim: int = 0, optimizer: str = "adam", fn: str = "auto",
            function: str | None = None,
-           progress: Callable[[int, int], None] | None = None) -> Plan:
+           progress: Callable[[int, int], None] | None = None, margin: float = 0.0) -> Plan:
     """The best plan for `graph` on `devices` devices of `hardware` within `budget` bytes
     per device (module doc).
 
@@ -57,6 +58,9 @@ def search(graph: Graph, batch_inputs: set[str], *, devices: int, budget: int,
         pin: choices fixed in advance (a plan passed back, or user constraints).
         fn: how messages name the caller ("auto(loss_fn)"); function: the plan's name
             for the user's function (default `fn`).
+        margin: a safety margin, a fraction of `budget`: plans must fit `budget x (1 -
+            margin)` (the plan's `notes` say so). The plan's `headroom_bytes` is what is
+            left of the whole budget at its predicted peak.
 
     Raises:
         SearchError: nothing fits; the message states the least memory per device any
@@ -64,6 +68,11 @@ def search(graph: Graph, batch_inputs: set[str], *, devices: int, budget: int,
     """
     if objective not in OBJECTIVES:
         raise SearchError(f"pxform.{fn}: objective={objective!r}; use one of {OBJECTIVES}.")
+    if isinstance(margin, bool) or not isinstance(margin, (int, float)) or \
+            not 0 <= margin < 1:
+        raise SearchError(f"pxform.{fn}: memory_margin={margin!r}; give a fraction of the "
+                          f"budget in [0, 1), e.g. 0.05 to plan within 95 % of it.")
+    usable = float(budget) * (1.0 - margin)
     analysis = analyse(graph, batch_inputs, batch_dim, fn)
     model = CostModel(hardware, optimizer)
     pin = pin or Pin()
@@ -94,7 +103,7 @@ def search(graph: Graph, batch_inputs: set[str], *, devices: int, budget: int,
     best: tuple[Candidate, SearchContext, list[Candidate], float] | None = None
     for n in counts:
         for batch in batches:
-            ctx = SearchContext(analysis, model, float(budget), batch, pin)
+            ctx = SearchContext(analysis, model, usable, batch, pin)
             cands = _configs(analysis, n, hardware, batch, pin, fn)
             goal = "memory" if objective == "memory" else "time"
             cand, found, secs = search_configs(ctx, cands, goal, progress)
@@ -105,9 +114,16 @@ def search(graph: Graph, batch_inputs: set[str], *, devices: int, budget: int,
         if best is not None and objective == "devices":
             break
     if best is None:
-        raise _infeasible(analysis, model, devices, budget, batches[0], pin, hardware, fn)
+        raise _infeasible(analysis, model, devices, budget, batches[0], pin, hardware, fn,
+                          margin)
     cand, ctx, found, secs = best
-    return _make_plan(cand, ctx, found, secs, function or fn, hardware, budget, objective)
+    plan = _make_plan(cand, ctx, found, secs, function or fn, hardware, budget, objective)
+    if margin:
+        plan = dataclasses.replace(plan, notes=(
+            f"memory margin {margin:.0%}: searched within {format_bytes(int(usable))} of the "
+            f"{format_bytes(budget)} budget (the memory model's error on measured plans is "
+            f"within about 5-10 %: docs/benchmarks/accuracy.md)",))
+    return plan
 
 
 def powers_of_two_upto(n: int) -> list[int]:
@@ -161,9 +177,11 @@ def _configs(a: Analysis, devices: int, hw: Hardware, batch: int, pin: Pin, fn: 
 
 
 def _infeasible(a: Analysis, model: CostModel, devices: int, budget: int, batch: int,
-                pin: Pin, hw: Hardware, fn: str) -> SearchError:
+                pin: Pin, hw: Hardware, fn: str, margin: float = 0.0) -> SearchError:
     """The error for a budget nothing fits: the least memory any plan needs here, and the
-    smallest device count (doubling, up to 64x) whose best plan fits."""
+    smallest device count (doubling, up to 64x) whose best plan fits. With a safety
+    `margin`, plans must fit `budget x (1 - margin)`."""
+    usable = budget * (1.0 - margin)
     ctx = SearchContext(a, model, math.inf, batch, pin)
     cands = _configs(a, devices, hw, batch, pin, fn)
     least, _, _ = search_configs(ctx, cands, "memory")
@@ -182,7 +200,7 @@ def _infeasible(a: Analysis, model: CostModel, devices: int, budget: int, batch:
     fits = None
     n = devices * 2
     while n <= devices * 64 and least is not None:
-        ctx = SearchContext(a, model, float(budget), batch, pin)
+        ctx = SearchContext(a, model, usable, batch, pin)
         cand, _, _ = search_configs(ctx, _configs(a, n, hw, batch, pin, fn), "memory",
                                     first_fit=True)
         if cand is not None:
@@ -191,12 +209,17 @@ def _infeasible(a: Analysis, model: CostModel, devices: int, budget: int, batch:
         n *= 2
     where = (f"{fits} devices fit it" if fits else
              f"no device count up to {devices * 64} fits it")
+    kept = (f" ({format_bytes(budget)} less a {margin:.0%} safety margin, memory_margin=)"
+            if margin else "")
+    need_budget = (format_bytes(_round_up(least.peak_memory / (1.0 - margin)))
+                   if least is not None else "unknown")
     return SearchError(
-        f"pxform.{fn}: no plan fits {format_bytes(budget)} per device on {devices} devices "
-        f"({hw.name}) for global batch {batch}: the least memory any plan needs there is "
-        f"{need} per device (with ZeRO-3, tensor parallelism and recompute everywhere); "
-        f"{where}.\n  Fix: raise memory_budget (--memory on the command line) to at least "
-        f"{need}, use more devices, or a smaller batch.")
+        f"pxform.{fn}: no plan fits {format_bytes(int(usable))} per device{kept} on "
+        f"{devices} devices ({hw.name}) for global batch {batch}: the least memory any plan "
+        f"needs there is {need} per device (with ZeRO-3, tensor parallelism and recompute "
+        f"everywhere); {where}.\n  Fix: raise memory_budget (--memory on the command line) "
+        f"to at least {need_budget}{', lower memory_margin' if margin else ''}, use more "
+        f"devices, or a smaller batch.")
 
 
 def _round_up(n: float) -> int:

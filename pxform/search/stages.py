@@ -200,6 +200,13 @@ def assemble(ctx: SearchContext, config: Config, part: tuple[int, ...],
             if sent > 0:
                 extra += (ctx.model.bucketed_all_reduce(sent, axis, axes)
                           - ctx.packed_rate(config, axis) * sent)
+        # the runtime's own host time (`pxform.tools.runtime_costs`): per parameter tensor
+        # per step, and per pipeline action
+        hw = ctx.hardware
+        extra += hw.param_overhead_s * sum(len(ctx.analysis.blocks[k].params) for k in idx)
+        if config.stages > 1:
+            f += hw.action_overhead_s
+            b += hw.action_overhead_s
         if config.stages > 1:  # the owner's chosen option, not the least the DP assumed
             exact = borrowed(ctx, idx, tables, chosen_cost)
             mem += exact - borrowed(ctx, idx, tables)
@@ -217,6 +224,7 @@ def assemble(ctx: SearchContext, config: Config, part: tuple[int, ...],
         stages.append(StageResult(s, tuple(idx), pt.time, f, b + extra / m, mem, flights[s],
                                   pbytes))
     step = one_f_one_b_time(fw, bw, m) if config.stages > 1 else m * (fw[0] + bw[0])
+    step += ctx.hardware.step_overhead_s
     return Candidate(config, tuple(o for o in chosen if o is not None), part, tuple(stages),
                      step, max(st.memory for st in stages), tuple(block_time),
                      tuple(block_mem), ctx.global_batch)

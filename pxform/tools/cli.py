@@ -1,7 +1,7 @@
 """The `pxform` console script.
 
     pxform plan MODULE:FACTORY --devices N --batch B [--seq S] [--hardware H] [--memory M]
-                [--objective time|memory|devices] [--out plan.json] [--plots DIR]
+                [--margin F] [--objective time|memory|devices] [--out plan.json] [--plots DIR]
                 [--per-block] [--quiet]
     pxform calibrate --out profile.json [--sizes ...] [--repeats R] [--name NAME]
     pxform --version
@@ -25,6 +25,7 @@ Example:
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 import importlib.util
 import inspect
@@ -46,7 +47,8 @@ from pxform.runtime import calibrate
 from pxform.runtime.worker import exit_worker
 from pxform.search import SearchError
 from pxform.search.plan import FrontierPoint, Plan
-from pxform.transforms.auto import auto
+from pxform.tools.runtime_costs import runtime_costs
+from pxform.transforms.auto import DEFAULT_MEMORY_MARGIN, auto
 
 __all__ = ["build_parser", "frontier_table", "load_factory", "main", "write_plots"]
 
@@ -112,6 +114,9 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--memory", type=_memory, default=None, metavar="SIZE",
                       help="memory budget per device, e.g. 80GiB (default: the hardware's "
                            "device memory)")
+    plan.add_argument("--margin", type=float, default=DEFAULT_MEMORY_MARGIN, metavar="FRACTION",
+                      help=f"share of the budget the plan keeps free (default "
+                           f"{DEFAULT_MEMORY_MARGIN}; 0: plan to all of it)")
     plan.add_argument("--objective", choices=("time", "memory", "devices"), default="time",
                       help="fastest step within the budget, least memory, or fewest "
                            "devices (default: time)")
@@ -132,7 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "torchrun for collectives) and write a hardware profile for "
                     "`pxform plan --hardware PATH`.")
     calibrate.add_arguments(cal)
-    cal.set_defaults(run=calibrate.main)
+    cal.set_defaults(run=functools.partial(calibrate.main, refine=runtime_costs))
     return parser
 
 
@@ -183,7 +188,8 @@ def _plan_command(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     try:
         step = auto(fn, mesh=args.devices, memory_budget=args.memory,
-                           objective=args.objective, hardware=hw, progress=bar)
+                    objective=args.objective, hardware=hw, progress=bar,
+                    memory_margin=args.margin)
         plan = step.plan(*fn_args)
     except SearchError as exc:  # no plan fits: the message has the least memory needed
         bar.close()

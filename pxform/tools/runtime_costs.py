@@ -1,0 +1,129 @@
+"""The runtime's own fixed costs, measured by running tiny pxform programs.
+
+`pxform.runtime.calibrate` measures the hardware: op curves, collectives, overlap. What a
+training step costs beyond its ops and collectives is pxform's own host work, and the
+cost model needs it too (`docs/search.md`, "Fixed costs"): on CPUs it is several
+milliseconds of a step of tens. `runtime_costs(hw)` measures three numbers on the current
+world and returns the profile with them set:
+
+* `param_overhead_s`, per parameter tensor per step: its local piece, its gradient hook
+  and bucket slot, its gradient laid out and regrouped. A data-parallel step over K tiny
+  parameters read by one `stack` (so the ops do not grow with K), at K = 4 and K = 64: the
+  difference over 60.
+* `step_overhead_s`, per step: the K = 4 step less its 4 parameters, less what the cost
+  model prices its ops and its all-reduce at.
+* `action_overhead_s`, per pipeline action (one stage's forward or backward of one
+  microbatch: the executor, the transfers posted, autograd's graph): a 2-stage 1F1B
+  pipeline of two tiny matmuls at 2 and at 8 microbatches. On 2 stages the step takes
+  `m + 1` forward-backward slots, so the difference over 2 x 6 actions, less a small
+  transfer's time (`Hardware.comm_time("p2p", ...)`), is one action's.
+
+Each time is the median of `repeats` steps after a barrier; every rank times, rank 0's
+numbers are kept (every rank gets them). With one rank only the per-step and per-parameter
+costs are measured (the data-parallel step has no collective then); pipelines need 2 ranks
+(an even world: `pp=2` by `dp=world/2`).
+
+Example (every rank):
+    >>> hw = pxform.runtime.calibrate.calibrate()
+    >>> hw = runtime_costs(hw)
+    >>> hw.param_overhead_s, hw.step_overhead_s, hw.action_overhead_s
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from pxform.core.spec import P
+from pxform.cost.hardware import Hardware
+from pxform.cost.model import CostModel
+from pxform.frontend.boundary import stage_boundary
+from pxform.runtime import world
+from pxform.runtime.mesh import Mesh
+from pxform.transforms.grad import value_and_grad
+from pxform.transforms.pipeline import pipeline
+from pxform.transforms.shard import shard
+
+__all__ = ["runtime_costs"]
+
+_WIDTH = 8  # elements per tiny parameter
+
+
+def runtime_costs(hw: Hardware, repeats: int = 9) -> Hardware:
+    """`hw` with `param_overhead_s`, `step_overhead_s` and `action_overhead_s` measured
+    on the current world (module doc). Call it on every rank, like a collective.
+
+    Example:
+        >>> hw = runtime_costs(calibrate())
+    """
+    n = world.size() if world.initialized() else 1
+    gen = torch.Generator().manual_seed(0)
+
+    def dp_step(count: int) -> float:
+        params = [torch.randn(_WIDTH, generator=gen) for _ in range(count)]
+        batch = torch.randn(2 * n, _WIDTH, generator=gen)
+
+        def loss(ps: list[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+            return (x @ torch.stack(ps).T).sum()
+
+        step = value_and_grad(shard(loss, mesh=Mesh({"dp": n}), in_specs=(None, P("dp"))))
+        return _median(lambda: step(params, batch), repeats)
+
+    few, many = 4, 64
+    t_few, t_many = dp_step(few), dp_step(many)
+    per_param = max(0.0, (t_many - t_few) / (many - few))
+    model = CostModel(hw)
+    axes = {"dp": (n, hw.level(n))}
+    # the K = 4 step's own work as the cost model prices it: stack, matmul, sum, and the
+    # all-reduce of its gradients
+    ops = (sum(model.op_times(0.0, torch.float32, few * _WIDTH * 8.0, "elementwise"))
+           + sum(model.op_times(4.0 * n * few * _WIDTH, torch.float32, 0.0, "matmul"))
+           + sum(model.op_times(0.0, torch.float32, 2 * n * few * 4.0, "elementwise")))
+    if n > 1:
+        ops += model.bucketed_all_reduce(few * _WIDTH * 4.0 * 2 * (n - 1) / n, "dp", axes)
+    per_step = max(0.0, t_few - few * per_param - ops)
+
+    per_action = 0.0
+    if n >= 2 and n % 2 == 0:
+        w1 = torch.randn(_WIDTH, _WIDTH, generator=gen)
+        w2 = torch.randn(_WIDTH, _WIDTH, generator=gen)
+
+        def two_stages(p: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+            h = stage_boundary(x @ p["w1"])
+            return (h @ p["w2"]).sum()
+
+        def pp_step(microbatches: int) -> float:
+            piped = pipeline(two_stages, stages=2, microbatches=microbatches)
+            step = value_and_grad(shard(piped, mesh=Mesh({"pp": 2, "dp": n // 2}),
+                                        in_specs=(None, P("dp"))))
+            params = {"w1": w1, "w2": w2}
+            batch = torch.randn(8 * n, _WIDTH, generator=gen)
+            return _median(lambda: step(params, batch), repeats)
+
+        t2, t8 = pp_step(2), pp_step(8)
+        p2p = hw.comm_time("p2p", 2.0 * n * _WIDTH * 4.0, 2, hw.level(2))
+        per_action = max(0.0, (t8 - t2) / (2 * 6) - p2p)
+
+    mine = (per_param, per_step, per_action)
+    kept = world.gather_objects(mine)[0] if n > 1 else mine
+    return dataclasses.replace(hw, param_overhead_s=kept[0], step_overhead_s=kept[1],
+                               action_overhead_s=kept[2])
+
+
+def _median(call: Callable[[], Any], repeats: int) -> float:
+    """Median seconds of `call` over `repeats` runs, each after a barrier, after two."""
+    for _ in range(2):
+        call()
+    times = []
+    for _ in range(repeats):
+        if world.initialized():
+            world.barrier()
+        start = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
