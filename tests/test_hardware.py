@@ -36,7 +36,7 @@ def measured(**kw) -> Hardware:
                 compute_flops=(("fp32", 1e11), ("bf16", 4e11)), source="hand-made",
                 op_curves=(OpCurve("gelu", ((1e3, 1e-6, 3e-6), (1e6, 1e-3, 2e-3)), 0.05),),
                 overlap_slowdown=1.8, step_overhead_s=1e-3, param_overhead_s=2e-5,
-                action_overhead_s=4e-4)
+                action_overhead_s=4e-4, collective_overhead_s=3e-4)
     args.update(kw)
     return Hardware(**args)  # type: ignore[arg-type]
 
@@ -468,7 +468,8 @@ def test_bucketed_all_reduce_exposes_the_last_bucket():
     from pxform.cost.model import BUCKET_BYTES, CostModel
 
     table = CommTable("all_reduce", 0, 2, ((1e3, 1e-4), (1e9, 1.0)))
-    hw = replace(measured(), comm_tables=(table,), overlap_slowdown=1.5)
+    hw = replace(measured(), comm_tables=(table,), overlap_slowdown=1.5,
+                 collective_overhead_s=0.0)
     model = CostModel(hw)
     axes = {"dp": (2, 0)}
     bucket = BUCKET_BYTES * 2 * (2 - 1) / 2  # a full bucket's ring volume on 2 ranks
@@ -478,22 +479,28 @@ def test_bucketed_all_reduce_exposes_the_last_bucket():
     assert t == pytest.approx(table.time(0.5 * bucket) + 0.5 * 2 * table.time(bucket))
     # one latency per bucket, not per block: cheaper than 10 blocks' own all-reduces
     assert model.bucketed_all_reduce(1e6, "dp", axes) < 10 * table.time(1e5)
+    # the runtime's own time per collective (`runtime_costs`) comes once per bucket too
+    busy = CostModel(replace(hw, collective_overhead_s=1e-3))
+    assert busy.bucketed_all_reduce(1e6, "dp", axes) == pytest.approx(table.time(1e6) + 1e-3)
 
 
-def measure_runtime_costs() -> tuple[float, float, float]:
-    """On every rank: a compute-only profile refined by `runtime_costs`."""
+def measure_runtime_costs() -> tuple[float, float, float, float]:
+    """On every rank: a profile refined by `runtime_costs`."""
     from pxform.tools.runtime_costs import runtime_costs
 
     hw = runtime_costs(calibrate(sizes=SIZES, repeats=1), repeats=3)
-    return hw.param_overhead_s, hw.step_overhead_s, hw.action_overhead_s
+    return (hw.param_overhead_s, hw.step_overhead_s, hw.action_overhead_s,
+            hw.collective_overhead_s)
 
 
 def test_runtime_costs_are_measured_on_real_programs(world):
-    """`pxform.tools.runtime_costs` times data-parallel steps over 4 and 64 parameters and
-    a 2-stage pipeline at 2 and 8 microbatches: every rank gets rank 0's numbers, each
-    positive and below the step times they come from (a hook and a gradient per
-    parameter, a pipeline action: microseconds to a millisecond here, not seconds)."""
+    """`pxform.tools.runtime_costs` times data-parallel steps over 4 and 64 parameters, a
+    2-stage pipeline at 2 and 8 microbatches and a tensor-parallel chain at 2 and 10
+    layers: every rank gets rank 0's numbers, each positive and below the step times
+    they come from (a hook and a gradient per parameter, a pipeline action, a collective's
+    wrapping: microseconds to a millisecond here, not seconds)."""
     results = world.run(measure_runtime_costs)
     assert results[0] == results[1]
-    per_param, per_step, per_action = results[0]
+    per_param, per_step, per_action, per_collective = results[0]
     assert 0 < per_param < 5e-3 and 0 <= per_step < 0.1 and 0 < per_action < 0.1
+    assert 0 < per_collective < 0.05

@@ -564,3 +564,32 @@ def test_data_parallel_all_reduce_is_priced_per_bucket_not_per_block():
 
     added = step_time(slow) - step_time(base)
     assert added == pytest.approx(0.10, rel=0.02), added
+
+
+def test_zero3_gathers_are_priced_per_block_not_per_parameter():
+    """ZeRO-3's runtime gathers a block's parameters in one packed all-gather (and again
+    for backward): with a profile whose all-gather costs 50 ms whatever its size, GPT
+    small's 6 blocks add 2 x 6 x 50 ms of gathers, not 2 x 52 (one per parameter)."""
+    import dataclasses
+
+    import gpt
+
+    from pxform.cost.hardware import CommTable
+
+    base = pxform.hardware.hardware("a100-80gb")
+    flat = CommTable("all_gather", 0, 2, ((1.0, 0.05), (1e9, 0.05)))
+    slow = dataclasses.replace(base, comm_tables=(flat,))
+    cfg = gpt.GPT_CONFIGS["small"]
+    params, batch = gpt.init_params(cfg), gpt.make_batch(cfg, 16)
+    sdp = Option((("outer", "sdp"),), False)
+
+    def step_time(hw: object) -> float:
+        step = pxform.auto(gpt.loss_fn, mesh=2, hardware=hw,
+                           plan=Pin(stages=1, outer=2, inner=1, microbatches=1,
+                                    block_options=(sdp,) * 6))
+        return step.plan(params, batch, cfg).step_time_s
+
+    added = step_time(slow) - step_time(base)
+    # (the embedding and the head hold 2 blocks' parameters: the tied embedding, read by
+    # both, is gathered by each)
+    assert 2 * 6 * 0.05 * 0.95 <= added <= 2 * 7 * 0.05 * 1.05, added

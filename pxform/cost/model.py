@@ -201,7 +201,9 @@ class CostModel:
         size, level = axes[axis]
         if kind in LOCAL_STEPS or size <= 1:
             return 0.0
-        return self.hardware.comm_time(kind, sent, size, level)
+        # the transfer, and the runtime's own host time around it (`runtime_costs`)
+        return self.hardware.comm_time(kind, sent, size, level) + \
+            self.hardware.collective_overhead_s
 
     def bucketed_all_reduce(self, sent: float, axis: str,
                             axes: Mapping[str, tuple[int, int]]) -> float:

@@ -714,8 +714,10 @@ def summary(hw: Hardware) -> str:
             lines.append(f"  {c.kind:<15} {cells} ({c.spread:.0%})")
     if hw.overlap_slowdown:
         lines.append(f"  overlap slowdown: {hw.overlap_slowdown:.2f} (1: full overlap, 2: none)")
-    if hw.step_overhead_s or hw.param_overhead_s or hw.action_overhead_s:
+    if hw.step_overhead_s or hw.param_overhead_s or hw.action_overhead_s or \
+            hw.collective_overhead_s:
         lines.append(f"  runtime: {hw.step_overhead_s * 1e3:.3g} ms per step, "
                      f"{hw.param_overhead_s * 1e6:.3g} us per parameter, "
-                     f"{hw.action_overhead_s * 1e6:.3g} us per pipeline action")
+                     f"{hw.action_overhead_s * 1e6:.3g} us per pipeline action, "
+                     f"{hw.collective_overhead_s * 1e6:.3g} us per collective")
     return "\n".join(lines)

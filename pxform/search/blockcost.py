@@ -156,6 +156,7 @@ def walk(a: Analysis, block: BlockInfo, strats: list[Strategy], outside: Mapping
     # parameter gradients go to buckets (`pxform.runtime.buckets`): one collective per
     # kind and axis for the block's gradients together, so one latency, not one per tensor
     bucket: dict[tuple[str, str], float] = {}
+    gathers: dict[tuple[str, str], float] = {}  # ZeRO-3's parameter gathers, likewise
     for k, s in zip(range(block.start, block.stop), strats):
         op = graph.ops[k]
         ways = _ways(s, axes)
@@ -194,15 +195,19 @@ def walk(a: Analysis, block: BlockInfo, strats: list[Strategy], outside: Mapping
             done.add((v.name, s.inputs[i]))
             fwd, bwd = input_times(v, i, s, have, cache,
                                    sc if v.name in batch_values else 1.0, first)
-            fwd_comm += fwd
-            if v.name in a.params or v.name in a.param_casts:
-                if first and have != s.inputs[i] and _floating(v):
-                    # gathered at use (ZeRO-3): the runtime frees the gathered copy after
-                    # its forward use and gathers it again for backward (reshard after
-                    # forward, `pxform.runtime.reshard`): transient, not saved; the gather
-                    # runs twice
-                    bwd_comm += fwd
-                    gathered += v.type.nbytes * _local_fraction(v, s.inputs[i], cache)
+            param = v.name in a.params or v.name in a.param_casts
+            if param and first and have != s.inputs[i] and _floating(v):
+                # gathered at use (ZeRO-3): the runtime gathers a block's parameters in
+                # one packed collective per kind and axis (`pxform.runtime.prefetch`),
+                # priced below; it frees the gathered copy after its forward use and
+                # gathers it again for backward (reshard after forward,
+                # `pxform.runtime.reshard`): transient, not saved; the gather runs twice
+                for kind, axis, sent in cache.steps(v, have, s.inputs[i]):
+                    gathers[kind, axis] = gathers.get((kind, axis), 0.0) + sent
+                gathered += v.type.nbytes * _local_fraction(v, s.inputs[i], cache)
+            else:
+                fwd_comm += fwd
+            if param:
                 if bwd > 0:
                     # a cast parameter's gradient is reduced in the reduce dtype
                     wider = a.param_casts.get(v.name, 1.0)
@@ -214,6 +219,10 @@ def walk(a: Analysis, block: BlockInfo, strats: list[Strategy], outside: Mapping
         for v, lay in zip(op.outputs, s.outputs):
             layouts[v.name] = lay
             values[v.name] = v
+    gather_time = sum(model.step_time(kind, axis, sent, axes)
+                      for (kind, axis), sent in gathers.items())
+    fwd_comm += gather_time
+    bwd_comm += gather_time
     # all-reduces are packed across blocks into the step's buckets (`bucketed_all_reduce`,
     # per step); the others (ZeRO-3's reduce-scatters) go per block
     grad_comm = sum(model.step_time(kind, axis, sent, axes)

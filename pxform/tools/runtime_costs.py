@@ -3,9 +3,14 @@
 `pxform.runtime.calibrate` measures the hardware: op curves, collectives, overlap. What a
 training step costs beyond its ops and collectives is pxform's own host work, and the
 cost model needs it too (`docs/search.md`, "Fixed costs"): on CPUs it is several
-milliseconds of a step of tens. `runtime_costs(hw)` measures three numbers on the current
+milliseconds of a step of tens. `runtime_costs(hw)` measures four numbers on the current
 world and returns the profile with them set:
 
+* `collective_overhead_s`, per collective the program runs: the conversion's autograd
+  function, the functional collective's wrapping and waiting, copies into and out of
+  its buffers. A tensor-parallel chain of tiny matmuls at 2 and at 10 layers: the
+  difference, less the comm tables' times of the extra collectives, over their number
+  (`program.collectives()` and `backward_collectives()` count them).
 * `param_overhead_s`, per parameter tensor per step: its local piece, its gradient hook
   and bucket slot, its gradient laid out and regrouped. A data-parallel step over K tiny
   parameters read by one `stack` (so the ops do not grow with K), at K = 4 and K = 64: the
@@ -64,6 +69,35 @@ def runtime_costs(hw: Hardware, repeats: int = 9) -> Hardware:
     n = world.size() if world.initialized() else 1
     gen = torch.Generator().manual_seed(0)
 
+    per_collective = 0.0
+    if n >= 2:
+        def tp_step(layers: int) -> tuple[float, list[str]]:
+            ws = [torch.randn(_WIDTH, _WIDTH, generator=gen) for _ in range(layers)]
+            x = torch.randn(2 * n, _WIDTH, generator=gen)
+
+            def chain(ws: list[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+                for w in ws:
+                    x = x @ w
+                return x.sum()
+
+            sharded = shard(chain, mesh=Mesh({"tp": n}), in_specs=(P("tp"), P()))
+            program = sharded.lower(ws, x)
+            step = value_and_grad(sharded)
+            return (_median(lambda: step(ws, x), repeats),
+                    program.collectives() + program.backward_collectives())
+
+        (t_short, short), (t_long, long) = tp_step(2), tp_step(10)
+        extra = list(long)
+        for c in short:
+            if c in extra:
+                extra.remove(c)
+        if extra:
+            level = hw.level(n)
+            comm = sum(hw.comm_time(c.split("(")[0], 2.0 * n * _WIDTH * 4.0, n, level)
+                       for c in extra)
+            per_collective = max(0.0, (t_long - t_short - comm) / len(extra))
+        hw = dataclasses.replace(hw, collective_overhead_s=per_collective)
+
     def dp_step(count: int) -> float:
         params = [torch.randn(_WIDTH, generator=gen) for _ in range(count)]
         batch = torch.randn(2 * n, _WIDTH, generator=gen)
@@ -109,10 +143,10 @@ def runtime_costs(hw: Hardware, repeats: int = 9) -> Hardware:
         p2p = hw.comm_time("p2p", 2.0 * n * _WIDTH * 4.0, 2, hw.level(2))
         per_action = max(0.0, (t8 - t2) / (2 * 6) - p2p)
 
-    mine = (per_param, per_step, per_action)
+    mine = (per_param, per_step, per_action, per_collective)
     kept = world.gather_objects(mine)[0] if n > 1 else mine
     return dataclasses.replace(hw, param_overhead_s=kept[0], step_overhead_s=kept[1],
-                               action_overhead_s=kept[2])
+                               action_overhead_s=kept[2], collective_overhead_s=kept[3])
 
 
 def _median(call: Callable[[], Any], repeats: int) -> float:
