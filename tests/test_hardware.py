@@ -36,7 +36,8 @@ def measured(**kw) -> Hardware:
                 compute_flops=(("fp32", 1e11), ("bf16", 4e11)), source="hand-made",
                 op_curves=(OpCurve("gelu", ((1e3, 1e-6, 3e-6), (1e6, 1e-3, 2e-3)), 0.05),),
                 overlap_slowdown=1.8, step_overhead_s=1e-3, param_overhead_s=2e-5,
-                action_overhead_s=4e-4, collective_overhead_s=3e-4)
+                action_overhead_s=4e-4, collective_overhead_s=3e-4,
+                param_action_overhead_s=1e-5)
     args.update(kw)
     return Hardware(**args)  # type: ignore[arg-type]
 
@@ -490,7 +491,7 @@ def measure_runtime_costs() -> tuple[float, float, float, float]:
 
     hw = runtime_costs(calibrate(sizes=SIZES, repeats=1), repeats=3)
     return (hw.param_overhead_s, hw.step_overhead_s, hw.action_overhead_s,
-            hw.collective_overhead_s)
+            hw.collective_overhead_s, hw.param_action_overhead_s)
 
 
 def test_runtime_costs_are_measured_on_real_programs(world):
@@ -501,6 +502,6 @@ def test_runtime_costs_are_measured_on_real_programs(world):
     wrapping: microseconds to a millisecond here, not seconds)."""
     results = world.run(measure_runtime_costs)
     assert results[0] == results[1]
-    per_param, per_step, per_action, per_collective = results[0]
+    per_param, per_step, per_action, per_collective, per_param_action = results[0]
     assert 0 < per_param < 5e-3 and 0 <= per_step < 0.1 and 0 < per_action < 0.1
-    assert 0 < per_collective < 0.05
+    assert 0 < per_collective < 0.05 and 0 <= per_param_action < 5e-3

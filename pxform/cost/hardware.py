@@ -194,6 +194,10 @@ def _power_law(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
     return min(max(t, ys[i]), ys[i + 1])  # rounding must not break monotonicity
 
 
+_FIXED_COSTS = ("step_overhead_s", "param_overhead_s", "action_overhead_s",
+                "collective_overhead_s", "param_action_overhead_s")
+"""The runtime's own fixed costs a profile may carry (`Hardware`)."""
+
 OP_CLASSES = ("matmul", "attention", "gelu", "gelu_tanh", "silu", "softmax",
               "transcendental", "norm", "elementwise")
 """Op classes with their own measured time curve (`OpCurve`; `pxform.cost.model.op_class`
@@ -321,11 +325,13 @@ class Hardware:
             the roofline (they include the eager op's dispatch and autograd bookkeeping).
         overlap_slowdown: measured slowdown of a collective and compute running at once
             (`pxform.cost.model.OVERLAP_SLOWDOWN`'s meaning); 0: not measured.
-        step_overhead_s, param_overhead_s, action_overhead_s, collective_overhead_s:
-            pxform's own host time per training step, per parameter tensor per step, per
-            pipeline action (one stage's forward or backward of one microbatch) and per
-            collective the program runs, beyond the ops and the collectives' transfer
-            (`pxform.tools.runtime_costs` measures them; 0: not measured).
+        step_overhead_s, param_overhead_s, action_overhead_s, collective_overhead_s,
+            param_action_overhead_s: pxform's own host time per training step, per
+            parameter tensor per step, per pipeline action (one stage's forward or
+            backward of one microbatch), per collective the program runs, and per
+            parameter tensor of a stage per pipeline action, beyond the ops and the
+            collectives' transfer (`pxform.tools.runtime_costs` measures them; 0: not
+            measured).
         source: where the numbers come from.
 
     Example:
@@ -353,6 +359,7 @@ class Hardware:
     param_overhead_s: float = 0.0
     action_overhead_s: float = 0.0
     collective_overhead_s: float = 0.0
+    param_action_overhead_s: float = 0.0
 
     def __post_init__(self) -> None:
         what = f"Hardware {self.name!r}"
@@ -394,8 +401,7 @@ class Hardware:
                                                       or self.overlap_slowdown >= 1):
             raise ValueError(f"{what}: overlap_slowdown must be 0 (not measured) or >= 1, "
                              f"got {self.overlap_slowdown!r}")
-        for key in ("step_overhead_s", "param_overhead_s", "action_overhead_s",
-                    "collective_overhead_s"):
+        for key in _FIXED_COSTS:
             value = getattr(self, key)
             if not _number(value) or value < 0:
                 raise ValueError(f"{what}: {key} must be a number >= 0 (seconds), got "
@@ -565,10 +571,7 @@ class Hardware:
             "op_curves": [{"kind": c.kind, "points": [list(p) for p in c.points],
                            "spread": c.spread} for c in self.op_curves],
             "overlap_slowdown": self.overlap_slowdown,
-            "step_overhead_s": self.step_overhead_s,
-            "param_overhead_s": self.param_overhead_s,
-            "action_overhead_s": self.action_overhead_s,
-            "collective_overhead_s": self.collective_overhead_s,
+            **{key: getattr(self, key) for key in _FIXED_COSTS},
             "source": self.source,
         }
 
@@ -639,8 +642,7 @@ def _from_json(d: Any, where: str) -> Hardware:
     known = {"format", "name", "devices_per_node", "memory_bytes", "peak_flops",
              "efficiency", "links", "comm_tables", "compute_flops", "source",
              "memory_bandwidth", "op_overhead_s", "op_curves", "overlap_slowdown",
-             "step_overhead_s", "param_overhead_s", "action_overhead_s",
-             "collective_overhead_s"}
+             *_FIXED_COSTS}
     for key in d:
         if key not in known:
             raise bad(key, f"is not a profile key (known: {', '.join(sorted(known))})")
@@ -677,8 +679,7 @@ def _from_json(d: Any, where: str) -> Hardware:
     curves_json = get("op_curves", "a list", [], required=False)
     overlap = get("overlap_slowdown", "a number", 0.0, required=False)
     fixed = {key: float(get(key, "a number", 0.0, required=False))
-             for key in ("step_overhead_s", "param_overhead_s", "action_overhead_s",
-                         "collective_overhead_s")}
+             for key in _FIXED_COSTS}
 
     links: list[Link] = []
     for i, x in enumerate(links_json):

@@ -719,5 +719,7 @@ def summary(hw: Hardware) -> str:
         lines.append(f"  runtime: {hw.step_overhead_s * 1e3:.3g} ms per step, "
                      f"{hw.param_overhead_s * 1e6:.3g} us per parameter, "
                      f"{hw.action_overhead_s * 1e6:.3g} us per pipeline action, "
-                     f"{hw.collective_overhead_s * 1e6:.3g} us per collective")
+                     f"{hw.collective_overhead_s * 1e6:.3g} us per collective, "
+                     f"{hw.param_action_overhead_s * 1e6:.3g} us per parameter and "
+                     f"pipeline action")
     return "\n".join(lines)

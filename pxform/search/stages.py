@@ -205,8 +205,10 @@ def assemble(ctx: SearchContext, config: Config, part: tuple[int, ...],
         hw = ctx.hardware
         extra += hw.param_overhead_s * sum(len(ctx.analysis.blocks[k].params) for k in idx)
         if config.stages > 1:
-            f += hw.action_overhead_s
-            b += hw.action_overhead_s
+            action = hw.action_overhead_s + hw.param_action_overhead_s * sum(
+                len(ctx.analysis.blocks[k].params) for k in idx)
+            f += action
+            b += action
         if config.stages > 1:  # the owner's chosen option, not the least the DP assumed
             exact = borrowed(ctx, idx, tables, chosen_cost)
             mem += exact - borrowed(ctx, idx, tables)

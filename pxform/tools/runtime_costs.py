@@ -22,6 +22,9 @@ world and returns the profile with them set:
   pipeline of two tiny matmuls at 2 and at 8 microbatches. On 2 stages the step takes
   `m + 1` forward-backward slots, so the difference over 2 x 6 actions, less a small
   transfer's time (`Hardware.comm_time("p2p", ...)`), is one action's.
+* `param_action_overhead_s`, per parameter tensor of a stage per pipeline action (its
+  conversion's autograd function, its gradient accumulated over microbatches): the same
+  pipeline with 16 parameters per stage instead of 1, the difference over 2 x 6 x 15.
 
 Each time is the median of `repeats` steps after a barrier; every rank times, rank 0's
 numbers are kept (every rank gets them). With one rank only the per-step and per-parameter
@@ -122,31 +125,36 @@ def runtime_costs(hw: Hardware, repeats: int = 9) -> Hardware:
         ops += model.bucketed_all_reduce(few * _WIDTH * 4.0 * 2 * (n - 1) / n, "dp", axes)
     per_step = max(0.0, t_few - few * per_param - ops)
 
-    per_action = 0.0
+    per_action = per_param_action = 0.0
     if n >= 2 and n % 2 == 0:
-        w1 = torch.randn(_WIDTH, _WIDTH, generator=gen)
-        w2 = torch.randn(_WIDTH, _WIDTH, generator=gen)
+        def two_stages(p: dict[str, list[torch.Tensor]], x: torch.Tensor) -> torch.Tensor:
+            h = stage_boundary(x @ torch.stack(p["w1"]).sum(0))
+            return (h @ torch.stack(p["w2"]).sum(0)).sum()
 
-        def two_stages(p: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-            h = stage_boundary(x @ p["w1"])
-            return (h @ p["w2"]).sum()
-
-        def pp_step(microbatches: int) -> float:
+        def pp_step(microbatches: int, count: int) -> float:
             piped = pipeline(two_stages, stages=2, microbatches=microbatches)
             step = value_and_grad(shard(piped, mesh=Mesh({"pp": 2, "dp": n // 2}),
                                         in_specs=(None, P("dp"))))
-            params = {"w1": w1, "w2": w2}
+            params = {k: [torch.randn(_WIDTH, _WIDTH, generator=gen) for _ in range(count)]
+                      for k in ("w1", "w2")}
             batch = torch.randn(8 * n, _WIDTH, generator=gen)
             return _median(lambda: step(params, batch), repeats)
 
-        t2, t8 = pp_step(2), pp_step(8)
+        # 6 more microbatches: 6 more forward-backward slots on the critical path, 2
+        # actions each; with 16 parameters per stage instead of 1, what each parameter
+        # adds to an action (its piece of the stage's gradients accumulated per
+        # microbatch, its conversion's autograd function)
+        t2, t8 = pp_step(2, 1), pp_step(8, 1)
+        t2_many, t8_many = pp_step(2, 16), pp_step(8, 16)
         p2p = hw.comm_time("p2p", 2.0 * n * _WIDTH * 4.0, 2, hw.level(2))
         per_action = max(0.0, (t8 - t2) / (2 * 6) - p2p)
+        per_param_action = max(0.0, ((t8_many - t2_many) - (t8 - t2)) / (2 * 6 * 15))
 
-    mine = (per_param, per_step, per_action, per_collective)
+    mine = (per_param, per_step, per_action, per_collective, per_param_action)
     kept = world.gather_objects(mine)[0] if n > 1 else mine
     return dataclasses.replace(hw, param_overhead_s=kept[0], step_overhead_s=kept[1],
-                               action_overhead_s=kept[2], collective_overhead_s=kept[3])
+                               action_overhead_s=kept[2], collective_overhead_s=kept[3],
+                               param_action_overhead_s=kept[4])
 
 
 def _median(call: Callable[[], Any], repeats: int) -> float:
