@@ -108,6 +108,9 @@ def test_memory_margin_keeps_part_of_the_budget_free():
     assert plan.headroom_bytes >= 0.05 * plan.memory_budget
     assert any("memory margin 5%" in n for n in plan.notes)
     assert "headroom" in plan.explain() and "of the budget" in plan.explain()
+    # why it won: the frontier, fastest first, the chosen point marked
+    why = plan.explain().split("why this plan:")[1]
+    assert "\n*  " + plan.config_text().split(" schedule")[0] in why
     with pytest.raises(pxform.SearchError):  # without the margin it would not be
         plan_mlp(f"{float(at_least.group(1)) * 0.94}GiB")
     plan_mlp(f"{float(at_least.group(1)) * 0.96}GiB", memory_margin=0.0)

@@ -228,6 +228,20 @@ class Plan:
                 lines.append(f"  {n}: {s}")
             if len(shown) < len(split):
                 lines.append(f"  ... {len(split) - len(shown)} more (explain(per_block=True))")
+        if self.frontier_points:
+            # why it won: the time-memory frontier the search found, fastest first
+            lines.append("")
+            lines.append(f"why this plan: the {'fastest' if self.objective == 'time' else 'best'}"
+                         f" within the budget of the time-memory frontier the search found:")
+            rows = [("", "configuration", "strategies", "step", "peak memory")]
+            text = self.config_text()
+            same = [p for p in self.frontier_points if text.startswith(p.config)]
+            chosen = min(same, key=lambda p: abs(p.time_s - self.step_time_s), default=None)
+            for pt in sorted(self.frontier_points, key=lambda p: p.time_s)[:8]:
+                mark = "*" if pt is chosen else ""
+                rows.append((mark, pt.config, pt.strategies, f"{pt.time_s:.4g} s",
+                             format_bytes(int(pt.memory_bytes))))
+            lines += format_table(rows)
         for note in self.notes:
             lines.append(f"note: {note}")
         return "\n".join(lines)
