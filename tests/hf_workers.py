@@ -7,7 +7,9 @@ import pxform
 from pxform.search import Pin
 
 
-def run_hf(name: str, pin: Pin | None) -> dict:
+def run_hf(name: str, pin: Pin | None, every_block: tuple | None = None) -> dict:
+    """Plan `name` under `pin` (with `every_block`, roles pinned on every block), run
+    value_and_grad, compare with one process."""
     import torch.distributed as dist
     from test_models import _hf_model
 
@@ -19,6 +21,15 @@ def run_hf(name: str, pin: Pin | None) -> dict:
         return fn(params, **inputs).loss
 
     loss.__name__ = f"{name}_loss"
+    if every_block is not None:
+        import dataclasses
+
+        from pxform.search.space import Option
+
+        blocks = len(pxform.auto(loss, mesh=dist.get_world_size(), memory_budget="1GiB",
+                                 hardware="a100-40gb", plan=pin).plan(params, inputs).blocks)
+        pin = dataclasses.replace(pin or Pin(),
+                                  block_options=(Option(every_block, False),) * blocks)
     step = pxform.auto(loss, mesh=dist.get_world_size(), memory_budget="1GiB",
                        hardware="a100-40gb", plan=pin)
     plan = step.plan(params, inputs)

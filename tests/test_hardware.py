@@ -503,5 +503,7 @@ def test_runtime_costs_are_measured_on_real_programs(world):
     results = world.run(measure_runtime_costs)
     assert results[0] == results[1]
     per_param, per_step, per_action, per_collective, per_param_action = results[0]
-    assert 0 < per_param < 5e-3 and 0 <= per_step < 0.1 and 0 < per_action < 0.1
+    # the differences of small timings may come out at 0 (clamped) on a loaded machine;
+    # a hook per parameter and a collective's wrapping always cost something
+    assert 0 < per_param < 5e-3 and 0 <= per_step < 0.1 and 0 <= per_action < 0.1
     assert 0 < per_collective < 0.05 and 0 <= per_param_action < 5e-3
