@@ -539,6 +539,31 @@ def test_backward_extra_orders_workspaces_and_counts_the_packed_bucket():
     assert BUCKET_BYTES == DEFAULT_BUCKET_MB * 2**20
 
 
+def _added_by_a_flat_collective(kind: str, role: str) -> float:
+    """Seconds GPT small's step (2 ranks, every block pinned to `role` on the outer axis)
+    gains when `kind` costs 50 ms whatever its size, against the a100-80gb preset."""
+    import dataclasses
+
+    import gpt
+
+    from pxform.cost.hardware import CommTable
+
+    base = pxform.hardware.hardware("a100-80gb")
+    flat = CommTable(kind, 0, 2, ((1.0, 0.05), (1e9, 0.05)))
+    slow = dataclasses.replace(base, comm_tables=(flat,))
+    cfg = gpt.GPT_CONFIGS["small"]
+    params, batch = gpt.init_params(cfg), gpt.make_batch(cfg, 16)
+    option = Option((("outer", role),), False)
+
+    def step_time(hw: object) -> float:
+        step = pxform.auto(gpt.loss_fn, mesh=2, hardware=hw,
+                           plan=Pin(stages=1, outer=2, inner=1, microbatches=1,
+                                    block_options=(option,) * 6))
+        return step.plan(params, batch, cfg).step_time_s
+
+    return step_time(slow) - step_time(base)
+
+
 def test_data_parallel_all_reduce_is_priced_per_bucket_not_per_block():
     """The runtime packs every data-parallel gradient into 25 MiB buckets, so a step pays
     the all-reduce's latency once per bucket: with a profile whose all-reduce costs 50 ms
@@ -546,26 +571,7 @@ def test_data_parallel_all_reduce_is_priced_per_bucket_not_per_block():
     6 x 50 ms, plus 50 ms for the loss's mean, which the model prices as a forward
     all-reduce of its own (the runtime sends it in the bucket: a known over-count of one
     latency). 2 ranks on a 2-rank data axis."""
-    import dataclasses
-
-    import gpt
-
-    from pxform.cost.hardware import CommTable
-
-    base = pxform.hardware.hardware("a100-80gb")
-    flat = CommTable("all_reduce", 0, 2, ((1.0, 0.05), (1e9, 0.05)))
-    slow = dataclasses.replace(base, comm_tables=(flat,))
-    cfg = gpt.GPT_CONFIGS["small"]
-    params, batch = gpt.init_params(cfg), gpt.make_batch(cfg, 16)
-    dp = Option((("outer", "dp"),), False)
-
-    def step_time(hw: object) -> float:
-        step = pxform.auto(gpt.loss_fn, mesh=2, hardware=hw,
-                           plan=Pin(stages=1, outer=2, inner=1, microbatches=1,
-                                    block_options=(dp,) * 6))
-        return step.plan(params, batch, cfg).step_time_s
-
-    added = step_time(slow) - step_time(base)
+    added = _added_by_a_flat_collective("all_reduce", "dp")
     assert added == pytest.approx(0.10, rel=0.02), added
 
 
@@ -573,26 +579,7 @@ def test_zero3_gathers_are_priced_per_block_not_per_parameter():
     """ZeRO-3's runtime gathers a block's parameters in one packed all-gather (and again
     for backward): with a profile whose all-gather costs 50 ms whatever its size, GPT
     small's 6 blocks add 2 x 6 x 50 ms of gathers, not 2 x 52 (one per parameter)."""
-    import dataclasses
-
-    import gpt
-
-    from pxform.cost.hardware import CommTable
-
-    base = pxform.hardware.hardware("a100-80gb")
-    flat = CommTable("all_gather", 0, 2, ((1.0, 0.05), (1e9, 0.05)))
-    slow = dataclasses.replace(base, comm_tables=(flat,))
-    cfg = gpt.GPT_CONFIGS["small"]
-    params, batch = gpt.init_params(cfg), gpt.make_batch(cfg, 16)
-    sdp = Option((("outer", "sdp"),), False)
-
-    def step_time(hw: object) -> float:
-        step = pxform.auto(gpt.loss_fn, mesh=2, hardware=hw,
-                           plan=Pin(stages=1, outer=2, inner=1, microbatches=1,
-                                    block_options=(sdp,) * 6))
-        return step.plan(params, batch, cfg).step_time_s
-
-    added = step_time(slow) - step_time(base)
+    added = _added_by_a_flat_collective("all_gather", "sdp")
     # (the embedding and the head hold 2 blocks' parameters: the tied embedding, read by
     # both, is gathered by each)
     assert 2 * 6 * 0.05 * 0.95 <= added <= 2 * 7 * 0.05 * 1.05, added

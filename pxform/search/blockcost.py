@@ -361,8 +361,8 @@ def _tensor_step(a: Analysis, k: int, s: Strategy, st: _State, cache: RelayoutCa
     op = a.graph.ops[k]
     size = cache.axes[next(iter(cache.axes))][0]
     split = any(c[0] == "split" for _, c in s.choices)
-    # forward and backward of the op in one call: its per-op time counts once here,
-    # the same for every choice, so the beam's ranking is unchanged
+    # forward and backward of the op (`CostModel.op_times`): its per-op host time is the
+    # same for every choice, so the beam's ranking is unchanged
     f, b = model.op_times(a.op_flops[k] * sc / (size if split else 1), dtype,
                           a.op_bytes[k] * sc / (size if split else 1),
                           a.op_classes[k] if a.op_classes else "elementwise")
