@@ -203,10 +203,10 @@ def assemble(ctx: SearchContext, config: Config, part: tuple[int, ...],
         # the runtime's own host time (`pxform.tools.runtime_costs`): per parameter tensor
         # per step, and per pipeline action
         hw = ctx.hardware
-        extra += hw.param_overhead_s * sum(len(ctx.analysis.blocks[k].params) for k in idx)
+        num_params = sum(len(ctx.analysis.blocks[k].params) for k in idx)
+        extra += hw.param_overhead_s * num_params
         if config.stages > 1:
-            action = hw.action_overhead_s + hw.param_action_overhead_s * sum(
-                len(ctx.analysis.blocks[k].params) for k in idx)
+            action = hw.action_overhead_s + hw.param_action_overhead_s * num_params
             f += action
             b += action
         if config.stages > 1:  # the owner's chosen option, not the least the DP assumed
