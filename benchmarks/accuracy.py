@@ -3,7 +3,8 @@
 `--ranks` processes (a `pxform.testing.World`, one torch thread each) first measure the
 machine with `pxform.runtime.calibrate` (matmul FLOP/s, gloo collectives), then, for each case,
 plan the example GPT with `pxform.auto` against that profile (searched, or pinned to one
-strategy: data parallel, ZeRO-3, tensor parallel, pipelines, recompute), lay the
+strategy: data parallel, ZeRO-3, tensor parallel, pipelines under 1F1B, zero-bubble and
+interleaved schedules, recompute), lay the
 parameters out per the plan, take one AdamW step (so Adam's state exists), and run
 `pxform.measure` (median of `--steps` timed `value_and_grad` calls per rank after
 `--warmup`; peak memory metered by `pxform.MemoryMeter` plus the optimizer's state). The
@@ -36,6 +37,7 @@ GOAL_MEMORY = 0.05
 def cases(ranks: int, num_blocks: int) -> list[tuple[str, Any]]:
     """(name, pin or None) per case; pins are built on the ranks (they import pxform)."""
     from pxform.search import Pin
+    from pxform.search.pipelines import ScheduleChoice
     from pxform.search.space import Option
 
     def every(roles: tuple[tuple[str, str], ...], recompute: bool = False) -> tuple:
@@ -54,8 +56,12 @@ def cases(ranks: int, num_blocks: int) -> list[tuple[str, Any]]:
                    block_options=every((("inner", "tp"),)))),
         ("tp+recompute", Pin(stages=1, outer=1, inner=n, microbatches=1,
                              block_options=every((("inner", "tp"),), True))),
-        (f"pp{n} m{n}", Pin(stages=n, microbatches=n)),
-        (f"pp{n} m{4 * n}", Pin(stages=n, microbatches=4 * n)),
+        (f"pp{n} m{n}", Pin(stages=n, microbatches=n, schedule=ScheduleChoice())),
+        (f"pp{n} m{4 * n}", Pin(stages=n, microbatches=4 * n, schedule=ScheduleChoice())),
+        (f"pp{n} m{4 * n} zb", Pin(stages=n, microbatches=4 * n,
+                                   schedule=ScheduleChoice("zb"))),
+        (f"pp{n} m{4 * n} interleaved", Pin(stages=n, microbatches=4 * n,
+                                            schedule=ScheduleChoice("interleaved", 2))),
     ]
     if ranks >= 4:
         out += [

@@ -19,6 +19,9 @@ schedule and reports deadlocks with a step-by-rank grid; `simulate` times it aga
     validate, grid            check a schedule; print it as a marked grid
     simulate, Costs           time a schedule -> Timeline (events, bubble, peak activations)
     Timeline, Event           what simulate returns
+    Timer, held               a schedule compiled for repeated timing (the search); the
+                              activations each stage holds at its rank's peak
+    awaiting_weights          per stage, the most microbatches between their B and W
     plot                      draw a Timeline (needs matplotlib: pip install 'pxform[plot]')
     to_text, from_text        "rank 0: 0F0 0F1 - 0B0" lines
     to_csv, from_csv          one CSV row per rank
@@ -43,6 +46,7 @@ from pxform.schedules.resolve import NAMES, resolve
 from pxform.schedules.shifted_critical_path import shifted_critical_path
 from pxform.schedules.simulate import Costs, Event, Timeline, simulate
 from pxform.schedules.text import from_csv, from_text, to_csv, to_text
+from pxform.schedules.timing import Timer, awaiting_weights, held
 from pxform.schedules.validate import grid, validate
 from pxform.schedules.zero_bubble import zero_bubble
 
@@ -55,11 +59,14 @@ __all__ = [
     "Event",
     "Schedule",
     "Timeline",
+    "Timer",
     "add_communication",
+    "awaiting_weights",
     "from_csv",
     "from_text",
     "gpipe",
     "grid",
+    "held",
     "interleaved",
     "nf1b",
     "one_f_one_b",

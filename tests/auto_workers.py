@@ -16,6 +16,7 @@ import gpt  # noqa: E402
 
 import pxform  # noqa: E402
 from pxform.search import Pin  # noqa: E402
+from pxform.search.pipelines import ScheduleChoice  # noqa: E402
 from pxform.search.space import Option  # noqa: E402
 
 CFG = gpt.GPT_CONFIGS["tiny"]
@@ -30,15 +31,16 @@ def setup() -> tuple:
 
 
 def pin(stages: int, outer: int, inner: int, microbatches: int,
-        roles: tuple[tuple[str, str], ...] | None, recompute: tuple[bool, ...] | None = None
-        ) -> Pin:
-    """A pin of the whole configuration; `roles` for every block (None: searched)."""
+        roles: tuple[tuple[str, str], ...] | None, recompute: tuple[bool, ...] | None = None,
+        schedule: ScheduleChoice | None = None) -> Pin:
+    """A pin of the whole configuration; `roles` for every block (None: searched);
+    `schedule` the pipeline's (None: searched)."""
     options = None
     if roles is not None:
         flags = recompute or (False,) * NUM_BLOCKS
         options = tuple(Option(roles, r) for r in flags)
     return Pin(stages=stages, outer=outer, inner=inner, microbatches=microbatches,
-               block_options=options)
+               block_options=options, schedule=schedule)
 
 
 def run_plan(the_pin: Pin | None, budget: str = "40GiB") -> dict:
@@ -63,11 +65,17 @@ def run_plan(the_pin: Pin | None, budget: str = "40GiB") -> dict:
     err = max(((g - r).abs().max().item() for g, r in zip(mine, ref) if g is not None),
               default=0.0)
     kinds: dict[str, list[str]] = {}
+    actions: list[tuple[int, str]] = []
+    if plan.stages > 1:  # what this rank's pipeline runs: the plan's schedule
+        pipelined = step.executable(params, batch, cfg).fn
+        actions = [(a.stage, a.kind) for a in pipelined.actions()[dist.get_rank() // (
+            dist.get_world_size() // plan.stages)] if a is not None and a.is_compute]
     if plan.stages == 1:
         program = step.executable(params, batch, cfg).lower(params, batch, cfg)
         kinds = {"forward": sorted({c.split("(")[0] for c in program.collectives()}),
                  "backward": sorted({c.split("(")[0] for c in program.backward_collectives()})}
-    return {"config": plan.config_text(), "collectives": kinds,
+    return {"config": plan.config_text(), "collectives": kinds, "actions": actions,
+            "stage_of_block": [b.stage for b in plan.blocks],
             "strategies": [b.strategy for b in plan.blocks],
             "loss_err": float((loss - ref_loss).abs()), "grad_err": err, "have": have,
             "num_leaves": len(ref), "fingerprint": plan.fingerprint}

@@ -12,6 +12,7 @@ from __future__ import annotations
 import auto_workers as W
 import pytest
 
+from pxform.search.pipelines import ScheduleChoice
 from pxform.tools.testing import World
 
 TOL = 1e-12
@@ -69,6 +70,17 @@ def test_pinned_tensor_parallel_with_recompute_on_2_ranks(world2):
     assert "all_reduce" in r["collectives"]["backward"]
 
 
+def test_pinned_sequence_parallel_with_recompute_on_2_ranks(world2):
+    """Sequence parallelism between blocks: values cross blocks split over the tensor
+    axis along the sequence, so the blocks' boundaries are all-gathers and
+    reduce-scatters, not all-reduces; the result is the reference's."""
+    r = _check(world2.run(W.run_plan, W.pin(1, 1, 2, 1, (("inner", "sp"),),
+                                            (False, True, False, False))))
+    assert r["strategies"][:2] == ["inner=sp", "inner=sp +recompute"]
+    assert {"all_gather", "reduce_scatter"} <= set(r["collectives"]["forward"])
+    assert {"all_gather", "reduce_scatter"} <= set(r["collectives"]["backward"])
+
+
 def test_searched_plan_runs_on_4_ranks(world4):
     _check(world4.run(W.run_plan, None))
 
@@ -76,6 +88,21 @@ def test_searched_plan_runs_on_4_ranks(world4):
 def test_pipeline_of_tensor_parallel_stages_on_4_ranks(world4):
     r = _check(world4.run(W.run_plan, W.pin(2, 1, 2, 4, (("inner", "tp"),))))
     assert r["config"].startswith("pp=2 outer=1 inner=2 microbatches=4")
+
+
+@pytest.mark.parametrize("schedule", [ScheduleChoice("zb"), ScheduleChoice("interleaved", 2)],
+                         ids=["zero-bubble", "interleaved"])
+def test_searched_schedules_run_as_planned_on_2_ranks(world2, schedule):
+    """A plan under zero-bubble or interleaved runs that schedule (W actions; two chunks
+    per rank, stage s on rank s % 2) and matches the single-process reference."""
+    r = _check(world2.run(W.run_plan, W.pin(2, 1, 1, 4, None, schedule=schedule)))
+    assert r["config"].endswith(f"schedule={schedule.text()}"), r["config"]
+    kinds = {kind for _, kind in r["actions"]}
+    if schedule.split:
+        assert "W" in kinds and max(r["stage_of_block"]) == 1
+    else:
+        assert "W" not in kinds and r["stage_of_block"] == [0, 1, 2, 3]
+        assert {s for s, _ in r["actions"]} == {0, 2}  # rank 0 runs stages 0 and 2
 
 
 def test_zero3_outer_tensor_inner_with_recompute_on_4_ranks(world4):
@@ -120,15 +147,22 @@ def test_what_training_loops_rely_on(world2, stages):
 # goal (the model before the meter check was off by +14 % to +32 % on the first three and
 # short on the pipeline's last stage, which holds the tied embedding too); tensor
 # parallelism still misses runtime buffers the model does not count (-9 %), so it is held
-# to 15 % here, to catch a change for the worse.
+# to 15 % here, to catch a change for the worse. Zero-bubble (-4 to -8 %: its graphs kept
+# from F to W, and the weight ops' output gradients from B to W) and interleaved (-1 to
+# -8 %) are held to 10 %.
 @pytest.mark.slow
 @pytest.mark.parametrize("name, the_pin, limit", [
     ("dp", W.pin(1, 2, 1, 1, (("outer", "dp"),), (False,) * 6), 0.05),
     ("zero3", W.pin(1, 2, 1, 1, (("outer", "sdp"),), (False,) * 6), 0.05),
     ("dp+recompute", W.pin(1, 2, 1, 1, (("outer", "dp"),), (True,) * 6), 0.05),
     ("tp", W.pin(1, 1, 2, 1, (("inner", "tp"),), (False,) * 6), 0.15),
-    ("pp2 m2", W.pin(2, 1, 1, 2, None), 0.05),
-], ids=["dp", "zero3", "dp+recompute", "tp", "pp2-m2"])
+    ("pp2 m2", W.pin(2, 1, 1, 2, None, schedule=ScheduleChoice()), 0.05),
+    ("pp2 m8", W.pin(2, 1, 1, 8, None, schedule=ScheduleChoice()), 0.05),
+    ("pp2 m4 zb", W.pin(2, 1, 1, 4, None, schedule=ScheduleChoice("zb")), 0.10),
+    ("pp2 m4 interleaved", W.pin(2, 1, 1, 4, None,
+                                 schedule=ScheduleChoice("interleaved", 2)), 0.10),
+], ids=["dp", "zero3", "dp+recompute", "tp", "pp2-m2", "pp2-m8", "pp2-m4-zb",
+        "pp2-m4-interleaved"])
 def test_predicted_memory_matches_the_meter(world2, name, the_pin, limit):
     errors = world2.run(W.run_memory_accuracy, the_pin)
     worst = max((e for rank in errors for e in rank), key=abs)

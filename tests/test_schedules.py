@@ -498,3 +498,41 @@ def test_validate_refuses_receives_out_of_the_senders_order():
                                             r"message is 1SB0: messages between two "
                                             r"ranks must be received in the order"):
         validate(bad)
+
+
+# ---------------------------------------------------------------- Timer and held
+
+
+@given(st.sampled_from(["gpipe", "1f1b", "zb", "interleaved", "shifted"]),
+       st.integers(1, 5), st.integers(1, 9), st.randoms(use_true_random=False))
+def test_timer_equals_simulate(name, p, m, rnd):
+    """The search's compiled timer gives `simulate`'s step time for every generator and
+    unequal per-stage costs, p2p included."""
+    sched = schedules.resolve(name, p, m, **({"virtual_stages": 2} if name == "interleaved"
+                                             else {}))
+    timer = schedules.Timer(sched)
+    n = timer.stages
+    f, b, w, r, p2p = ([rnd.uniform(0.1, 2.0) for _ in range(n)] for _ in range(5))
+    want = simulate(sched, Costs(f, b, weight=w, recompute=r, p2p=p2p)).step_time
+    assert timer.step_time(f, b, w, r, p2p) == pytest.approx(want, rel=1e-12)
+
+
+def test_timer_refuses_comm_actions_and_wrong_lengths():
+    with pytest.raises(ScheduleError, match="send/receive"):
+        schedules.Timer(schedules.add_communication(schedules.one_f_one_b(2, 2)))
+    with pytest.raises(ValueError, match="forward has 1 entries but the schedule has 2"):
+        schedules.Timer(schedules.one_f_one_b(2, 2)).step_time([1.0], [1.0, 1.0])
+
+
+def test_held_counts_what_the_executor_keeps():
+    # 1F1B: stage s holds p - s; zero-bubble keeps each graph until its W: p everywhere
+    assert schedules.held(schedules.one_f_one_b(4, 8)) == (4, 3, 2, 1)
+    assert schedules.held(schedules.one_f_one_b(4, 2)) == (2, 2, 2, 1)
+    assert schedules.held(schedules.zero_bubble(4, 8)) == (4, 4, 4, 4)
+    # GPipe holds every microbatch; shifted recomputes, holding one between R and B
+    assert schedules.held(schedules.gpipe(3, 5)) == (5, 5, 5)
+    assert schedules.held(schedules.shifted_critical_path(4, 8))[:3] == (1, 1, 1)
+    # interleaved on 2 ranks x 2 chunks, 4 microbatches: rank 0 peaks holding 3 of
+    # chunk 0 and 2 of chunk 2 (Megatron's warm-up of 2(p - 1) + (v - 1)p = 4, plus one)
+    got = schedules.held(schedules.interleaved(2, 4, virtual_stages=2))
+    assert got[0] + got[2] == 5 and got[1] + got[3] == 3, got

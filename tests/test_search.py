@@ -19,6 +19,7 @@ import pxform
 from pxform.passes.cuts import balance as linear_partition
 from pxform.search import Pin, pin_of
 from pxform.search.frontier import chain_frontier
+from pxform.search.pipelines import ScheduleChoice
 from pxform.search.space import Option
 
 # ---------------------------------------------------------------- models
@@ -583,3 +584,124 @@ def test_zero3_gathers_are_priced_per_block_not_per_parameter():
     # (the embedding and the head hold 2 blocks' parameters: the tied embedding, read by
     # both, is gathered by each)
     assert 2 * 6 * 0.05 * 0.95 <= added <= 2 * 7 * 0.05 * 1.05, added
+
+
+# ---------------------------------------------------------------- schedules (golden)
+
+
+def attention_stack(params, x):
+    """Layers dominated by weightless matmuls (scores and mixing over a long sequence),
+    with one small weight each: little for a zero-bubble W to fill the drain with."""
+    h = x
+    for w in params:
+        scores = torch.softmax(h @ h.transpose(1, 2) / h.shape[-1] ** 0.5, dim=-1)
+        h = h + F.linear(scores @ h, w)
+    return (h ** 2).mean()
+
+
+def plan_schedule(fn, args, budget="80GiB", **pin):
+    """The plan on 4 pipeline ranks, 4 microbatches, a100-80gb's fixed profile."""
+    pin = Pin(stages=4, outer=1, inner=1, microbatches=4, **pin)
+    step = pxform.auto(fn, mesh=pxform.Mesh.abstract(4), memory_budget=budget,
+                       hardware="a100-80gb", plan=pin, memory_margin=0.0)
+    return step.plan(*args)
+
+
+def test_zero_bubble_is_chosen_where_its_simulated_bubble_wins():
+    """An MLP's weight gradients are a third of its work: ZB-H1's W actions fill most of
+    1F1B's drain, and the search prices both through the schedule simulator."""
+    args = mlp_args(d=1024, layers=4, batch=4096)  # 5 blocks: too few to interleave
+    free = plan_schedule(residual_mlp, args)
+    one_f_one_b = plan_schedule(residual_mlp, args, schedule=ScheduleChoice())
+    assert free.schedule == "zb" and free.virtual_stages == 1, free.config_text()
+    assert free.step_time_s < 0.8 * one_f_one_b.step_time_s
+    # the memory it costs: every stage keeps 4 graphs (F to W), 1F1B's last keeps 1
+    assert [s.in_flight for s in free.stage_plans] == [4, 4, 4, 4]
+    assert [s.in_flight for s in one_f_one_b.stage_plans] == [4, 3, 2, 1]
+    assert free.peak_memory_bytes >= one_f_one_b.peak_memory_bytes
+    assert "schedule=zb" in free.explain()
+
+
+def test_interleaved_is_chosen_where_weight_gradients_are_few():
+    """With little weight-gradient work ZB has nothing to fill its drain with, and two
+    chunks per rank halve the warm-up and drain: interleaved wins; its plan has 8
+    stages, stage s on rank s % 4."""
+    params = [torch.empty(256, 256, device="meta") for _ in range(8)]
+    args = (params, torch.empty(64, 1024, 256, device="meta"))
+    plan = plan_schedule(attention_stack, args)
+    assert (plan.schedule, plan.virtual_stages) == ("interleaved", 2), plan.config_text()
+    assert plan.num_stages == 8 and len(plan.stage_plans) == 8
+    assert sorted({b.stage for b in plan.blocks}) == list(range(8))
+    others = [plan_schedule(attention_stack, args, schedule=ScheduleChoice(name))
+              for name in ("1f1b", "zb")]
+    assert all(plan.step_time_s < 0.95 * o.step_time_s for o in others)
+    # the plan pins itself back (schedule and stages included) and survives JSON
+    pinned = pin_of(plan)
+    again = plan_schedule(attention_stack, args, schedule=pinned.schedule,
+                          block_stage=pinned.block_stage)
+    assert again.config_text() == plan.config_text()
+    assert [b.stage for b in again.blocks] == [b.stage for b in plan.blocks]
+    assert pxform.Plan.from_json(plan.to_json()) == plan
+
+
+def test_1f1b_is_kept_where_memory_is_tight():
+    """Zero-bubble keeps every microbatch's graph from F to W on every stage, and its
+    weight ops' output gradients from B to W (the executor's retention, which the memory
+    model counts): with a budget 1F1B just fits, zero-bubble does not fit even with
+    recompute where 1F1B's later stages had room, and the search keeps 1F1B."""
+    args = mlp_args(d=1024, layers=4, batch=4096)
+    one_f_one_b = plan_schedule(residual_mlp, args, schedule=ScheduleChoice())
+    zero_bubble = plan_schedule(residual_mlp, args, schedule=ScheduleChoice("zb"))
+    assert zero_bubble.peak_memory_bytes > 1.2 * one_f_one_b.peak_memory_bytes
+    budget = int(one_f_one_b.peak_memory_bytes * 1.01)
+    plan = plan_schedule(residual_mlp, args, budget=budget)
+    assert plan.schedule == "1f1b", plan.config_text()
+    assert plan.peak_memory_bytes <= budget
+
+
+# ---------------------------------------------------------------- sequence parallelism
+
+
+def norm_mlp_stack(params, x):
+    h = x
+    for p in params:
+        y = F.layer_norm(h, h.shape[-1:])
+        h = h + F.linear(F.gelu(F.linear(y, p["w1"])), p["w2"])
+    return (h ** 2).mean()
+
+
+def plan_tensor(seq: int, budget="80GiB", role=None):
+    """One sample of `seq` tokens on 4 devices of one tensor axis (a single sample
+    leaves the data roles nothing to split), a100-80gb's fixed profile; `role` pins every
+    block to "tp" or "sp"."""
+    d = 1024
+    params = [{"w1": torch.empty(4 * d, d, device="meta"),
+               "w2": torch.empty(d, 4 * d, device="meta")} for _ in range(4)]
+    x = torch.empty(1, seq, d, device="meta")
+    options = (Option((("inner", role),), False),) * 5 if role else None
+    pin = Pin(stages=1, outer=1, inner=4, microbatches=1, block_options=options)
+    step = pxform.auto(norm_mlp_stack, mesh=pxform.Mesh.abstract(4), memory_budget=budget,
+                       hardware="a100-80gb", plan=pin, memory_margin=0.0)
+    return step.plan(params, x)
+
+
+def test_sequence_parallelism_is_chosen_where_activations_dominate():
+    """Sequence parallelism keeps the values between blocks split along the tokens: the
+    norms and residual adds run on a quarter of them and save a quarter of their inputs,
+    for an all-gather and a reduce-scatter in place of each all-reduce (one more latency).
+    With 1,024 tokens and room to spare, plain tensor parallelism is faster; under a
+    budget it does not fit, the search moves blocks to sequence parallelism until the plan
+    fits; with 16,384 tokens the norms' work outweighs the latencies and every block is
+    sequence parallel."""
+    tp, sp = plan_tensor(1024, role="tp"), plan_tensor(1024, role="sp")
+    assert sp.peak_memory_bytes < tp.peak_memory_bytes
+    assert [b.strategy for b in plan_tensor(1024).blocks] == ["inner=tp"] * 5
+    budget = int((sp.peak_memory_bytes + tp.peak_memory_bytes) / 2)
+    tight = plan_tensor(1024, budget=budget)
+    assert "inner=sp" in {b.strategy for b in tight.blocks}
+    assert tight.peak_memory_bytes <= budget
+    assert [b.strategy for b in plan_tensor(16384).blocks] == ["inner=sp"] * 5
+    # the plan keeps the sequence-parallel choices apart from the tensor-parallel ones
+    keys = {k for k, _ in tight.tensor_choices}
+    assert any(k < 0 for k in keys) and any(k >= 0 for k in keys), keys
+    assert pxform.Plan.from_json(tight.to_json()) == tight

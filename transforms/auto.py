@@ -175,11 +175,20 @@ class Auto(Executable):
 
                 plan = best(pin)
                 # never return a plan that cannot run: lower it on its abstract mesh first;
-                # if it fails, the best plan without pipeline stages, then without tensor
-                # parallelism (plain data parallel / ZeRO), says which in its notes
+                # if it fails, the best plan without sequence parallelism, under 1F1B,
+                # without pipeline stages, then without tensor parallelism (plain data
+                # parallel / ZeRO), says which in its notes
                 failure = self._fails_to_lower(plan, args, graph.inputs, names)
                 tried = [(plan.config_text(), failure)] if failure else []
+                from pxform.search.pipelines import ONE_F_ONE_B
+
                 fallbacks: list[dict[str, Any]] = [{"stages": 1}, {"stages": 1, "inner": 1}]
+                if plan.stages > 1 and (plan.schedule, plan.virtual_stages) != ("1f1b", 1):
+                    # the same pipeline under plain 1F1B first
+                    fallbacks.insert(0, {"schedule": ONE_F_ONE_B})
+                if any(r == "sp" for b in plan.blocks for _, r in b.roles):
+                    # and the same without sequence parallelism
+                    fallbacks.insert(0, {"sequence_parallel": False})
                 for fewer in fallbacks:
                     if not failure:
                         break
@@ -231,6 +240,7 @@ class Auto(Executable):
         if plan.stages > 1:
             fn: Any = like.fn if like is not None else Pipelined(
                 self.fn, plan.stages, plan.microbatches, plan.schedule, "pp",
+                tuple(sorted(plan.schedule_options.items())),
                 batch_argnums=self._batch_argnums(len(specs)), batch_dim=self.batch_dim,
                 planner=lowering, fallback=fallback, precision=self.precision,
                 sync_batch_norm=self.sync_batch_norm)

@@ -25,7 +25,7 @@ from pxform.core.layout import Layout
 from pxform.core.mesh import AbstractMesh
 from pxform.ops.strategy import Strategy, parse_choice, strategy_for
 from pxform.passes.cuts import StageCuts, strip_markers, tag_blocks
-from pxform.search.plan import Plan
+from pxform.search.plan import TENSOR_ROLES, Plan
 
 
 @dataclass(frozen=True, eq=False)
@@ -66,7 +66,7 @@ class PlanLowering:
         op_stage = [0] * len(graph.ops)
         for b in self.plan.blocks:
             op_stage[b.start:b.stop] = [b.stage] * (b.stop - b.start)
-        return StageCuts(graph, tuple(op_stage), self.plan.stages, cuts.blocks, "plan")
+        return StageCuts(graph, tuple(op_stage), self.plan.num_stages, cuts.blocks, "plan")
 
     def strategies(self, graph: Graph, mesh: AbstractMesh, layouts: Sequence[Layout]
                    ) -> tuple[Graph, list[Strategy]]:
@@ -79,12 +79,13 @@ class PlanLowering:
             roles = dict(b.roles)
             for k, text in zip(range(b.start, b.stop), b.ops):
                 data, tensor = _choices(text, self.fn)
-                if tensor is None and "tp" in roles.values():
+                if tensor is None and set(TENSOR_ROLES) & set(roles.values()):
                     raise PxformError(
                         f"pxform.{self.fn}: the plan's block {b.label} has a tensor role but "
                         f"op {k - b.start} has no tensor choice ({text!r}).\n  Fix: write the "
                         f"plan again with Plan.save (or search again).")
-                combo = tuple(tensor if roles.get(ax) == "tp" else data for ax in mesh.names)
+                combo = tuple(tensor if roles.get(ax) in TENSOR_ROLES else data
+                              for ax in mesh.names)
                 out.append(strategy_for(graph.ops[k], mesh, combo))
         flags = [b.recompute for b in self.plan.blocks]
         if any(flags):

@@ -249,6 +249,7 @@ def run(program: PipelineProgram, actions: Sequence[Action | None], place: Pipel
         if s > 0 and (s - 1) % place.size == place.rank and (s - 1) in trainable:
             slot(s - 1, i).recv_grads = _grads_for(sl)
         sl.leaves = []  # activations received: no longer needed
+        sl.recv_grads = []  # (kept, every microbatch's gradients stayed to the step's end)
         if s not in split_weights:
             sl.outputs = ()
 

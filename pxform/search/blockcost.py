@@ -41,12 +41,13 @@ from pxform.cost.model import CostModel, relayout_steps
 from pxform.ops.strategy import REPLICATE, Strategy, strategies, strategy_for
 from pxform.passes.propagate import consumer_gradient_layout, gradient_layout
 from pxform.search.analysis import DATA, Analysis, BlockInfo
+from pxform.search.plan import TENSOR_ROLES
 
 BEAM_WIDTH = 8
 """States kept per op by the tensor-axis beam search (a transformer layer's Megatron
 pattern is found with 4; more costs time for nothing on the models tested)."""
 
-ROLES = ("dp", "sdp", "tp")
+ROLES = ("dp", "sdp", "tp", "sp")
 
 
 @dataclass
@@ -99,6 +100,11 @@ class WalkCost:
     redo_bytes: float = 0.0  # the peak of its backward when recomputed: what its ops up
                              # to the one at work save, plus that op's transient
     bwd_compute: float = 0.0  # the backward of its ops (`CostModel.op_times`)
+    weight_compute: float = 0.0  # of which the weight gradients: what a zero-bubble
+                                 # schedule's W action runs (ops reading a weight and an
+                                 # activation, `pxform.lower.mpmd`'s weight ops)
+    weight_out_bytes: float = 0.0  # those ops' outputs: zero-bubble's B keeps their
+                                   # gradients for its W (`pxform.runtime.pipeline`)
 
 
 def _floating(v: Value) -> bool:
@@ -149,7 +155,9 @@ def walk(a: Analysis, block: BlockInfo, strats: list[Strategy], outside: Mapping
     layouts: dict[str, Layout] = {}
     done: set[tuple[str, Layout]] = set()
     fwd_compute = fwd_comm = bwd_comm = grad_comm = saved = transient = gathered = 0.0
-    redo = bwd_compute = 0.0
+    redo = bwd_compute = weight_compute = weight_out = 0.0
+    # values made from parameters alone (a transposed or cast weight): weights too
+    weights = set(a.params) | set(a.param_casts)
     classes = a.op_classes or ("elementwise",) * len(a.graph.ops)
     graph = a.graph
     values = {}
@@ -166,6 +174,15 @@ def walk(a: Analysis, block: BlockInfo, strats: list[Strategy], outside: Mapping
                               classes[k])
         fwd_compute += f
         bwd_compute += b
+        floats = [v for v in op.inputs if _floating(v)]
+        reads_weight = [v.name in weights for v in floats]
+        if floats and all(reads_weight):
+            weights.update(v.name for v in op.outputs)
+        elif any(reads_weight):
+            # its weight gradient costs about its forward (x^T dy for a matmul)
+            weight_compute += min(f, b)
+            weight_out += sum(v.type.nbytes * sc * _local_fraction(v, lay, cache)
+                              for v, lay in zip(op.outputs, s.outputs) if _floating(v))
         # each saved tensor at its own layout's local size; the op's intermediates as its
         # split (`ways`)
         kept_by = a.op_saved[k]
@@ -262,7 +279,8 @@ def walk(a: Analysis, block: BlockInfo, strats: list[Strategy], outside: Mapping
     transient += gathered
     return WalkCost(fwd_compute, fwd_comm, bwd_comm, grad_comm, saved, kept, pbytes, gbytes,
                     transient, packed, packed_sent.get("outer", 0.0),
-                    packed_sent.get("inner", 0.0), redo + gathered, bwd_compute)
+                    packed_sent.get("inner", 0.0), redo + gathered, bwd_compute,
+                    weight_compute, weight_out)
 
 
 # ---------------------------------------------------------------- tensor-axis beam search
@@ -277,8 +295,12 @@ class _State:
 
 
 def tensor_strategies(a: Analysis, block: BlockInfo, axis: str, size: int, level: int,
-                      model: CostModel, scale: float) -> tuple[Strategy, ...]:
-    """Per op of `block`, its strategy on the tensor axis `axis` of `size` (module doc)."""
+                      model: CostModel, scale: float, sequence_parallel: bool = False
+                      ) -> tuple[Strategy, ...]:
+    """Per op of `block`, its strategy on the tensor axis `axis` of `size` (module doc).
+    Values from earlier blocks arrive, and values for later ones leave, whole; with
+    `sequence_parallel`, split over the axis along their sequence dim
+    (`sequence_layout`)."""
     mesh = AbstractMesh({axis: size})
     cache = RelayoutCache(model, {axis: (size, level)}, mesh)
     graph = a.graph
@@ -288,7 +310,17 @@ def tensor_strategies(a: Analysis, block: BlockInfo, axis: str, size: int, level
         for v in graph.ops[k].inputs:
             last[v.name] = k
     crossing = set(block.crossing)
-    beam = [_State((0.0, 0.0), {}, {}, frozenset(), ())]
+
+    def between(name: str) -> Layout:
+        """Where a value crossing blocks is laid out on the tensor axis."""
+        v = vals[name]
+        whole = Layout.replicated(v.type.rank)
+        if not sequence_parallel or not is_activation(a, name):
+            return whole
+        return sequence_layout(a, name, v.type.shape, whole, axis, size)
+
+    arriving = {n: between(n) for n in block.reads if n in vals and is_activation(a, n)}
+    beam = [_State((0.0, 0.0), arriving, {}, frozenset(), ())]
     for k in range(block.start, block.stop):
         op = graph.ops[k]
         # the tensor axis splits inside ops, never the batch: splitting the batch is the
@@ -301,7 +333,14 @@ def tensor_strategies(a: Analysis, block: BlockInfo, axis: str, size: int, level
         sc = scale if a.op_batch[k] else 1.0
         grown: dict[tuple, _State] = {}
         for st in beam:
-            for s in options:
+            allowed = options
+            if sequence_parallel and (a.op_classes[k] if a.op_classes else "") not in \
+                    GATHERING_CLASSES:
+                # Megatron's layout: norms, dropouts and residual adds run on their
+                # share of the tokens; a split value is gathered only for a matmul
+                kept = [s for s in options if not _gathers(op, s, st)]
+                allowed = kept or options
+            for s in allowed:
                 bad, t = _tensor_step(a, k, s, st, cache, sc, dtype, model)
                 if t is None:
                     continue
@@ -313,14 +352,15 @@ def tensor_strategies(a: Analysis, block: BlockInfo, axis: str, size: int, level
                     if v.name in a.params and v.name not in params:
                         params[v.name] = Layout(s.inputs[i].dims)
                 done = st.done | {(v.name, s.inputs[i]) for i, v in enumerate(op.inputs)}
-                if k == block.stop - 1:  # outputs leave whole
+                if k == block.stop - 1:  # outputs leave whole (or sequence-split)
                     for name in crossing:
                         have = layouts.get(name)
-                        if have is not None and have.used_axes():
+                        want = between(name)
+                        if have is not None and have != want:
                             v = vals[name]
-                            t += cache.time(v, have, Layout.replicated(v.type.rank), sc)
-                            t += cache.time(v, Layout.replicated(v.type.rank),
-                                            gradient_layout(have), sc)
+                            t += cache.time(v, have, want, sc)
+                            t += cache.time(v, gradient_layout(want), gradient_layout(have),
+                                            sc)
                 state = _State((st.key[0] + bad, st.key[1] + t), layouts, params, done,
                                (*st.picks, s))
                 live = tuple(sorted((n, lay) for n, lay in layouts.items()
@@ -342,6 +382,22 @@ def tensor_strategies(a: Analysis, block: BlockInfo, axis: str, size: int, level
 
         beam = sorted(grown.values(), key=order)[:BEAM_WIDTH]
     return beam[0].picks
+
+
+GATHERING_CLASSES = ("matmul", "attention")
+"""Op classes (`cost.model.op_class`) that may gather a split input under sequence
+parallelism."""
+
+
+def _gathers(op: Any, s: Strategy, st: _State) -> bool:
+    """Whether strategy `s` reads a value the state holds split over the tensor axis
+    (not partial) as a whole."""
+    for v, need in zip(op.inputs, s.inputs):
+        have = st.layouts.get(v.name)
+        if have is not None and not have.partial and any(have.dims) and \
+                not any(need.dims):
+            return True
+    return False
 
 
 def _reduced(lay: Layout, shape: tuple[int, ...], mesh: AbstractMesh) -> Layout:
@@ -394,9 +450,47 @@ def combine(a: Analysis, k: int, mesh: AbstractMesh, roles: Mapping[str, str],
     op = a.graph.ops[k]
     data_choice = a.data_strategies[k].choices[0][1]
     tensor_choice = tensor.choices[0][1] if tensor is not None else REPLICATE
-    combo = tuple(tensor_choice if roles.get(ax) == "tp" else data_choice
+    combo = tuple(tensor_choice if roles.get(ax) in TENSOR_ROLES else data_choice
                   for ax in mesh.names)
     return strategy_for(op, mesh, combo)
+
+
+def sequence_dim(a: Analysis, name: str, shape: tuple[int, ...], size: int) -> int | None:
+    """The dim sequence parallelism splits value `name` along over a tensor axis of
+    `size`: the first dim that is not the batch's (the data-parallel reference's) and that
+    `size` divides, the last one (the hidden dim) only when no other does; None when none
+    does (the value then crosses whole).
+
+    Example:
+        >>> sequence_dim(a, "blocks.0.add_1", (16, 1024, 768), 4)   # (batch, seq, hidden)
+        1
+    """
+    ref = a.data_layouts.get(name)
+    batch = {d for d, axes in enumerate(ref.dims) if DATA in axes} if ref is not None \
+        else set()
+    dims = [d for d in range(len(shape)) if d not in batch and shape[d] % size == 0]
+    inner = [d for d in dims if d != len(shape) - 1]
+    found = inner or dims
+    return found[0] if found else None
+
+
+def sequence_layout(a: Analysis, name: str, shape: tuple[int, ...], base: Layout,
+                    axis: str, size: int) -> Layout:
+    """`base` (a value's data layout) with the value also split over the tensor `axis`
+    along its sequence dim (`sequence_dim`): where sequence parallelism keeps values
+    between blocks."""
+    d = sequence_dim(a, name, shape, size)
+    if d is None or base.partial:
+        return base
+    dims = list(base.dims)
+    dims[d] = (*dims[d], axis)
+    return Layout(tuple(dims), base.partial)
+
+
+def is_activation(a: Analysis, name: str) -> bool:
+    """A value an op computes from the batch: what crosses blocks (not a parameter, a
+    batch input, or a value of parameters alone)."""
+    return name in a.defined_at and name in a.data_layouts and name not in a.params
 
 
 def data_layout(a: Analysis, name: str, rank: int, data_axes: tuple[str, ...]) -> Layout:

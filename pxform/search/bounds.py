@@ -9,22 +9,33 @@ from collections.abc import Sequence
 
 from pxform.search.context import OptionTable, SearchContext
 from pxform.search.options import block_tables
+from pxform.search.pipelines import ScheduleChoice, bubble_bound, choices
 from pxform.search.space import Config
 
 
 def lower_bound(ctx: SearchContext, config: Config,
-                tables: Sequence[OptionTable] | None = None) -> float:
+                tables: Sequence[OptionTable] | None = None,
+                schedules: Sequence[ScheduleChoice] | None = None) -> float:
     """No plan of `config` is faster than this: every block at its fastest option, the
-    work T spread evenly over the p stages, and 1F1B's warm-up and drain: the closed form
-    `(m - 1) x max stage + sum of stages` per microbatch is at least
-    `T (m - 1 + p) / (p m)`. `tables`: per block, the options to bound (default: all)."""
+    work T spread evenly over the p stages, and the least warm-up and drain of the
+    `schedules` (default: every one tried), each's equal-stage closed form
+    (`pipelines.bubble_bound`): 1F1B's `(m - 1) x max stage + sum of stages` per microbatch
+    is at least `T (m - 1 + p) / (p m)`. `tables`: per block, the options to bound
+    (default: all)."""
     if tables is None:
         tables = block_tables(ctx, config)
         if tables is None:
             return math.inf
     m, p = config.microbatches, config.stages
     total = sum(min(c.step_time(m) for c in t.costs) for t in tables)
-    return total * (m - 1 + p) / (p * m) if p > 1 else total
+    if p == 1:
+        return total
+    if schedules is None:
+        schedules = choices(config, len(ctx.analysis.blocks), ctx.pin.schedule)
+    # the weight gradients' largest share of any option's work: ZB's least bubble
+    share = max((c.weight / (c.forward + c.backward) for t in tables for c in t.costs
+                 if c.forward + c.backward > 0), default=0.0)
+    return total * min(bubble_bound(c, p, m, share) for c in schedules) / p
 
 
 def memory_lower_bound(ctx: SearchContext, config: Config) -> float:

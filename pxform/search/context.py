@@ -22,6 +22,7 @@ from pxform.ops.strategy import Strategy, build_strategy
 from pxform.search.analysis import Analysis, BlockInfo
 from pxform.search.blockcost import RelayoutCache, WalkCost, tensor_strategies
 from pxform.search.frontier import Point
+from pxform.search.pipelines import ScheduleChoice
 from pxform.search.space import INNER, OUTER, Config, Option
 
 Roles = tuple[tuple[str, str], ...]
@@ -38,7 +39,10 @@ class Pin:
     microbatches: int | None = None
     block_options: tuple[Option | None, ...] | None = None  # per block, None: free
     block_stage: tuple[int, ...] | None = None
-    tensor_choices: Mapping[int, tuple[tuple, ...]] | None = None  # kind -> per op choice
+    # kind -> per op choice (`tensor_choice_key`: -kind - 1 for sequence parallelism)
+    tensor_choices: Mapping[int, tuple[tuple, ...]] | None = None
+    schedule: ScheduleChoice | None = None  # the pipeline schedule (`search.pipelines`)
+    sequence_parallel: bool | None = None  # None: offered; False: never (`Option`)
 
 
 
@@ -56,6 +60,8 @@ class OptionCost:
     redo: float | None = None  # its backward's peak when recomputed (`WalkCost.redo_bytes`)
     packed_outer: float = 0.0  # ring volume of those over the outer axis, per step
     packed_inner: float = 0.0  # and over the inner (`SearchContext.packed_rate`)
+    weight: float = 0.0  # of `backward`, the weight gradients (a zero-bubble W action)
+    weight_out: float = 0.0  # gradients zero-bubble's B keeps for its W, per microbatch
 
     def step_time(self, m: int) -> float:
         return m * (self.forward + self.backward) + self.step_extra
@@ -97,8 +103,9 @@ class BlockLayouts:
 
 # (kind, outer, inner, roles, scale): a block kind's walk at a microbatch scale
 WalkKey = tuple[int, int, int, Roles, float]
-# (configuration, per block (kind, table key), in flight, borrowed bytes): a stage
-StageKey = tuple[Config, tuple[tuple[int, int], ...], int, float]
+# (configuration, per block (kind, table key), in flight, borrowed bytes, microbatches
+# awaiting W): a stage
+StageKey = tuple[Config, tuple[tuple[int, int], ...], int, float, int]
 
 
 @dataclass
@@ -110,7 +117,8 @@ class SearchContext:
     budget: float
     global_batch: int
     pin: Pin = field(default_factory=Pin)
-    tensor: dict[tuple[int, int, int], tuple[Strategy, ...]] = field(default_factory=dict)
+    tensor: dict[tuple[int, int, int, bool], tuple[Strategy, ...]] = field(
+        default_factory=dict)
     walks: dict[WalkKey, WalkCost] = field(default_factory=dict)
     # walked at the two scales `walk_cost` interpolates between (1 and 0.5)
     measured_walks: dict[WalkKey, WalkCost] = field(default_factory=dict)
@@ -118,7 +126,9 @@ class SearchContext:
         default_factory=dict)
     relayouts: dict[tuple[AbstractMesh, tuple[Any, ...]], RelayoutCache] = field(
         default_factory=dict)
-    transitions: dict[tuple[int, int, int, tuple[str, ...], tuple[str, ...], int], float] = \
+    # (kind, outer, inner, (data axes, sequence parallel) on each side, microbatch size)
+    transitions: dict[tuple[int, int, int, tuple[tuple[str, ...], bool],
+                            tuple[tuple[str, ...], bool], int], float] = \
         field(default_factory=dict)
     matrices: dict[tuple[int, Config, int, int], np.ndarray] = field(default_factory=dict)
     borrowed: dict[tuple[int, ...], tuple[tuple[int, float], ...]] = field(
@@ -168,24 +178,38 @@ class SearchContext:
             self.relayouts[key] = RelayoutCache(self.model, axes, mesh)
         return self.relayouts[key]
 
-    def tensor_picks(self, kind: int, config: Config) -> tuple[Strategy, ...]:
-        """The tensor-axis strategy of each op of blocks of `kind`."""
+    def tensor_picks(self, kind: int, config: Config, sequence_parallel: bool = False
+                     ) -> tuple[Strategy, ...]:
+        """The tensor-axis strategy of each op of blocks of `kind` (with sequence
+        parallelism between blocks, or not: `Option.sequence_parallel`)."""
         a = self.analysis
-        if self.pin.tensor_choices is not None and kind in self.pin.tensor_choices:
-            return _from_choices(a, first_block(a, kind), self.pin.tensor_choices[kind],
+        key_of = tensor_choice_key(kind, sequence_parallel)
+        if self.pin.tensor_choices is not None and key_of in self.pin.tensor_choices:
+            return _from_choices(a, first_block(a, kind), self.pin.tensor_choices[key_of],
                                  config.inner)
         level = self.hardware.level(config.inner)
-        key = (kind, config.inner, level)
+        key = (kind, config.inner, level, sequence_parallel)
         if key not in self.tensor:
             block = first_block(a, kind)
             self.tensor[key] = tensor_strategies(a, block, INNER, config.inner, level,
-                                                 self.model, 1.0)
+                                                 self.model, 1.0, sequence_parallel)
         return self.tensor[key]
 
     def table_key(self, options: tuple[Option, ...]) -> int:
         """A small number naming this option list by value."""
         return self.table_keys.setdefault(options, len(self.table_keys))
 
+
+
+def tensor_choice_key(kind: int, sequence_parallel: bool) -> int:
+    """Where a plan keeps a block kind's tensor-axis choices (`Plan.tensor_choices`):
+    under the kind, or, with sequence parallelism, under `-kind - 1`.
+
+    Example:
+        >>> tensor_choice_key(3, False), tensor_choice_key(3, True)
+        (3, -4)
+    """
+    return -kind - 1 if sequence_parallel else kind
 
 
 def first_block(a: Analysis, kind: int) -> BlockInfo:

@@ -25,7 +25,15 @@ from pxform.core.mesh import AbstractMesh
 from pxform.frontend.regions import RECOMPUTE
 from pxform.ops.strategy import Strategy
 from pxform.search.analysis import Analysis, BlockInfo
-from pxform.search.blockcost import WalkCost, combine, data_layout, sdp_layout, walk
+from pxform.search.blockcost import (
+    WalkCost,
+    combine,
+    data_layout,
+    is_activation,
+    sdp_layout,
+    sequence_layout,
+    walk,
+)
 from pxform.search.context import (
     BlockLayouts,
     OptionCost,
@@ -45,7 +53,8 @@ def block_strategies(ctx: SearchContext, block: BlockInfo, config: Config, optio
     mesh = mesh or config.stage_mesh
     roles = dict(option.roles)
     roles.update(extra or {})
-    picks = ctx.tensor_picks(block.kind, config) if option.tensor_axis else None
+    picks = ctx.tensor_picks(block.kind, config, option.sequence_parallel) \
+        if option.tensor_axis else None
     # the representative block of the kind has the same ops at the same offsets
     return [combine(a, k, mesh, roles, picks[k - block.start] if picks else None)
             for k in range(block.start, block.stop)]
@@ -69,8 +78,17 @@ def param_layouts(ctx: SearchContext, block: BlockInfo, config: Config, option: 
     return out
 
 
-def canonical(ctx: SearchContext, name: str, rank: int, option: Option) -> Layout:
-    return data_layout(ctx.analysis, name, rank, option.data_axes)
+def canonical(ctx: SearchContext, name: str, rank: int, option: Option,
+              inner: int = 1) -> Layout:
+    """Where a value crossing blocks is laid out under `option`: split over its data axes,
+    and, with sequence parallelism, over the tensor axis (of size `inner`) along its
+    sequence dim (`blockcost.sequence_layout`)."""
+    a = ctx.analysis
+    base = data_layout(a, name, rank, option.data_axes)
+    if option.sequence_parallel and inner > 1 and is_activation(a, name):
+        return sequence_layout(a, name, a.values()[name].type.shape, base,
+                               option.tensor_axis or INNER, inner)
+    return base
 
 
 def walk_cost(ctx: SearchContext, block: BlockInfo, config: Config, option: Option
@@ -95,7 +113,8 @@ def walk_cost(ctx: SearchContext, block: BlockInfo, config: Config, option: Opti
 def _fields(w: WalkCost) -> tuple[float, ...]:
     return (w.fwd_compute, w.fwd_comm, w.bwd_comm, w.grad_comm, w.saved_bytes, w.kept_bytes,
             w.param_bytes, w.grad_bytes, w.transient_bytes, w.packed_bytes, w.packed_outer,
-            w.packed_inner, w.redo_bytes, w.bwd_compute)
+            w.packed_inner, w.redo_bytes, w.bwd_compute, w.weight_compute,
+            w.weight_out_bytes)
 
 
 def _walk_at(ctx: SearchContext, block: BlockInfo, config: Config, option: Option,
@@ -117,8 +136,10 @@ def _walk_at(ctx: SearchContext, block: BlockInfo, config: Config, option: Optio
         for k in range(block.start, block.stop):
             for v in a.graph.ops[k].inputs:
                 if v.name not in params and v.name not in outside:
-                    outside[v.name] = canonical(ctx, v.name, v.type.rank, option)
-        outputs = {n: canonical(ctx, n, vals[n].type.rank, option) for n in block.crossing
+                    outside[v.name] = canonical(ctx, v.name, v.type.rank, option,
+                                                config.inner)
+        outputs = {n: canonical(ctx, n, vals[n].type.rank, option, config.inner)
+                   for n in block.crossing
                    if block.start <= a.defined_at.get(n, -1) < block.stop}
         laid = ctx.block_layouts[layout_key] = BlockLayouts(strats, outside, params, outputs)
     cost = walk(a, block, laid.strategies, laid.outside, laid.params, ctx.cache(config),
@@ -146,7 +167,7 @@ def option_cost(ctx: SearchContext, block: BlockInfo, config: Config, option: Op
               + ctx.packed_rate(config, INNER) * w.packed_inner)
     return OptionCost(f, b, extra, w.saved_bytes, w.kept_bytes, w.param_bytes, w.grad_bytes,
                       w.transient_bytes, w.packed_bytes, w.redo_bytes, w.packed_outer,
-                      w.packed_inner)
+                      w.packed_inner, w.weight_compute, w.weight_out_bytes)
 
 
 
@@ -154,10 +175,10 @@ def transition(ctx: SearchContext, prev: BlockInfo, config: Config, s: Option, s
                ) -> float:
     """Per microbatch: re-layout of the values crossing from `prev` into the next block
     when `prev` takes `s` and the next `s2` (forward and backward)."""
-    if s.data_axes == s2.data_axes:
+    if (s.data_axes, s.sequence_parallel) == (s2.data_axes, s2.sequence_parallel):
         return 0.0
-    key = (prev.kind, config.outer, config.inner, s.data_axes, s2.data_axes,
-           ctx.global_batch // config.microbatches)
+    key = (prev.kind, config.outer, config.inner, (s.data_axes, s.sequence_parallel),
+           (s2.data_axes, s2.sequence_parallel), ctx.global_batch // config.microbatches)
     hit = ctx.transitions.get(key)
     if hit is not None:
         return hit
@@ -169,8 +190,8 @@ def transition(ctx: SearchContext, prev: BlockInfo, config: Config, s: Option, s
     t = 0.0
     for name in prev.crossing:
         v = vals[name]
-        src = canonical(ctx, name, v.type.rank, s)
-        dst = canonical(ctx, name, v.type.rank, s2)
+        src = canonical(ctx, name, v.type.rank, s, config.inner)
+        dst = canonical(ctx, name, v.type.rank, s2, config.inner)
         if src == dst:
             continue
         sc = scale if name in batch_values else 1.0
@@ -195,7 +216,8 @@ def block_tables(ctx: SearchContext, config: Config) -> list[OptionTable] | None
     if config in ctx.tables:
         return ctx.tables[config]
     a = ctx.analysis
-    opts_all = tuple(o for o in options(config) if _valid(ctx, config, o))
+    opts_all = tuple(o for o in options(config, ctx.pin.sequence_parallel is not False)
+                     if _valid(ctx, config, o))
     per_block: list[tuple[Option, ...]] = []
     out: list[OptionTable] | None = None
     if opts_all:

@@ -15,13 +15,18 @@ import math
 import time
 from collections.abc import Callable, Sequence
 
-from pxform.cost.model import one_f_one_b_in_flight
 from pxform.passes.cuts import balance
 from pxform.search.bounds import lower_bound, memory_lower_bound
 from pxform.search.context import OptionTable, SearchContext
 from pxform.search.options import block_tables
+from pxform.search.pipelines import ONE_F_ONE_B, ScheduleChoice, awaiting, choices, in_flight
 from pxform.search.space import Config
 from pxform.search.stages import Candidate, assemble, borrowed, stage_frontier
+
+SCHEDULE_GAIN = 0.01
+"""A schedule other than 1F1B is chosen only when it is predicted this much faster than the
+best so far: zero-bubble and interleaved run more actions per step and hold more
+activations, for gains the cost model cannot resolve below its own error."""
 
 FRONTIER_LEVELS = (1.0, 0.8, 0.65, 0.5, 0.4, 0.3, 0.22, 0.15, 0.1)
 """Memory limits, as fractions of the budget, at which each configuration's fastest plan
@@ -45,7 +50,9 @@ def evaluate(ctx: SearchContext, config: Config, objective: str = "time",
             beat = min(incumbent, best.step_time if best is not None else math.inf)
             if lower_bound(ctx, config, group) >= beat:
                 continue
-        cand, more = _evaluate(ctx, config, objective, group)
+        cand, more = _evaluate(ctx, config, objective, group,
+                               min(incumbent, best.step_time if best is not None
+                                   else math.inf))
         extra += more
         if cand is not None and (best is None or _key(cand, objective) < _key(best, objective)):
             best = cand
@@ -67,16 +74,18 @@ def _data_groups(ctx: SearchContext, config: Config, tables: list[OptionTable]
         return hit
     out = []
     for axes in sets:
-        # blocks that shared a table share the filtered one
-        filtered: dict[int, OptionTable] = {}
+        # blocks that shared a table share the filtered one. A table's key names its
+        # options, not its costs: blocks of different kinds share keys, so the kind is
+        # part of the key (without it, every layer was costed as the embedding before it)
+        filtered: dict[tuple[int, int], OptionTable] = {}
         group: list[OptionTable] = []
-        for t in tables:
-            sub = filtered.get(t.key)
+        for blk, t in zip(ctx.analysis.blocks, tables):
+            sub = filtered.get((blk.kind, t.key))
             if sub is None:
                 keep = [j for j, o in enumerate(t.options) if o.data_axes == axes]
                 opts = tuple(t.options[j] for j in keep)
-                sub = filtered[t.key] = OptionTable(ctx.table_key(opts), opts,
-                                                    tuple(t.costs[j] for j in keep))
+                sub = filtered[blk.kind, t.key] = OptionTable(
+                    ctx.table_key(opts), opts, tuple(t.costs[j] for j in keep))
             if not sub.options:
                 break
             group.append(sub)
@@ -87,15 +96,48 @@ def _data_groups(ctx: SearchContext, config: Config, tables: list[OptionTable]
 
 
 def _evaluate(ctx: SearchContext, config: Config, objective: str,
-              tables: list[OptionTable]) -> tuple[Candidate | None, list[Candidate]]:
+              tables: list[OptionTable], incumbent: float = math.inf
+              ) -> tuple[Candidate | None, list[Candidate]]:
+    """The best plan of `config` over the schedules `pipelines.choices` offers, each with
+    its own stage partition (interleaving cuts twice as many stages); a schedule whose
+    bound cannot beat `incumbent` (or this configuration's best so far) is skipped."""
+    best: Candidate | None = None
+    extra: list[Candidate] = []
+    offered = choices(config, len(ctx.analysis.blocks), ctx.pin.schedule)
+    for choice in offered:
+        if objective == "time" and len(offered) > 1:
+            beat = min(incumbent, best.step_time if best is not None else math.inf)
+            if lower_bound(ctx, config, tables, (choice,)) >= beat:
+                continue
+        cand, more = _evaluate_schedule(ctx, config, objective, tables, choice)
+        extra += more
+        if cand is None:
+            continue
+        if best is not None and choice != ONE_F_ONE_B and objective == "time" and \
+                cand.step_time > best.step_time * (1 - SCHEDULE_GAIN):
+            continue  # not worth the extra actions and memory
+        if best is None or _key(cand, objective) < _key(best, objective):
+            best = cand
+    return best, extra
+
+
+def _evaluate_schedule(ctx: SearchContext, config: Config, objective: str,
+                       tables: list[OptionTable], choice: ScheduleChoice
+                       ) -> tuple[Candidate | None, list[Candidate]]:
     a = ctx.analysis
     blocks = a.blocks
     p, m = config.stages, config.microbatches
-    flights = one_f_one_b_in_flight(p, m)
+    n = choice.num_stages(p)  # stages, virtual ones counted
+    flights = list(in_flight(choice, p, m))
+    waits = awaiting(choice, p, m)
     fastest = [min(c.step_time(m) for c in t.costs) for t in tables]
     if ctx.pin.block_stage is not None:
+        if max(ctx.pin.block_stage, default=0) >= n:
+            return None, []
         partitions = [tuple(ctx.pin.block_stage)]
     elif a.marked:
+        if n != p:
+            return None, []  # the user's markers cut one stage per rank
         starts = set(a.marked)
         stage, out = 0, []
         for k in range(len(blocks)):
@@ -104,7 +146,7 @@ def _evaluate(ctx: SearchContext, config: Config, objective: str,
             out.append(stage)
         partitions = [tuple(out)]
     else:
-        partitions = [balance(fastest, p)] if p > 1 else [(0,) * len(blocks)]
+        partitions = [balance(fastest, n)] if n > 1 else [(0,) * len(blocks)]
     best: Candidate | None = None
     extra: list[Candidate] = []
     tried: set[tuple[int, ...]] = set()
@@ -116,41 +158,45 @@ def _evaluate(ctx: SearchContext, config: Config, objective: str,
         tried.add(part)
         stage_points = []
         failed = None
-        for s in range(p):
+        for s in range(n):
             idx = [k for k in range(len(blocks)) if part[k] == s]
+            if not idx:  # (a cut that left a stage nothing: not a pipeline of n stages)
+                failed = -1
+                break
             # stages with the same kinds, options and flight have the same frontier
             key = (config, tuple((a.blocks[k].kind, tables[k].key) for k in idx),
-                   flights[s], borrowed(ctx, idx, tables) if p > 1 else 0.0)
+                   flights[s], borrowed(ctx, idx, tables) if p > 1 else 0.0, waits[s])
             pts = ctx.frontiers.get(key)
             if pts is None:
-                pts = stage_frontier(ctx, config, idx, tables, flights[s])
+                pts = stage_frontier(ctx, config, idx, tables, flights[s], waits[s])
                 ctx.frontiers[key] = pts
             if not pts:
                 failed = s
                 break
             stage_points.append((idx, pts))
         if failed is not None:
-            if ctx.pin.block_stage is None and not a.marked and moves < p and p > 1:
-                moved = _shift(part, failed, p)
+            if failed >= 0 and ctx.pin.block_stage is None and not a.marked and moves < n and n > 1:
+                moved = _shift(part, failed, n)
                 if moved is not None:
                     partitions.append(moved)
                     moves += 1
             continue
         for level in FRONTIER_LEVELS:
             cand = assemble(ctx, config, part, stage_points, tables, flights,
-                            level * ctx.budget, objective if level == 1.0 else "time")
+                            level * ctx.budget, objective if level == 1.0 else "time",
+                            choice, waits)
             if cand is None:
                 continue
             if level == 1.0 and (best is None or _key(cand, objective) < _key(best, objective)):
                 best = cand
             extra.append(cand)
         # try handing a block of the worst stage (slowest; fullest for "memory") on
-        if p > 1 and best is not None and moves < p and ctx.pin.block_stage is None \
+        if n > 1 and best is not None and moves < n and ctx.pin.block_stage is None \
                 and not a.marked:
             top = best
-            worst = max(range(p), key=lambda s: top.stages[s].memory if objective == "memory"
+            worst = max(range(n), key=lambda s: top.stages[s].memory if objective == "memory"
                         else top.stages[s].time)
-            moved = _shift(part, worst, p)
+            moved = _shift(part, worst, n)
             if moved is not None and moved not in tried:
                 partitions.append(moved)
                 moves += 1

@@ -40,6 +40,11 @@ FORMAT_VERSION = 2
 FORMAT = f"pxform-plan/{FORMAT_VERSION}"
 
 
+TENSOR_ROLES = ("tp", "sp")
+"""Axis roles that split ops over the axis (`BlockPlan.roles`); `sp` adds sequence
+parallelism between blocks (`pxform.search.space`)."""
+
+
 def strategy_text(roles: tuple[tuple[str, str], ...], recompute: bool) -> str:
     """A block's strategy as plans print it: "outer=dp inner=tp +recompute"."""
     text = " ".join(f"{a}={r}" for a, r in roles) or "single device"
@@ -83,6 +88,8 @@ class StagePlan:
     memory_bytes: float
     in_flight: int
     param_bytes: float
+    # of `backward_s`, the weight gradients: a zero-bubble schedule's W action
+    weight_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -132,6 +139,9 @@ class Plan:
     # the mixed-precision policy the plan was made under (`Precision.to_json`), as
     # (field, value) pairs; () for none. `pxform.auto(fn, plan=...)` runs under it.
     precision: tuple[tuple[str, Any], ...] = ()
+    # model chunks per pipeline rank (interleaved schedules): the plan has `stages x
+    # virtual_stages` stages, stage s on pipeline rank s % stages
+    virtual_stages: int = 1
 
     format_version: ClassVar[int] = FORMAT_VERSION
 
@@ -164,9 +174,21 @@ class Plan:
         evaluated, by memory: the least memory first, the fastest last."""
         return list(self.frontier_points)
 
+    @property
+    def schedule_options(self) -> dict[str, Any]:
+        """What `pxform.pipeline` takes besides the schedule's name."""
+        return {"virtual_stages": self.virtual_stages} if self.virtual_stages > 1 else {}
+
+    @property
+    def num_stages(self) -> int:
+        """Pipeline stages, virtual ones counted (`stages x virtual_stages`)."""
+        return self.stages * self.virtual_stages
+
     def config_text(self) -> str:
+        schedule = (f"{self.schedule}(virtual_stages={self.virtual_stages})"
+                    if self.virtual_stages > 1 else self.schedule)
         return (f"pp={self.stages} outer={self.outer} inner={self.inner} "
-                f"microbatches={self.microbatches} schedule={self.schedule}")
+                f"microbatches={self.microbatches} schedule={schedule}")
 
     @property
     def headroom_bytes(self) -> float:
@@ -281,6 +303,7 @@ class Plan:
         out = []
         for name in ("function", "devices", "hardware", "memory_budget", "objective",
                      "global_batch", "stages", "outer", "inner", "microbatches", "schedule",
+                     "virtual_stages",
                      "step_time_s", "peak_memory_bytes", "fingerprint"):
             a, b = getattr(self, name), getattr(other, name)
             if a != b:
@@ -330,7 +353,7 @@ class Plan:
         names = {f.name for f in fields(Plan)}
         missing = sorted(n for n in names if n not in d and n not in
                          ("frontier_points", "search_seconds", "notes",
-                          "batch_input_specs", "precision"))
+                          "batch_input_specs", "precision", "virtual_stages"))
         if missing:
             raise PxformError(f"pxform.Plan.load: {where} lacks {missing}.\n  Fix: write the "
                               f"plan again with Plan.save.")

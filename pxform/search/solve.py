@@ -23,11 +23,12 @@ from pxform.core.units import format_bytes
 from pxform.cost.hardware import Hardware
 from pxform.cost.model import CostModel
 from pxform.ops.strategy import choice_text
-from pxform.schedules import Costs, one_f_one_b, simulate
+from pxform.schedules import Costs, resolve, simulate
 from pxform.search.analysis import Analysis, BlockInfo, analyse
-from pxform.search.context import Pin, SearchContext
+from pxform.search.context import Pin, SearchContext, tensor_choice_key
 from pxform.search.options import block_strategies, canonical, param_layouts
 from pxform.search.partition import pareto, search_configs
+from pxform.search.pipelines import ScheduleChoice
 from pxform.search.plan import BlockPlan, FrontierPoint, Plan, StagePlan
 from pxform.search.space import Config, Option, configs
 from pxform.search.stages import Candidate
@@ -246,7 +247,8 @@ def _op_texts(ctx: SearchContext, block: BlockInfo, config: Config, option: Opti
     """Per op of `block`, "<data>/<tensor>": the choices `block_strategies` combines (the
     lowering rebuilds each op's strategy from them on its own mesh)."""
     a = ctx.analysis
-    picks = ctx.tensor_picks(block.kind, config) if option.tensor_axis else None
+    picks = ctx.tensor_picks(block.kind, config, option.sequence_parallel) \
+        if option.tensor_axis else None
     out = []
     for k in range(block.start, block.stop):
         data = choice_text(a.data_strategies[k].choices[0][1])
@@ -265,15 +267,16 @@ def _make_plan(c: Candidate, ctx: SearchContext, found: Sequence[Candidate], sec
                              _op_texts(ctx, b, cfg, c.options[b.index]))
                    for b in a.blocks)
     stages = tuple(StagePlan(s.stage, s.blocks, s.forward, s.backward, s.memory, s.in_flight,
-                             s.param_bytes) for s in c.stages)
+                             s.param_bytes, s.weight) for s in c.stages)
     tensor: dict[int, tuple] = {}
     specs: dict[str, P] = {}
     mesh = cfg.stage_mesh
     for b in a.blocks:
         o = c.options[b.index]
-        if o.tensor_axis and b.kind not in tensor:
-            picks = ctx.tensor_picks(b.kind, cfg)
-            tensor[b.kind] = tuple(_json_choice(s.choices[0][1]) for s in picks)
+        key = tensor_choice_key(b.kind, o.sequence_parallel)
+        if o.tensor_axis and key not in tensor:
+            picks = ctx.tensor_picks(b.kind, cfg, o.sequence_parallel)
+            tensor[key] = tuple(_json_choice(s.choices[0][1]) for s in picks)
         strats = block_strategies(ctx, b, cfg, o)
         for name, lay in param_layouts(ctx, b, cfg, o, strats, mesh).items():
             specs.setdefault(name, _spec(lay))
@@ -287,16 +290,24 @@ def _make_plan(c: Candidate, ctx: SearchContext, found: Sequence[Candidate], sec
                 if v.name in a.batch_inputs and v.name not in batch:
                     batch[v.name] = _spec(canonical(ctx, v.name, v.type.rank,
                                                          c.options[b.index]))
-    step = _simulated_step(c)
-    points = tuple(FrontierPoint(p.step_time, p.peak_memory, p.config.text(),
+    step = _simulated_step(c, hw.step_overhead_s)
+    points = tuple(FrontierPoint(p.step_time, p.peak_memory, _config_text(p),
                                  _summary(p.options)) for p in pareto(found))
     return Plan(fn, cfg.devices, hw.name, int(budget), objective, ctx.global_batch,
-                cfg.stages, cfg.outer, cfg.inner, cfg.microbatches, "1f1b", blocks, stages,
+                cfg.stages, cfg.outer, cfg.inner, cfg.microbatches, c.schedule.name, blocks,
+                stages,
                 step, c.peak_memory, tuple(sorted(tensor.items())),
                 tuple((v.name, specs[v.name]) for v in a.graph.inputs if v.name in specs),
                 points, secs, a.graph.fingerprint(),
                 batch_input_specs=tuple((v.name, batch[v.name]) for v in a.graph.inputs
-                                        if v.name in batch))
+                                        if v.name in batch),
+                virtual_stages=c.schedule.virtual_stages)
+
+
+def _config_text(c: Candidate) -> str:
+    """As `Plan.config_text` prints it (the schedule named for pipelines only)."""
+    text = c.config.text()
+    return text + f" schedule={c.schedule.text()}" if c.config.stages > 1 else text
 
 
 SIMULATE_UP_TO = 2048
@@ -306,14 +317,20 @@ plan's step time (`pxform.schedules.simulate`, exact for unequal stages); bigger
 takes 1.6 s to simulate on this machine)."""
 
 
-def _simulated_step(c: Candidate) -> float:
+def _simulated_step(c: Candidate, step_overhead: float) -> float:
     cfg = c.config
-    if cfg.stages == 1 or cfg.stages * cfg.microbatches > SIMULATE_UP_TO:
+    choice = c.schedule
+    if cfg.stages == 1 or \
+            cfg.stages * cfg.microbatches * choice.virtual_stages > SIMULATE_UP_TO:
         return c.step_time
-    timeline = simulate(one_f_one_b(cfg.stages, cfg.microbatches),
-                        Costs(forward=[s.forward for s in c.stages],
-                              backward=[s.backward for s in c.stages]))
-    return timeline.step_time
+    schedule = resolve(choice.name, cfg.stages, cfg.microbatches, **dict(choice.options))
+    split = choice.split
+    timeline = simulate(schedule, Costs(
+        forward=[s.forward for s in c.stages],
+        backward=[s.backward - (s.weight if split else 0.0) for s in c.stages],
+        weight=[s.weight if split else 0.0 for s in c.stages]))
+    # the runtime's per-step host cost, which `assemble` adds to the schedule's time
+    return timeline.step_time + step_overhead
 
 
 def _json_choice(choice: tuple) -> tuple:
@@ -332,7 +349,9 @@ def pin_of(plan: Plan) -> Pin:
     return Pin(plan.stages, plan.outer, plan.inner, plan.microbatches,
                tuple(Option(b.roles, b.recompute) for b in plan.blocks),
                tuple(b.stage for b in plan.blocks),
-               {k: tuple(cs) for k, cs in plan.tensor_choices})
+               {k: tuple(cs) for k, cs in plan.tensor_choices},
+               ScheduleChoice(plan.schedule, plan.virtual_stages) if plan.stages > 1
+               else None)
 
 
 __all__ = ["OBJECTIVES", "Pin", "SearchError", "configs", "pin_of", "search"]

@@ -9,10 +9,12 @@ layout row-major, as `pxform.Mesh` lays ranks out):
     inner   groups of `inner` consecutive ranks: inside a node (inner <= devices per node)
 
 A block option gives each axis a role (Galvatron's decision tree): the outer axis is data
-(`dp`) or sharded data (`sdp`); the inner axis is tensor (`tp`) or the same data role as
-the outer one (mixing DP and SDP on one block is never better than SDP alone, Galvatron-BMW
-§3.2, so that branch is pruned); tensor parallelism across nodes is not offered (its
-activation all-reduces on the slow link lose to data parallelism there in every published
+(`dp`) or sharded data (`sdp`); the inner axis is tensor (`tp`), tensor with sequence
+parallelism between blocks (`sp`: the values crossing blocks stay split over the axis
+along their sequence dim, Megatron-LM's layout), or the same data role as the outer one
+(mixing DP and SDP on one block is never better than SDP alone, Galvatron-BMW §3.2, so
+that branch is pruned); tensor parallelism across nodes is not offered (its activation
+all-reduces on the slow link lose to data parallelism there in every published
 configuration). Each option is taken with recompute off and on.
 """
 
@@ -23,7 +25,7 @@ from dataclasses import dataclass
 from functools import cached_property
 
 from pxform.core.mesh import AbstractMesh
-from pxform.search.plan import strategy_text
+from pxform.search.plan import TENSOR_ROLES, strategy_text
 
 OUTER = "outer"
 INNER = "inner"
@@ -50,7 +52,17 @@ class Option:
 
     @cached_property
     def tensor_axis(self) -> str | None:
-        return next((a for a, r in self.roles if r == "tp"), None)
+        """The axis splitting ops (`tp`, or `sp`: tensor parallel with sequence
+        parallelism between blocks)."""
+        return next((a for a, r in self.roles if r in TENSOR_ROLES), None)
+
+    @property
+    def sequence_parallel(self) -> bool:
+        """Whether the values crossing into and out of the block are split over the
+        tensor axis along their sequence dim (Megatron's sequence parallelism: norms and
+        residual adds on a share of the tokens, an all-gather before the first split
+        matmul and a reduce-scatter after the last, in place of an all-reduce)."""
+        return any(r == "sp" for _, r in self.roles)
 
     def text(self) -> str:
         return strategy_text(self.roles, self.recompute)
@@ -80,18 +92,20 @@ class Config:
                 f"microbatches={self.microbatches}")
 
 
-def options(config: Config) -> list[Option]:
-    """Every block option on `config`'s stage mesh (module doc)."""
+def options(config: Config, sequence_parallel: bool = True) -> list[Option]:
+    """Every block option on `config`'s stage mesh (module doc); the `sp` role only with
+    `sequence_parallel`."""
     o, i = config.outer, config.inner
     combos: list[tuple[tuple[str, str], ...]] = []
+    tensor = TENSOR_ROLES if sequence_parallel else ("tp",)
     if o > 1 and i > 1:
         for kind in ("dp", "sdp"):
             combos.append(((OUTER, kind), (INNER, kind)))
-            combos.append(((OUTER, kind), (INNER, "tp")))
+            combos += [((OUTER, kind), (INNER, t)) for t in tensor]
     elif o > 1:
         combos += [((OUTER, "dp"),), ((OUTER, "sdp"),)]
     elif i > 1:
-        combos += [((INNER, "dp"),), ((INNER, "sdp"),), ((INNER, "tp"),)]
+        combos += [((INNER, "dp"),), ((INNER, "sdp"),)] + [((INNER, t),) for t in tensor]
     else:
         combos.append(())
     return [Option(r, rc) for r in combos for rc in (False, True)]

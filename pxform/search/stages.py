@@ -10,10 +10,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pxform.cost.model import backward_extra, one_f_one_b_time
+from pxform.cost.model import backward_extra
 from pxform.search.context import OptionCost, OptionTable, SearchContext
 from pxform.search.frontier import Point, chain_frontier
 from pxform.search.options import transition
+from pxform.search.pipelines import ONE_F_ONE_B, ScheduleChoice
+from pxform.search.pipelines import step_time as pipeline_step
 from pxform.search.space import INNER, OUTER, Config, Option
 
 QUANTUM = 1 / 256
@@ -30,6 +32,7 @@ class StageResult:
     memory: float          # peak bytes per device
     in_flight: int
     param_bytes: float
+    weight: float = 0.0    # per microbatch, of `backward`: the weight gradients (zb's W)
 
 
 @dataclass(frozen=True)
@@ -45,6 +48,7 @@ class Candidate:
     block_time: tuple[float, ...]   # per block, per step
     block_memory: tuple[float, ...]  # per block, per device
     batch: int = 0                   # the global batch planned for
+    schedule: ScheduleChoice = ONE_F_ONE_B
 
 
 
@@ -90,13 +94,16 @@ def _borrowed_shares(ctx: SearchContext, idx: list[int]) -> tuple[tuple[int, flo
 
 
 def stage_frontier(ctx: SearchContext, config: Config, idx: list[int],
-                   tables: Sequence[OptionTable], flight: int) -> list[tuple[Point, float]]:
+                   tables: Sequence[OptionTable], flight: int, waits: int = 0
+                   ) -> list[tuple[Point, float]]:
     """The stage's frontier points within the budget, each with its peak memory including
-    the workspace."""
+    the workspace. `waits`: microbatches whose weight-op output gradients the stage keeps
+    for zero-bubble W actions (`pipelines.awaiting`)."""
     a = ctx.analysis
     m = config.microbatches
     times = [np.array([c.step_time(m) for c in tables[k].costs]) for k in idx]
-    mems = [np.array([c.memory(flight, o.recompute, m)
+    mm = memory_microbatches(m, flight, waits)
+    mems = [np.array([c.memory(flight, o.recompute, mm) + waits * c.weight_out
                       for c, o in zip(tables[k].costs, tables[k].options)]) for k in idx]
     trans_time: list[np.ndarray | None] = [None]
     for j in range(1, len(idx)):
@@ -112,7 +119,7 @@ def stage_frontier(ctx: SearchContext, config: Config, idx: list[int],
         trans_time.append(mat)
     held = borrowed(ctx, idx, tables) if config.stages > 1 else 0.0
     budget = ctx.budget - held
-    workspace = _least_extra(tables, idx, flight, m)
+    workspace = _least_extra(tables, idx, flight, mm)
     for _ in range(3):
         limit = budget - workspace
         if limit <= 0:
@@ -124,7 +131,7 @@ def stage_frontier(ctx: SearchContext, config: Config, idx: list[int],
         out = []
         worst = workspace
         for pt in pts:
-            ws = _extra(tables, idx, pt.choices, flight, m)
+            ws = _extra(tables, idx, pt.choices, flight, mm)
             worst = max(worst, ws)
             if pt.memory + ws <= budget:
                 out.append((pt, pt.memory + ws + held))
@@ -132,6 +139,15 @@ def stage_frontier(ctx: SearchContext, config: Config, idx: list[int],
             return out
         workspace = worst
     return []
+
+
+def memory_microbatches(m: int, flight: int, waits: int) -> int:
+    """The microbatch count the memory model (`cost.model.peak_bytes`,
+    `backward_extra`) is given: `m`, or, on a zero-bubble stage (`waits` > 0), more than
+    are in flight. There the input-gradient pass keeps every graph for W, so the weight
+    gradients appear beside all `flight` microbatches' activations instead of replacing
+    the last one's as a plain backward frees it."""
+    return max(m, flight + 1) if waits else m
 
 
 def _extra(tables: Sequence[OptionTable], idx: list[int], choices: Sequence[int],
@@ -162,33 +178,35 @@ def _least_extra(tables: Sequence[OptionTable], idx: list[int], flight: int, m: 
 def assemble(ctx: SearchContext, config: Config, part: tuple[int, ...],
              stage_points: list[tuple[list[int], list[tuple[Point, float]]]],
              tables: Sequence[OptionTable], flights: list[int], limit: float,
-             objective: str) -> Candidate | None:
-    """A pipeline plan: per stage the frontier point that is best under `limit`."""
+             objective: str, schedule: ScheduleChoice = ONE_F_ONE_B,
+             waits: Sequence[int] | None = None) -> Candidate | None:
+    """A pipeline plan: per stage the frontier point that is best under `limit` (per
+    rank, over its stages together, when a rank runs several), priced by `schedule`."""
     m = config.microbatches
+    picked = _pick(ctx, config, stage_points, tables, flights, limit, objective)
+    if picked is None:
+        return None
     chosen: list[Option | None] = [None] * len(part)
     chosen_cost: list[OptionCost | None] = [None] * len(part)
     block_time = [0.0] * len(part)
     block_mem = [0.0] * len(part)
     stages = []
-    fw, bw = [], []
-    for s, (idx, pts) in enumerate(stage_points):
-        fit = [(pt, mem) for pt, mem in pts if mem <= limit]
-        if not fit:
-            return None
-        if objective == "memory":
-            pt, mem = min(fit, key=lambda x: (x[1], x[0].time))
-        else:
-            pt, mem = min(fit, key=lambda x: (x[0].time, x[1]))
-        f = b = extra = pbytes = outer = inner = 0.0
+    fw, bw, wt = [], [], []
+    for s, ((idx, _), (pt, mem)) in enumerate(zip(stage_points, picked)):
+        f = b = w = extra = pbytes = outer = inner = 0.0
         for k, c in zip(idx, pt.choices):
             o = tables[k].options[c]
             oc = tables[k].costs[c]
             chosen[k] = o
             chosen_cost[k] = oc
             block_time[k] = oc.step_time(m)
-            block_mem[k] = oc.memory(flights[s], o.recompute, m)
+            wait = waits[s] if waits else 0
+            block_mem[k] = oc.memory(flights[s], o.recompute,
+                                     memory_microbatches(m, flights[s], wait)) + \
+                wait * oc.weight_out
             f += oc.forward
             b += oc.backward
+            w += oc.weight
             extra += oc.step_extra
             pbytes += oc.params
             outer += oc.packed_outer
@@ -201,14 +219,15 @@ def assemble(ctx: SearchContext, config: Config, part: tuple[int, ...],
                 extra += (ctx.model.bucketed_all_reduce(sent, axis, axes)
                           - ctx.packed_rate(config, axis) * sent)
         # the runtime's own host time (`pxform.tools.runtime_costs`): per parameter tensor
-        # per step, and per pipeline action
+        # per step, and per pipeline action (a zero-bubble W is one more)
         hw = ctx.hardware
         num_params = sum(len(ctx.analysis.blocks[k].params) for k in idx)
         extra += hw.param_overhead_s * num_params
         if config.stages > 1:
             action = hw.action_overhead_s + hw.param_action_overhead_s * num_params
             f += action
-            b += action
+            b += action * (2 if schedule.split else 1)
+            w += action if schedule.split else 0.0
         if config.stages > 1:  # the owner's chosen option, not the least the DP assumed
             exact = borrowed(ctx, idx, tables, chosen_cost)
             mem += exact - borrowed(ctx, idx, tables)
@@ -223,13 +242,78 @@ def assemble(ctx: SearchContext, config: Config, part: tuple[int, ...],
         b += trans / 2 + p2p
         fw.append(f)
         bw.append(b + extra / m)
+        wt.append(w)
         stages.append(StageResult(s, tuple(idx), pt.time, f, b + extra / m, mem, flights[s],
-                                  pbytes))
-    step = one_f_one_b_time(fw, bw, m) if config.stages > 1 else m * (fw[0] + bw[0])
+                                  pbytes, w))
+    if config.stages > 1:
+        step = pipeline_step(schedule, config.stages, m, fw, bw, wt)
+    else:
+        step = m * (fw[0] + bw[0])
     step += ctx.hardware.step_overhead_s
     return Candidate(config, tuple(o for o in chosen if o is not None), part, tuple(stages),
                      step, max(st.memory for st in stages), tuple(block_time),
-                     tuple(block_mem), ctx.global_batch)
+                     tuple(block_mem), ctx.global_batch, schedule)
+
+
+def _pick(ctx: SearchContext, config: Config,
+          stage_points: list[tuple[list[int], list[tuple[Point, float]]]],
+          tables: Sequence[OptionTable], flights: list[int], limit: float, objective: str
+          ) -> list[tuple[Point, float]] | None:
+    """Per stage, its frontier point and the peak memory of its rank. One stage per rank:
+    its best point within `limit`. Several (interleaved): the rank's stages share `limit`,
+    their workspaces do not add (one backward runs at a time): from each stage's best
+    point, the stage whose next point saves the most bytes per second lost steps down
+    until the rank fits."""
+    p = config.stages
+    n = len(stage_points)
+    key = (lambda x: (x[1], x[0].time)) if objective == "memory" else \
+        (lambda x: (x[0].time, x[1]))
+    if n == p:
+        out = []
+        for _, pts in stage_points:
+            fit = [x for x in pts if x[1] <= limit]
+            if not fit:
+                return None
+            out.append(min(fit, key=key))
+        return out
+    m = config.microbatches
+    picked: list[tuple[Point, float] | None] = [None] * n
+    for r in range(p):
+        mine = list(range(r, n, p))
+        # per stage its points best first, each with (memory less workspace, workspace)
+        ranked = []
+        for s in mine:
+            idx, pts = stage_points[s]
+            fit = sorted((x for x in pts if x[1] <= limit), key=key)
+            if not fit:
+                return None
+            ranked.append([(pt, mem, _extra(tables, idx, pt.choices, flights[s], m))
+                           for pt, mem in fit])
+        at = [0] * len(mine)
+        while _rank_memory(ranked, at) > limit:
+            step = None
+            for j in range(len(mine)):
+                cur = ranked[j][at[j]]
+                for nxt in range(at[j] + 1, len(ranked[j])):
+                    cand = ranked[j][nxt]
+                    if cand[1] < cur[1]:
+                        gain = (cur[1] - cand[1]) / max(cand[0].time - cur[0].time, 1e-12)
+                        if step is None or gain > step[0]:
+                            step = (gain, j, nxt)
+                        break
+            if step is None:
+                return None
+            at[step[1]] = step[2]
+        total = _rank_memory(ranked, at)
+        for j, s in enumerate(mine):
+            picked[s] = (ranked[j][at[j]][0], total)
+    return [x for x in picked if x is not None]
+
+
+def _rank_memory(ranked: list[list[tuple[Point, float, float]]], at: list[int]) -> float:
+    """A rank's peak over its stages' chosen points: their bytes, one workspace."""
+    here = [ranked[j][at[j]] for j in range(len(ranked))]
+    return sum(mem - ws for _, mem, ws in here) + max(ws for _, _, ws in here)
 
 
 def _p2p(ctx: SearchContext, config: Config, idx: list[int]) -> float:

@@ -511,19 +511,25 @@ def _time_unit(seconds: float) -> tuple[str, float]:
 
 
 def plot_timeline(plan: Plan, path: str) -> None:
-    """The chosen plan's pipeline: 1F1B over `plan.stages` ranks (one rank of GPipe when
-    there is one stage) with the predicted per-stage forward/backward times per
-    microbatch, drawn by `pxform.schedules.plot`."""
+    """The chosen plan's pipeline: its schedule over `plan.stages` ranks (one rank of GPipe
+    when there is one stage) with the predicted per-stage forward/backward (and
+    weight-gradient) times per microbatch, drawn by `pxform.schedules.plot`."""
     import pxform.schedules as schedules
 
     stages, m = plan.stages, plan.microbatches
-    per_stage = list(plan.stage_plans)[:stages]
-    step = sum(s.forward_s + s.backward_s for s in per_stage) * m
+    per_stage = list(plan.stage_plans)[:plan.num_stages]
+    step = sum(s.forward_s + s.backward_s for s in per_stage) * m / plan.virtual_stages
     unit, scale = _time_unit(step)
-    costs = schedules.Costs(forward=[s.forward_s / scale for s in per_stage],
-                            backward=[s.backward_s / scale for s in per_stage])
-    schedule = schedules.one_f_one_b(stages, m) if stages > 1 else schedules.gpipe(1, m)
-    name = "1F1B" if stages > 1 else "one stage"
+    split = plan.schedule == "zb"
+    costs = schedules.Costs(
+        forward=[s.forward_s / scale for s in per_stage],
+        backward=[(s.backward_s - (s.weight_s if split else 0.0)) / scale for s in per_stage],
+        weight=[s.weight_s / scale for s in per_stage])
+    if stages > 1:
+        schedule = schedules.resolve(plan.schedule, stages, m, **plan.schedule_options)
+        name = plan.config_text().rpartition("schedule=")[2]
+    else:
+        schedule, name = schedules.gpipe(1, m), "one stage"
     timeline = schedules.simulate(schedule, costs)
     schedules.plot(timeline, path, title=f"{plan.function}: {name}, {stages} stage(s) x "
                                          f"{m} microbatches, times in {unit}")

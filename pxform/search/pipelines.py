@@ -1,0 +1,183 @@
+"""The pipeline schedules the search chooses between, and how each is priced.
+
+For a pipeline of `p` ranks and `m` microbatches the search tries:
+
+    1f1b          one stage per rank
+    zb            ZB-H1: the same stages, the weight gradients split off into W actions
+                  (`OptionCost.weight`) that fill the drain
+    interleaved   `v = 2` chunks per rank (`2p` stages, stage s on rank s % p): the warm-up
+                  and drain shrink about v times, for twice the actions and transfers
+
+Each is timed by the schedule simulator's own rules (`pxform.schedules.Timer`, compiled
+once per schedule shape), and holds activations as the executor does
+(`pxform.schedules.held`): zero-bubble keeps a microbatch's graph from its F until its W,
+so its stages hold up to `p` microbatches where 1F1B's stage s holds `p - s`, and stage s
+keeps the output gradients of its weight ops for up to `s + 1` microbatches between their B
+and W (`awaiting`, `OptionCost.weight_out`); interleaved
+ranks hold more microbatches of smaller chunks. The memory model reads those counts, so
+the search trades the smaller bubble against the memory it costs.
+
+Schedules with more than `TIMED_UP_TO` (stage, microbatch) pairs are priced by closed
+forms that equal the simulation when stages are equal (module functions below), so a
+1,024-GPU search does not simulate 100,000 actions per candidate. Merak's shifted schedule
+is not searched: its stage-level recompute is not one of the per-block options the memory
+model prices (`pxform.pipeline(..., schedule="shifted")` runs it when asked).
+
+Example:
+    >>> [c.text() for c in choices(Config(2, 1, 1, 4), num_blocks=8)]
+    ['1f1b', 'zb', 'interleaved(virtual_stages=2)']
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from pxform.cost.model import one_f_one_b_in_flight, one_f_one_b_time
+from pxform.schedules import Timer, awaiting_weights, held, resolve
+from pxform.search.space import Config
+
+NAMES = ("1f1b", "zb", "interleaved")
+"""The schedules the search chooses between (`pxform.schedules.NAMES` has all that run)."""
+
+TIMED_UP_TO = 2048
+"""Schedules with at most this many (stage, microbatch) pairs, virtual stages counted, are
+timed by the simulator's rules; bigger ones by closed forms (module doc)."""
+
+
+@dataclass(frozen=True)
+class ScheduleChoice:
+    """A pipeline schedule by name, with its chunks per rank (`virtual_stages`, >1 only
+    for interleaved)."""
+
+    name: str = "1f1b"
+    virtual_stages: int = 1
+
+    def text(self) -> str:
+        return (f"{self.name}(virtual_stages={self.virtual_stages})"
+                if self.virtual_stages > 1 else self.name)
+
+    @property
+    def options(self) -> tuple[tuple[str, Any], ...]:
+        """What `pxform.pipeline` takes besides the name (`virtual_stages=`)."""
+        return (("virtual_stages", self.virtual_stages),) if self.virtual_stages > 1 else ()
+
+    @property
+    def split(self) -> bool:
+        """Whether the backward splits into B and W."""
+        return self.name == "zb"
+
+    def num_stages(self, ranks: int) -> int:
+        return ranks * self.virtual_stages
+
+
+ONE_F_ONE_B = ScheduleChoice()
+
+
+def choices(config: Config, num_blocks: int, pinned: ScheduleChoice | None = None
+            ) -> tuple[ScheduleChoice, ...]:
+    """The schedules to price for `config` (1F1B alone without a pipeline); `pinned`, the
+    one the user fixed. Interleaving needs two blocks per rank at least."""
+    if config.stages == 1:
+        return (ONE_F_ONE_B,)
+    if pinned is not None:
+        return (pinned,)
+    out = [ONE_F_ONE_B, ScheduleChoice("zb")]
+    if 2 * config.stages <= num_blocks:
+        out.append(ScheduleChoice("interleaved", 2))
+    return tuple(out)
+
+
+@functools.lru_cache(maxsize=256)
+def _compiled(choice: ScheduleChoice, p: int, m: int
+              ) -> tuple[Timer | None, tuple[int, ...], tuple[int, ...]]:
+    if p * m * choice.virtual_stages > TIMED_UP_TO:
+        waits = tuple(min(s + 1, m) for s in range(p)) if choice.split else \
+            (0,) * choice.num_stages(p)
+        return None, _held_closed(choice, p, m), waits
+    schedule = resolve(choice.name, p, m, **dict(choice.options))
+    return Timer(schedule), held(schedule), awaiting_weights(schedule)
+
+
+def in_flight(choice: ScheduleChoice, p: int, m: int) -> tuple[int, ...]:
+    """Per stage (virtual stages counted): the microbatches whose activations it holds at
+    its rank's peak (`pxform.schedules.held`).
+
+    Example:
+        >>> in_flight(ScheduleChoice("zb"), 4, 8)
+        (4, 4, 4, 4)
+    """
+    return _compiled(choice, p, m)[1]
+
+
+def awaiting(choice: ScheduleChoice, p: int, m: int) -> tuple[int, ...]:
+    """Per stage: the most microbatches between their B and their W, whose weight-op
+    output gradients the executor keeps (`pxform.schedules.awaiting_weights`; 0 without
+    W actions).
+
+    Example:
+        >>> awaiting(ScheduleChoice("zb"), 4, 8), awaiting(ONE_F_ONE_B, 2, 4)
+        ((1, 2, 3, 4), (0, 0))
+    """
+    return _compiled(choice, p, m)[2]
+
+
+def _held_closed(choice: ScheduleChoice, p: int, m: int) -> tuple[int, ...]:
+    if choice.name == "zb":  # every rank keeps p graphs: p - r to its B, r more to its W
+        return (min(p, m),) * p
+    if choice.name == "interleaved":
+        # rank r warms up with 2(p - r - 1) + (v - 1)p forwards (Megatron's count) and
+        # peaks one forward later; its chunks share that evenly
+        v = choice.virtual_stages
+        per_rank = [min(2 * (p - r - 1) + (v - 1) * p + 1, m * v) for r in range(p)]
+        return tuple(math.ceil(per_rank[s % p] / v) for s in range(p * v))
+    return tuple(one_f_one_b_in_flight(p, m))
+
+
+def step_time(choice: ScheduleChoice, p: int, m: int, forward: Sequence[float],
+              backward: Sequence[float], weight: Sequence[float]) -> float:
+    """Seconds per step: per stage (virtual stages counted), `forward` and `backward` per
+    microbatch (the backward whole), `weight` its weight-gradient part (zero-bubble's W).
+
+    Example:
+        >>> step_time(ScheduleChoice("zb"), 4, 8, [1.0] * 4, [2.0] * 4, [1.0] * 4)
+        27.0
+    """
+    timer = _compiled(choice, p, m)[0]
+    if timer is not None:
+        if choice.split:
+            return timer.step_time(forward, [b - w for b, w in zip(backward, weight)],
+                                   weight)
+        return timer.step_time(forward, backward)
+    per = [f + b for f, b in zip(forward, backward)]
+    if choice.name == "zb":
+        # m x the slowest stage, and a warm-up/drain of (F + B - W) per further stage
+        # (uniform: the ZB-H1 paper's (p - 1)(F + B - W) idle time)
+        drain = [x - 2 * w for x, w in zip(per, weight)]
+        return m * max(per) + (p - 1) * max(0.0, sum(drain) / p)
+    if choice.virtual_stages > 1:
+        v = choice.virtual_stages
+        ranks = [sum(per[r::p]) for r in range(p)]
+        # uniform chunks c: (m v + p - 1) c, the idle share (p - 1) / (v m + p - 1)
+        return m * max(ranks) + (p - 1) * sum(per) / (p * v)
+    return one_f_one_b_time(forward, backward, m)
+
+
+def bubble_bound(choice: ScheduleChoice, p: int, m: int, weight_share: float) -> float:
+    """The step over the work spread evenly over the ranks, for equal stages: 1F1B's
+    `(m + p - 1) / m`; ZB-H1's `1 + (p - 1)(1 - 2 s) / m` with `s` the weight gradients'
+    share of a stage's work (`weight_share`); interleaved's `1 + (p - 1) / (v m)`
+    (`bounds.lower_bound` uses it: no plan of the schedule beats it by much).
+
+    Example:
+        >>> bubble_bound(ONE_F_ONE_B, 4, 4, 0.0), bubble_bound(ScheduleChoice("zb"), 4, 4, 1/3)
+        (1.75, 1.25)
+    """
+    if p == 1:
+        return 1.0
+    if choice.split:
+        return 1.0 + (p - 1) * max(0.0, 1.0 - 2.0 * weight_share) / m
+    return 1.0 + (p - 1) / (choice.virtual_stages * m)

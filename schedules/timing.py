@@ -1,0 +1,187 @@
+"""`Timer`: a schedule compiled once and timed many times, for the search; `held`: the
+activations each stage keeps at its rank's peak, as the pipeline executor keeps them.
+
+`simulate` validates a schedule and builds a full `Timeline` on every call: right for a
+report, too slow for a search that prices every candidate plan's schedule. A `Timer` walks
+the schedule once (in `simulate`'s own order, with `simulate`'s rules for what each action
+waits for and how long it lasts) and keeps per action only its rank, its duration's source
+and the actions it waits for; `step_time` then replays that list with the given costs. The
+result equals `simulate(schedule, costs).step_time` (tests/test_schedules.py checks it on
+every generator).
+
+Example:
+    >>> from pxform.schedules import Costs, simulate, zero_bubble
+    >>> t = Timer(zero_bubble(4, 8))
+    >>> t.step_time([1.0] * 4, [1.0] * 4, [1.0] * 4)
+    27.0
+    >>> simulate(zero_bubble(4, 8), Costs(1.0, 1.0, weight=1.0)).step_time
+    27.0
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from pxform.core.errors import ScheduleError
+from pxform.schedules.actions import Action, Schedule
+from pxform.schedules.rules import needs
+from pxform.schedules.validate import check
+
+# what an action's duration is made of: forward, backward (+ weight when its stage has
+# no W actions), weight, recompute
+_F, _B, _BW, _W, _R = range(5)
+
+
+@dataclass(frozen=True)
+class Timer:
+    """`schedule` compiled for repeated timing (module doc). Send and receive actions are
+    not allowed (the search times compute schedules; `p2p` prices every cross-rank wait).
+
+    Raises:
+        ScheduleError: the schedule is invalid, or has send/receive actions.
+    """
+
+    stages: int
+    ranks: int
+    # per action, in an order in which every action follows what it waits for:
+    # (rank, duration kind, stage, ((index of an awaited action, its stage when it runs on
+    # another rank, else -1), ...))
+    order: tuple[tuple[int, int, int, tuple[tuple[int, int], ...]], ...]
+
+    def __init__(self, schedule: Schedule) -> None:
+        shape = check(schedule, "Timer")
+        if shape.has_comm:
+            raise ScheduleError("pxform.schedules.Timer: the schedule has send/receive "
+                                "actions; time its compute actions (rules.compute_only)")
+        index: dict[Action, int] = {}
+        out: list[tuple[int, int, int, tuple[tuple[int, int], ...]]] = []
+        pos = {r: 0 for r in schedule}
+        progress = True
+        while progress:  # `simulate`'s order: validated, so every action runs
+            progress = False
+            for rank, row in schedule.items():
+                while pos[rank] < len(row):
+                    a = row[pos[rank]]
+                    if a is None:
+                        pos[rank] += 1
+                        continue
+                    deps = needs(a, shape)
+                    if not all(d in index for d in deps):
+                        break
+                    waits = tuple((index[d], d.stage if shape.rank_of(d.stage) != rank
+                                   else -1) for d in deps)
+                    kind = {"F": _F, "W": _W, "R": _R}.get(a.kind)
+                    if kind is None:  # B
+                        kind = _B if a.stage in shape.weight_stages else _BW
+                    index[a] = len(out)
+                    out.append((rank, kind, a.stage, waits))
+                    pos[rank] += 1
+                    progress = True
+        object.__setattr__(self, "stages", shape.stages)
+        object.__setattr__(self, "ranks", shape.ranks)
+        object.__setattr__(self, "order", tuple(out))
+
+    def step_time(self, forward: Sequence[float], backward: Sequence[float],
+                  weight: Sequence[float] | None = None,
+                  recompute: Sequence[float] | None = None,
+                  p2p: Sequence[float] | None = None) -> float:
+        """When the last action ends, with per-stage costs as `Costs` defines them
+        (`weight` defaults to 0, `recompute` to `forward`, `p2p` to 0).
+
+        Example:
+            >>> from pxform.schedules import one_f_one_b
+            >>> Timer(one_f_one_b(4, 8)).step_time([1.0] * 4, [2.0] * 4)
+            33.0
+        """
+        n = self.stages
+        zero = [0.0] * n
+        w = zero if weight is None else weight
+        r = forward if recompute is None else recompute
+        send = zero if p2p is None else p2p
+        for name, seq in (("forward", forward), ("backward", backward), ("weight", w),
+                          ("recompute", r), ("p2p", send)):
+            if len(seq) != n:
+                raise ValueError(f"pxform.schedules.Timer: {name} has {len(seq)} entries "
+                                 f"but the schedule has {n} stages")
+        durations = (forward, backward, [b + x for b, x in zip(backward, w)], w, r)
+        free = [0.0] * self.ranks
+        end = [0.0] * len(self.order)
+        last = 0.0
+        for k, (rank, kind, stage, waits) in enumerate(self.order):
+            start = free[rank]
+            for d, other in waits:
+                ready = end[d] + send[other] if other >= 0 else end[d]
+                if ready > start:
+                    start = ready
+            finish = start + durations[kind][stage]
+            end[k] = free[rank] = finish
+            if finish > last:
+                last = finish
+        return last
+
+
+def held(schedule: Schedule) -> tuple[int, ...]:
+    """Per stage: how many microbatches' activations it holds when its rank holds the most
+    (counted over the rank's stages together; the latest such moment on ties). The
+    executor (`pxform.runtime.pipeline`) keeps a microbatch's activations from its `F` to
+    the end of its backward: its `B`, or, for a stage that splits off `W`, its `W` (the
+    input-gradient pass keeps the graph for the weight-gradient pass). A stage with `R`
+    actions keeps only its inputs between `F` and `R`.
+
+    Example:
+        >>> from pxform.schedules import one_f_one_b, zero_bubble
+        >>> held(one_f_one_b(4, 8)), held(zero_bubble(4, 8))
+        ((4, 3, 2, 1), (4, 4, 4, 4))
+    """
+    shape = check(schedule, "held")
+    out = [0] * shape.stages
+    for rank, row in schedule.items():
+        acts = [a for a in row if a is not None and a.is_compute]
+        redone = {(a.stage, a.microbatch) for a in acts if a.kind == "R"}
+        count = {s: 0 for s in range(shape.stages) if shape.rank_of(s) == rank}
+        best = -1
+        at: dict[int, int] = dict(count)
+        for a in acts:
+            key = (a.stage, a.microbatch)
+            split = a.stage in shape.weight_stages
+            if not shape.trainable(a.stage):
+                continue  # a forward-only stage frees its activations as its F ends
+            if (a.kind == "F" and key not in redone) or a.kind == "R":
+                count[a.stage] += 1
+            elif (a.kind == "B" and not split) or a.kind == "W":
+                count[a.stage] -= 1
+            total = sum(count.values())
+            if total >= best:
+                best, at = total, dict(count)
+        for s, c in at.items():
+            out[s] = c
+    return tuple(out)
+
+
+def awaiting_weights(schedule: Schedule) -> tuple[int, ...]:
+    """Per stage: the most microbatches whose `B` has run and whose `W` has not, counting
+    the one whose W runs next (0 for a stage without W actions). The executor keeps the
+    gradients of their weight ops' outputs meanwhile.
+
+    Example:
+        >>> from pxform.schedules import zero_bubble
+        >>> awaiting_weights(zero_bubble(4, 8))
+        (1, 2, 3, 4)
+    """
+    shape = check(schedule, "awaiting_weights")
+    out = [0] * shape.stages
+    for row in schedule.values():
+        count = {s: 0 for s in shape.weight_stages}
+        for a in row:
+            if a is None or a.stage not in count:
+                continue
+            if a.kind == "B":
+                count[a.stage] += 1
+                out[a.stage] = max(out[a.stage], count[a.stage])
+            elif a.kind == "W":
+                count[a.stage] -= 1
+    return tuple(out)
+
+
+__all__ = ["Timer", "awaiting_weights", "held"]
