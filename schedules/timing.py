@@ -25,8 +25,7 @@ from dataclasses import dataclass
 
 from pxform.core.errors import ScheduleError
 from pxform.schedules.actions import Action, Schedule
-from pxform.schedules.rules import needs
-from pxform.schedules.validate import check
+from pxform.schedules.rules import needs, shape_of
 
 # what an action's duration is made of: forward, backward (+ weight when its stage has
 # no W actions), weight, recompute
@@ -37,9 +36,11 @@ _F, _B, _BW, _W, _R = range(5)
 class Timer:
     """`schedule` compiled for repeated timing (module doc). Send and receive actions are
     not allowed (the search times compute schedules; `p2p` prices every cross-rank wait).
+    The schedule is not validated again (`resolve` and the generators' tests do): one
+    that cannot run to its end is refused, `validate` says why.
 
     Raises:
-        ScheduleError: the schedule is invalid, or has send/receive actions.
+        ScheduleError: the schedule deadlocks, or has send/receive actions.
     """
 
     stages: int
@@ -50,7 +51,7 @@ class Timer:
     order: tuple[tuple[int, int, int, tuple[tuple[int, int], ...]], ...]
 
     def __init__(self, schedule: Schedule) -> None:
-        shape = check(schedule, "Timer")
+        shape = shape_of(schedule)
         if shape.has_comm:
             raise ScheduleError("pxform.schedules.Timer: the schedule has send/receive "
                                 "actions; time its compute actions (rules.compute_only)")
@@ -78,6 +79,9 @@ class Timer:
                     out.append((rank, kind, a.stage, waits))
                     pos[rank] += 1
                     progress = True
+        if any(pos[r] < len(row) for r, row in schedule.items()):
+            raise ScheduleError("pxform.schedules.Timer: the schedule deadlocks (no rank "
+                                "can go on); validate(schedule) shows where")
         object.__setattr__(self, "stages", shape.stages)
         object.__setattr__(self, "ranks", shape.ranks)
         object.__setattr__(self, "order", tuple(out))
@@ -122,8 +126,9 @@ class Timer:
 
 
 def held(schedule: Schedule) -> tuple[int, ...]:
-    """Per stage: how many microbatches' activations it holds when its rank holds the most
-    (counted over the rank's stages together; the latest such moment on ties). The
+    """For a valid schedule (`validate`), per stage: how many microbatches' activations it
+    holds when its rank holds the most (counted over the rank's stages together; the
+    latest such moment on ties). The
     executor (`pxform.runtime.pipeline`) keeps a microbatch's activations from its `F` to
     the end of its backward: its `B`, or, for a stage that splits off `W`, its `W` (the
     input-gradient pass keeps the graph for the weight-gradient pass). A stage with `R`
@@ -134,7 +139,7 @@ def held(schedule: Schedule) -> tuple[int, ...]:
         >>> held(one_f_one_b(4, 8)), held(zero_bubble(4, 8))
         ((4, 3, 2, 1), (4, 4, 4, 4))
     """
-    shape = check(schedule, "held")
+    shape = shape_of(schedule)
     out = [0] * shape.stages
     for rank, row in schedule.items():
         acts = [a for a in row if a is not None and a.is_compute]
@@ -160,16 +165,16 @@ def held(schedule: Schedule) -> tuple[int, ...]:
 
 
 def awaiting_weights(schedule: Schedule) -> tuple[int, ...]:
-    """Per stage: the most microbatches whose `B` has run and whose `W` has not, counting
-    the one whose W runs next (0 for a stage without W actions). The executor keeps the
-    gradients of their weight ops' outputs meanwhile.
+    """For a valid schedule (`validate`), per stage: the most microbatches whose `B` has
+    run and whose `W` has not, counting the one whose W runs next (0 for a stage without W
+    actions). The executor keeps the gradients of their weight ops' outputs meanwhile.
 
     Example:
         >>> from pxform.schedules import zero_bubble
         >>> awaiting_weights(zero_bubble(4, 8))
         (1, 2, 3, 4)
     """
-    shape = check(schedule, "awaiting_weights")
+    shape = shape_of(schedule)
     out = [0] * shape.stages
     for row in schedule.values():
         count = {s: 0 for s in shape.weight_stages}

@@ -520,6 +520,10 @@ def test_timer_equals_simulate(name, p, m, rnd):
 def test_timer_refuses_comm_actions_and_wrong_lengths():
     with pytest.raises(ScheduleError, match="send/receive"):
         schedules.Timer(schedules.add_communication(schedules.one_f_one_b(2, 2)))
+    stuck = {0: [Action(0, "F", 0), Action(0, "B", 0)], 1: [Action(1, "B", 0),
+                                                          Action(1, "F", 0)]}
+    with pytest.raises(ScheduleError, match="deadlocks"):
+        schedules.Timer(stuck)
     with pytest.raises(ValueError, match="forward has 1 entries but the schedule has 2"):
         schedules.Timer(schedules.one_f_one_b(2, 2)).step_time([1.0], [1.0, 1.0])
 

@@ -209,7 +209,8 @@ class Pipelined(Nested):
         key = (cache_key(full, {}), mesh, tuple(layouts or ()), out_specs)
         if key in self._cache:
             return self._cache[key]
-        traced = self._trace(full, enclosing)
+        # a trace the caller made already (`pxform.auto` plans on one)
+        traced = self._cache.get(("traced", key[0])) or self._trace(full, enclosing)
         arg_of, leaves = self._inputs(full)
         batch_args = set(self._batch_argnums(len(full)))
         lowering_mesh = (with_microbatches(mesh, self.microbatches, self.__name__)

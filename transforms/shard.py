@@ -93,7 +93,9 @@ class Sharded(Executable):
             traced, program = compile_program(self.fn, full_args, {}, self.abstract_mesh,
                                               layouts, self._output_layouts, self.planner,
                                               self.fallback, precision=self.precision,
-                                              sync_batch_norm=self.sync_batch_norm)
+                                              sync_batch_norm=self.sync_batch_norm,
+                                              # a trace the caller made (`pxform.auto`)
+                                              traced=self._cache.get(("traced", key)))
             self._cache[key] = (traced, program, layouts)
         return self._cache[key]
 
