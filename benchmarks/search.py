@@ -13,11 +13,12 @@ Cases (`examples/factories.py`, parameters on `meta`, bfloat16):
 Per case, in one process: `pxform.trace` of the factory's function alone (trace), then
 `pxform.auto(...).plan(*args)` timed as a whole (total: it traces again, prepares the
 graph, analyses it, searches and assembles the plan), with `plan.search_seconds` (the
-search proper: every configuration evaluated) reported apart. Goals: search <= 1 s for
-each BERT-large and GPT-6.7B case, <= 5 s for GPT-3 175B; pass/fail is judged on the
-search time, and the total is printed beside it. An untimed plan of BERT "tiny" runs first
-so that one-time warm-up (torch's dispatcher, fake-tensor caches) is not charged to the
-first row.
+search proper: every configuration evaluated) reported apart. Goals (the issue's, tracing
+included): <= 1 s for each BERT-large and GPT-6.7B case, <= 5 s for GPT-3 175B; pass/fail
+is judged on the total. `--repeat N` plans BERT-large on 8 GPUs and GPT-3 175B on 1,024 N
+more times each and prints the spread (min / median / max). An untimed plan of BERT
+"tiny" runs first so that one-time warm-up (torch's dispatcher, fake-tensor caches) is
+not charged to the first row.
 
 Megatron-LM's GPT-3 175B configuration, pinned and evaluated by the same search and cost
 model (`pxform.search.search` with a `Pin`): TP 8, PP 16, micro-batch 1, global batch 1536
@@ -46,6 +47,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import statistics
 import sys
 import time
 from collections import Counter
@@ -123,7 +125,9 @@ def run_case(name: str, devices: int, batch: int) -> tuple[dict[str, Any], Any]:
         "blocks": len(plan.blocks), "trace_s": trace_s, "search_s": plan.search_seconds,
         "total_s": total_s, "total_cpu_s": total_cpu_s,
         "outside_search_s": total_s - plan.search_seconds,
-        "goal_s": case["goal_s"], "pass": plan.search_seconds <= case["goal_s"],
+        # the issue's goal counts tracing: the whole auto(...).plan() call
+        "goal_s": case["goal_s"], "pass": total_s <= case["goal_s"],
+        "search_pass": plan.search_seconds <= case["goal_s"],
         "config": plan.config_text(), "strategies": counts,
         "stage_blocks": [len(s.blocks) for s in plan.stage_plans],
         "step_time_s": plan.step_time_s, "peak_memory_bytes": plan.peak_memory_bytes,
@@ -230,6 +234,9 @@ def main() -> None:
     p.add_argument("--quick", action="store_true",
                    help="only the 8-device BERT and GPT-6.7B runs; writes no result")
     p.add_argument("--out", default=harness.RESULTS)
+    p.add_argument("--repeat", type=int, default=1,
+                   help="plan each goal case (BERT-large on 8, GPT-3 175B on 1024) this many "
+                        "times and report the spread of the times")
     args = p.parse_args()
     names = [c.strip() for c in args.cases.split(",") if c.strip()]
     unknown = [c for c in names if c not in CASES]
@@ -290,14 +297,44 @@ def main() -> None:
     if megatron:
         print("  found/it: the found plan's step time over this one's (> 1: the found plan "
               "is slower)")
-    print("\nsearch s: plan.search_seconds (wall; goal: <= goal); total s: wall time of "
-          "auto(...).plan(), tracing included; (cpu): its process CPU time, all threads (well "
-          "below total s: the process waited for a CPU); trace s: pxform.trace alone")
+    print("\nsearch s: plan.search_seconds (wall); total s: wall time of auto(...).plan(), "
+          "tracing included (goal: total <= goal); (cpu): its process CPU time, all threads "
+          "(well below total s: the process waited for a CPU); trace s: pxform.trace alone")
+    spread = repeat_rows(names, args.repeat) if args.repeat > 1 else []
     if not args.quick:
         result = {"cases": names, "megatron_config": MEGATRON, "rows": rows,
-                  "megatron": megatron, "microbatches_pinned": pinned}
+                  "megatron": megatron, "microbatches_pinned": pinned, "spread": spread}
         variant = "" if names == list(CASES) else "cases-" + "-".join(names)
         print("wrote", harness.write_result("search", result, args.out, variant))
+
+
+GOAL_RUNS = {"bert": (8, 128), "gpt3": (1024, 1536)}
+"""The issue's two timed cases: (devices, batch)."""
+
+
+def repeat_rows(names: list[str], repeat: int) -> list[dict[str, Any]]:
+    """Each goal case planned `repeat` times more (a new `auto` each time, tracing
+    included): the least, median and largest total and search times."""
+    out = []
+    print(f"\nspread over {repeat} runs (seconds): min / median / max")
+    for name in names:
+        if name not in GOAL_RUNS:
+            continue
+        devices, batch = GOAL_RUNS[name]
+        totals, searches = [], []
+        for _ in range(repeat):
+            row, _ = run_case(name, devices, batch)
+            totals.append(row["total_s"])
+            searches.append(row["search_s"])
+        row = {"case": name, "devices": devices, "batch": batch, "runs": repeat,
+               "total_s": sorted(totals), "search_s": sorted(searches),
+               "goal_s": CASES[name]["goal_s"]}
+        out.append(row)
+        print(f"  {CASES[name]['model']:<11}{devices:>5}  total "
+              f"{min(totals):.2f} / {statistics.median(totals):.2f} / {max(totals):.2f}"
+              f"   search {min(searches):.2f} / {statistics.median(searches):.2f} / "
+              f"{max(searches):.2f}   goal (total) {row['goal_s']:.0f}", flush=True)
+    return out
 
 
 if __name__ == "__main__":

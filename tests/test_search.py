@@ -620,6 +620,12 @@ def test_zero_bubble_is_chosen_where_its_simulated_bubble_wins():
     assert [s.in_flight for s in one_f_one_b.stage_plans] == [4, 3, 2, 1]
     assert free.peak_memory_bytes >= one_f_one_b.peak_memory_bytes
     assert "schedule=zb" in free.explain()
+    # explain() says what each schedule was priced at for this configuration
+    times = dict(free.schedule_times)
+    assert times["1f1b"] == pytest.approx(one_f_one_b.step_time_s)
+    assert times["zb"] == pytest.approx(free.step_time_s)
+    assert "schedules priced for this configuration" in free.explain()
+    assert "zb " + f"{free.step_time_s:.4g} s (chosen)" in free.explain()
 
 
 def test_interleaved_is_chosen_where_weight_gradients_are_few():

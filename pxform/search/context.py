@@ -139,6 +139,9 @@ class SearchContext:
     groups: dict[Config, list[list[OptionTable]]] = field(default_factory=dict)
     frontiers: dict[StageKey, list[tuple[Point, float]]] = field(default_factory=dict)
     table_keys: dict[tuple[Option, ...], int] = field(default_factory=dict)
+    # per configuration, each schedule's best step time (inf: nothing fits; None: its
+    # bound could not beat the best so far, so it was not assembled)
+    schedules: dict[Config, dict[ScheduleChoice, float | None]] = field(default_factory=dict)
 
     @property
     def hardware(self) -> Any:

@@ -104,13 +104,20 @@ def _evaluate(ctx: SearchContext, config: Config, objective: str,
     best: Candidate | None = None
     extra: list[Candidate] = []
     offered = choices(config, len(ctx.analysis.blocks), ctx.pin.schedule)
+    priced = ctx.schedules.setdefault(config, {})
     for choice in offered:
         if objective == "time" and len(offered) > 1:
             beat = min(incumbent, best.step_time if best is not None else math.inf)
             if lower_bound(ctx, config, tables, (choice,)) >= beat:
+                priced.setdefault(choice, None)  # (bounded out: not better)
                 continue
         cand, more = _evaluate_schedule(ctx, config, objective, tables, choice)
         extra += more
+        known = priced.get(choice)
+        if cand is not None and (known is None or cand.step_time < known):
+            priced[choice] = cand.step_time
+        elif choice not in priced:
+            priced[choice] = math.inf
         if cand is None:
             continue
         if best is not None and choice != ONE_F_ONE_B and objective == "time" and \

@@ -142,6 +142,9 @@ class Plan:
     # model chunks per pipeline rank (interleaved schedules): the plan has `stages x
     # virtual_stages` stages, stage s on pipeline rank s % stages
     virtual_stages: int = 1
+    # the chosen configuration's best step time under each schedule the search priced
+    # (inf: no plan fits; None: its bound could not beat the best, not assembled)
+    schedule_times: tuple[tuple[str, float | None], ...] = ()
 
     format_version: ClassVar[int] = FORMAT_VERSION
 
@@ -264,6 +267,16 @@ class Plan:
                 rows.append((mark, pt.config, pt.strategies, f"{pt.time_s:.4g} s",
                              format_bytes(int(pt.memory_bytes))))
             lines += format_table(rows)
+        if self.schedule_times:
+            priced: list[str] = []
+            for name, t in self.schedule_times:
+                text = ("not assembled (its bound could not beat the best)" if t is None
+                        else "no plan fits" if t == float("inf") else f"{t:.4g} s")
+                mark = " (chosen)" if self.config_text().endswith(f"schedule={name}") else ""
+                priced.append(f"{name} {text}{mark}")
+            lines.append("")
+            lines.append("schedules priced for this configuration (simulated step): "
+                         + "; ".join(priced))
         for note in self.notes:
             lines.append(f"note: {note}")
         return "\n".join(lines)
@@ -353,7 +366,8 @@ class Plan:
         names = {f.name for f in fields(Plan)}
         missing = sorted(n for n in names if n not in d and n not in
                          ("frontier_points", "search_seconds", "notes",
-                          "batch_input_specs", "precision", "virtual_stages"))
+                          "batch_input_specs", "precision", "virtual_stages",
+                          "schedule_times"))
         if missing:
             raise PxformError(f"pxform.Plan.load: {where} lacks {missing}.\n  Fix: write the "
                               f"plan again with Plan.save.")
@@ -364,7 +378,10 @@ class Plan:
             return Plan(
                 **{k: d[k] for k in names if k in d and k not in
                    ("blocks", "stage_plans", "tensor_choices", "parameter_specs",
-                    "frontier_points", "notes", "batch_input_specs", "precision")},
+                    "frontier_points", "notes", "batch_input_specs", "precision",
+                    "schedule_times")},
+                schedule_times=tuple((str(n), None if t is None else float(t))
+                                     for n, t in d.get("schedule_times", ())),
                 precision=tuple((str(k), tuple(v) if isinstance(v, list) else v)
                                 for k, v in d.get("precision", ())),
                 blocks=tuple(BlockPlan(**{**b, "roles": tuple(tuple(r) for r in b["roles"]),

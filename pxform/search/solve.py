@@ -301,7 +301,10 @@ def _make_plan(c: Candidate, ctx: SearchContext, found: Sequence[Candidate], sec
                 points, secs, a.graph.fingerprint(),
                 batch_input_specs=tuple((v.name, batch[v.name]) for v in a.graph.inputs
                                         if v.name in batch),
-                virtual_stages=c.schedule.virtual_stages)
+                virtual_stages=c.schedule.virtual_stages,
+                schedule_times=tuple((choice.text(), t) for choice, t in
+                                     ctx.schedules.get(cfg, {}).items()
+                                     if cfg.stages > 1 and len(ctx.schedules[cfg]) > 1))
 
 
 def _config_text(c: Candidate) -> str:
