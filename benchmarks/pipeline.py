@@ -23,6 +23,7 @@ and measured / simulated bubble, plus a timeline picture of the measured run
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import statistics
 import sys
@@ -144,7 +145,9 @@ def main() -> None:
                             1 if args.quick else args.warmup)[0]
     rows = {}
     for name, options in SCHEDULES:
-        picture = None if args.quick else os.path.join(harness.RESULTS, f"pipeline-{name}.png")
+        # (matplotlib is the `plot` extra: without it the figures come, the pictures not)
+        picture = None if args.quick or importlib.util.find_spec("matplotlib") is None \
+            else os.path.join(harness.RESULTS, f"pipeline-{name}.png")
         rows[name] = analyse(name, options, results[name], args.ranks, args.microbatches,
                              picture)
     print(f"GPT {args.config}, {args.ranks} gloo ranks, batch {args.batch}, "
