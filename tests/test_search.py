@@ -711,3 +711,15 @@ def test_sequence_parallelism_is_chosen_where_activations_dominate():
     keys = {k for k, _ in tight.tensor_choices}
     assert any(k < 0 for k in keys) and any(k >= 0 for k in keys), keys
     assert pxform.Plan.from_json(tight.to_json()) == tight
+
+
+@pytest.mark.parametrize("schedule, message", [
+    (ScheduleChoice("gpipe"), r"the pinned schedule .*gpipe.* is not one the search prices"),
+    (ScheduleChoice("zb", 2), r"virtual_stages > 1 for 'interleaved' only"),
+    (ScheduleChoice("interleaved", 4), r"interleaved\(virtual_stages=4\) on 4 pipeline "
+                                       r"ranks needs 16 stages, but the function has 5"),
+])
+def test_a_pinned_schedule_the_search_cannot_price_is_refused(schedule, message):
+    args = mlp_args(d=1024, layers=4, batch=4096)
+    with pytest.raises(pxform.PxformError, match=message):
+        plan_schedule(residual_mlp, args, schedule=schedule)

@@ -28,7 +28,7 @@ from pxform.search.analysis import Analysis, BlockInfo, analyse
 from pxform.search.context import Pin, SearchContext, tensor_choice_key
 from pxform.search.options import block_strategies, canonical, param_layouts
 from pxform.search.partition import pareto, search_configs
-from pxform.search.pipelines import ScheduleChoice
+from pxform.search.pipelines import NAMES, ScheduleChoice
 from pxform.search.plan import BlockPlan, FrontierPoint, Plan, StagePlan
 from pxform.search.space import Config, Option, configs
 from pxform.search.stages import Candidate
@@ -77,6 +77,7 @@ def search(graph: Graph, batch_inputs: set[str], *, devices: int, budget: int,
     analysis = analyse(graph, batch_inputs, batch_dim, fn)
     model = CostModel(hardware, optimizer)
     pin = pin or Pin()
+    _check_schedule(pin, len(analysis.blocks), fn)
     for name, what in (("block_options", "block options"), ("block_stage", "block stages")):
         given = getattr(pin, name)
         if given is not None and len(given) != len(analysis.blocks):
@@ -125,6 +126,29 @@ def search(graph: Graph, batch_inputs: set[str], *, devices: int, budget: int,
             f"{format_bytes(budget)} budget (the memory model's error on measured plans is "
             f"within about 5-10 %: docs/benchmarks/accuracy.md)",))
     return plan
+
+
+def _check_schedule(pin: Pin, num_blocks: int, fn: str) -> None:
+    """A pinned schedule the search can price (`pxform.search.pipelines`), with enough
+    blocks for its stages."""
+    choice = pin.schedule
+    if choice is None:
+        return
+    if not isinstance(choice, ScheduleChoice) or choice.name not in NAMES or \
+            not isinstance(choice.virtual_stages, int) or choice.virtual_stages < 1 or \
+            (choice.virtual_stages > 1) != (choice.name == "interleaved"):
+        raise SearchError(
+            f"pxform.{fn}: the pinned schedule {choice!r} is not one the search prices: "
+            f"ScheduleChoice(name, virtual_stages) with name one of {NAMES}, and "
+            f"virtual_stages > 1 for 'interleaved' only.\n  Fix: pin e.g. "
+            f"ScheduleChoice('zb') or ScheduleChoice('interleaved', 2); run other schedules "
+            f"with pxform.pipeline(..., schedule=...).")
+    if pin.stages is not None and pin.stages * choice.virtual_stages > num_blocks:
+        raise SearchError(
+            f"pxform.{fn}: the pinned schedule {choice.text()} on {pin.stages} pipeline "
+            f"ranks needs {pin.stages * choice.virtual_stages} stages, but the function has "
+            f"{num_blocks} blocks (a stage holds at least one).\n  Fix: pin fewer stages or "
+            f"virtual stages, or leave the schedule to the search.")
 
 
 def powers_of_two_upto(n: int) -> list[int]:
