@@ -43,7 +43,7 @@ _EXPORTS: dict[str, str] = {
     **dict.fromkeys(["Policy", "RegionError"], "pxform.frontend.regions"),
     **dict.fromkeys(["Traced", "module_fn", "trace"], "pxform.frontend.trace"),
     **dict.fromkeys(["FrontierPoint", "Plan"], "pxform.search.plan"),
-    **dict.fromkeys(["Pin", "SearchError"], "pxform.search"),
+    **dict.fromkeys(["Pin", "ScheduleChoice", "SearchError"], "pxform.search"),
     **dict.fromkeys(["PlanReport", "Measured"], "pxform.search.report"),
     "check": "pxform.lower.check",
     "exit_worker": "pxform.runtime.worker",
@@ -118,7 +118,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time, names load on firs
     from pxform.runtime.checkpoint import load_checkpoint
     from pxform.runtime.mesh import Mesh
     from pxform.runtime.worker import exit_worker
-    from pxform.search import Pin, SearchError
+    from pxform.search import Pin, ScheduleChoice, SearchError
     from pxform.search.plan import FrontierPoint, Plan
     from pxform.search.report import Measured, PlanReport
     from pxform.tools.measure import measure

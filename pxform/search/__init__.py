@@ -9,6 +9,7 @@
     bounds     lower bounds on time and memory, for branch and bound
     stages     a stage's frontier over its blocks, and a plan assembled from the stages
     partition  per configuration, stage cuts balanced and moved; configurations in turn
+    pipelines  the pipeline schedules searched (`ScheduleChoice`), their timing and memory
     solve      `search(graph, ...)`: the whole search, and the `Plan` it returns
     plan       the `Plan` value: every choice, saved as versioned JSON
     report     a plan's predictions beside measured figures
@@ -30,9 +31,11 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 _EXPORTS = {"OBJECTIVES": "solve", "SearchError": "solve", "configs": "solve",
-            "pin_of": "solve", "search": "solve", "Pin": "context"}
+            "pin_of": "solve", "search": "solve", "Pin": "context",
+            "ScheduleChoice": "pipelines"}
 
-__all__ = ["OBJECTIVES", "Pin", "SearchError", "configs", "pin_of", "search"]
+__all__ = ["OBJECTIVES", "Pin", "ScheduleChoice", "SearchError", "configs", "pin_of",
+           "search"]
 
 
 def __getattr__(name: str) -> Any:
@@ -45,4 +48,5 @@ def __getattr__(name: str) -> Any:
 
 if TYPE_CHECKING:
     from pxform.search.context import Pin
+    from pxform.search.pipelines import ScheduleChoice
     from pxform.search.solve import OBJECTIVES, SearchError, configs, pin_of, search
