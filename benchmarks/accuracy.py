@@ -3,9 +3,9 @@
 `--ranks` processes (a `pxform.testing.World`, one torch thread each) first measure the
 machine with `pxform.runtime.calibrate` (matmul FLOP/s, gloo collectives), then, for each case,
 plan the example GPT with `pxform.auto` against that profile (searched, or pinned to one
-strategy: data parallel, ZeRO-3, tensor parallel, pipelines under 1F1B, zero-bubble and
-interleaved schedules, recompute), lay the
-parameters out per the plan, take one AdamW step (so Adam's state exists), and run
+strategy: data parallel, ZeRO-3, tensor parallel with and without sequence parallelism
+between blocks, pipelines under 1F1B, zero-bubble and interleaved schedules, recompute),
+lay the parameters out per the plan, take one AdamW step (so Adam's state exists), and run
 `pxform.measure` (median of `--steps` timed `value_and_grad` calls per rank after
 `--warmup`; peak memory metered by `pxform.MemoryMeter` plus the optimizer's state). The
 table gives `plan.report(measured)`'s errors: signed, relative to the measurement, for the
@@ -56,6 +56,8 @@ def cases(ranks: int, num_blocks: int) -> list[tuple[str, Any]]:
                    block_options=every((("inner", "tp"),)))),
         ("tp+recompute", Pin(stages=1, outer=1, inner=n, microbatches=1,
                              block_options=every((("inner", "tp"),), True))),
+        ("sp", Pin(stages=1, outer=1, inner=n, microbatches=1,
+                   block_options=every((("inner", "sp"),)))),
         (f"pp{n} m{n}", Pin(stages=n, microbatches=n, schedule=ScheduleChoice())),
         (f"pp{n} m{4 * n}", Pin(stages=n, microbatches=4 * n, schedule=ScheduleChoice())),
         (f"pp{n} m{4 * n} zb", Pin(stages=n, microbatches=4 * n,

@@ -156,12 +156,13 @@ def test_what_training_loops_rely_on(world2, stages):
     ("zero3", W.pin(1, 2, 1, 1, (("outer", "sdp"),), (False,) * 6), 0.05),
     ("dp+recompute", W.pin(1, 2, 1, 1, (("outer", "dp"),), (True,) * 6), 0.05),
     ("tp", W.pin(1, 1, 2, 1, (("inner", "tp"),), (False,) * 6), 0.15),
+    ("sp", W.pin(1, 1, 2, 1, (("inner", "sp"),), (False,) * 6), 0.15),
     ("pp2 m2", W.pin(2, 1, 1, 2, None, schedule=ScheduleChoice()), 0.05),
     ("pp2 m8", W.pin(2, 1, 1, 8, None, schedule=ScheduleChoice()), 0.05),
     ("pp2 m4 zb", W.pin(2, 1, 1, 4, None, schedule=ScheduleChoice("zb")), 0.10),
     ("pp2 m4 interleaved", W.pin(2, 1, 1, 4, None,
                                  schedule=ScheduleChoice("interleaved", 2)), 0.10),
-], ids=["dp", "zero3", "dp+recompute", "tp", "pp2-m2", "pp2-m8", "pp2-m4-zb",
+], ids=["dp", "zero3", "dp+recompute", "tp", "sp", "pp2-m2", "pp2-m8", "pp2-m4-zb",
         "pp2-m4-interleaved"])
 def test_predicted_memory_matches_the_meter(world2, name, the_pin, limit):
     errors = world2.run(W.run_memory_accuracy, the_pin)

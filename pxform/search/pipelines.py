@@ -38,6 +38,7 @@ from typing import Any
 
 from pxform.cost.model import one_f_one_b_in_flight, one_f_one_b_time
 from pxform.schedules import Timer, awaiting_weights, held, resolve
+from pxform.search.plan import schedule_text
 from pxform.search.space import Config
 
 NAMES = ("1f1b", "zb", "interleaved")
@@ -57,8 +58,7 @@ class ScheduleChoice:
     virtual_stages: int = 1
 
     def text(self) -> str:
-        return (f"{self.name}(virtual_stages={self.virtual_stages})"
-                if self.virtual_stages > 1 else self.name)
+        return schedule_text(self.name, self.virtual_stages)
 
     @property
     def options(self) -> tuple[tuple[str, Any], ...]:

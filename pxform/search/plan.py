@@ -45,6 +45,11 @@ TENSOR_ROLES = ("tp", "sp")
 parallelism between blocks (`pxform.search.space`)."""
 
 
+def schedule_text(name: str, virtual_stages: int) -> str:
+    """A pipeline schedule as plans print it: "zb", "interleaved(virtual_stages=2)"."""
+    return f"{name}(virtual_stages={virtual_stages})" if virtual_stages > 1 else name
+
+
 def strategy_text(roles: tuple[tuple[str, str], ...], recompute: bool) -> str:
     """A block's strategy as plans print it: "outer=dp inner=tp +recompute"."""
     text = " ".join(f"{a}={r}" for a, r in roles) or "single device"
@@ -188,10 +193,9 @@ class Plan:
         return self.stages * self.virtual_stages
 
     def config_text(self) -> str:
-        schedule = (f"{self.schedule}(virtual_stages={self.virtual_stages})"
-                    if self.virtual_stages > 1 else self.schedule)
         return (f"pp={self.stages} outer={self.outer} inner={self.inner} "
-                f"microbatches={self.microbatches} schedule={schedule}")
+                f"microbatches={self.microbatches} "
+                f"schedule={schedule_text(self.schedule, self.virtual_stages)}")
 
     @property
     def headroom_bytes(self) -> float:

@@ -46,7 +46,7 @@ from pxform.cost.hardware import hardware as get_hardware
 from pxform.runtime import calibrate
 from pxform.runtime.worker import exit_worker
 from pxform.search import SearchError
-from pxform.search.plan import FrontierPoint, Plan
+from pxform.search.plan import FrontierPoint, Plan, schedule_text
 from pxform.tools.runtime_costs import runtime_costs
 from pxform.transforms.auto import DEFAULT_MEMORY_MARGIN, auto
 
@@ -527,7 +527,7 @@ def plot_timeline(plan: Plan, path: str) -> None:
         weight=[s.weight_s / scale for s in per_stage])
     if stages > 1:
         schedule = schedules.resolve(plan.schedule, stages, m, **plan.schedule_options)
-        name = plan.config_text().rpartition("schedule=")[2]
+        name = schedule_text(plan.schedule, plan.virtual_stages)
     else:
         schedule, name = schedules.gpipe(1, m), "one stage"
     timeline = schedules.simulate(schedule, costs)
