@@ -22,6 +22,7 @@ schedule and reports deadlocks with a step-by-rank grid; `simulate` times it aga
     Timer, held               a schedule compiled for repeated timing (the search); the
                               activations each stage holds at its rank's peak
     awaiting_weights          per stage, the most microbatches between their B and W
+    most_between              per stage, the most microbatches between two action kinds
     plot                      draw a Timeline (needs matplotlib: pip install 'pxform[plot]')
     to_text, from_text        "rank 0: 0F0 0F1 - 0B0" lines
     to_csv, from_csv          one CSV row per rank
@@ -46,7 +47,7 @@ from pxform.schedules.resolve import NAMES, resolve
 from pxform.schedules.shifted_critical_path import shifted_critical_path
 from pxform.schedules.simulate import Costs, Event, Timeline, simulate
 from pxform.schedules.text import from_csv, from_text, to_csv, to_text
-from pxform.schedules.timing import Timer, awaiting_weights, held
+from pxform.schedules.timing import Timer, awaiting_weights, held, most_between
 from pxform.schedules.validate import grid, validate
 from pxform.schedules.zero_bubble import zero_bubble
 
@@ -68,6 +69,7 @@ __all__ = [
     "grid",
     "held",
     "interleaved",
+    "most_between",
     "nf1b",
     "one_f_one_b",
     "plot",

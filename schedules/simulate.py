@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 
 from pxform.schedules.actions import Action, Schedule
-from pxform.schedules.rules import Shape, needs
+from pxform.schedules.rules import Shape, execution_order
 from pxform.schedules.validate import check
 
 Cost = float | Sequence[float]
@@ -173,40 +173,26 @@ def simulate(schedule: Schedule, costs: Costs) -> Timeline:
         costs.at(name, 0, shape.stages)  # fail early on a wrong-length sequence
     finished: dict[Action, float] = {}
     free = {r: 0.0 for r in schedule}
-    pos = {r: 0 for r in schedule}
     events: list[Event] = []
     busy = {r: 0.0 for r in schedule}
-    progress = True
-    while progress:  # validated, so every action runs
-        progress = False
-        for rank, row in schedule.items():
-            while pos[rank] < len(row):
-                a = row[pos[rank]]
-                if a is None:
-                    pos[rank] += 1
-                    continue
-                deps = needs(a, shape)
-                if not all(d in finished for d in deps):
-                    break
-                start = free[rank]
-                if a.kind in ("RF", "RB"):
-                    (send,) = deps
-                    end = max(start, finished[send] + costs.at("p2p", send.stage, shape.stages))
-                elif a.is_comm:
-                    end = start
-                else:
-                    for d in deps:
-                        ready = finished[d]
-                        if not shape.has_comm and shape.rank_of(d.stage) != rank:
-                            ready += costs.at("p2p", d.stage, shape.stages)
-                        start = max(start, ready)
-                    end = start + _duration(a, shape, costs)
-                    busy[rank] += end - start
-                events.append(Event(rank, a, start, end))
-                finished[a] = end
-                free[rank] = end
-                pos[rank] += 1
-                progress = True
+    for rank, a, deps in execution_order(schedule, shape):  # validated: every action runs
+        start = free[rank]
+        if a.kind in ("RF", "RB"):
+            (send,) = deps
+            end = max(start, finished[send] + costs.at("p2p", send.stage, shape.stages))
+        elif a.is_comm:
+            end = start
+        else:
+            for d in deps:
+                ready = finished[d]
+                if not shape.has_comm and shape.rank_of(d.stage) != rank:
+                    ready += costs.at("p2p", d.stage, shape.stages)
+                start = max(start, ready)
+            end = start + _duration(a, shape, costs)
+            busy[rank] += end - start
+        events.append(Event(rank, a, start, end))
+        finished[a] = end
+        free[rank] = end
     step = max((e.end for e in events), default=0.0)
     total = sum(busy.values())
     bubble = 1.0 - total / (len(schedule) * step) if step > 0 else 0.0

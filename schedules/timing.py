@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from pxform.core.errors import ScheduleError
 from pxform.schedules.actions import Action, Schedule
-from pxform.schedules.rules import needs, shape_of
+from pxform.schedules.rules import execution_order, shape_of
 
 # what an action's duration is made of: forward, backward (+ weight when its stage has
 # no W actions), weight, recompute
@@ -57,29 +57,15 @@ class Timer:
                                 "actions; time its compute actions (rules.compute_only)")
         index: dict[Action, int] = {}
         out: list[tuple[int, int, int, tuple[tuple[int, int], ...]]] = []
-        pos = {r: 0 for r in schedule}
-        progress = True
-        while progress:  # `simulate`'s order: validated, so every action runs
-            progress = False
-            for rank, row in schedule.items():
-                while pos[rank] < len(row):
-                    a = row[pos[rank]]
-                    if a is None:
-                        pos[rank] += 1
-                        continue
-                    deps = needs(a, shape)
-                    if not all(d in index for d in deps):
-                        break
-                    waits = tuple((index[d], d.stage if shape.rank_of(d.stage) != rank
-                                   else -1) for d in deps)
-                    kind = {"F": _F, "W": _W, "R": _R}.get(a.kind)
-                    if kind is None:  # B
-                        kind = _B if a.stage in shape.weight_stages else _BW
-                    index[a] = len(out)
-                    out.append((rank, kind, a.stage, waits))
-                    pos[rank] += 1
-                    progress = True
-        if any(pos[r] < len(row) for r, row in schedule.items()):
+        for rank, a, deps in execution_order(schedule, shape):  # `simulate`'s order
+            waits = tuple((index[d], d.stage if shape.rank_of(d.stage) != rank else -1)
+                          for d in deps)
+            kind = {"F": _F, "W": _W, "R": _R}.get(a.kind)
+            if kind is None:  # B
+                kind = _B if a.stage in shape.weight_stages else _BW
+            index[a] = len(out)
+            out.append((rank, kind, a.stage, waits))
+        if len(out) < sum(a is not None for row in schedule.values() for a in row):
             raise ScheduleError("pxform.schedules.Timer: the schedule deadlocks (no rank "
                                 "can go on); validate(schedule) shows where")
         object.__setattr__(self, "stages", shape.stages)
@@ -174,19 +160,33 @@ def awaiting_weights(schedule: Schedule) -> tuple[int, ...]:
         >>> awaiting_weights(zero_bubble(4, 8))
         (1, 2, 3, 4)
     """
-    shape = shape_of(schedule)
-    out = [0] * shape.stages
+    split = shape_of(schedule).weight_stages
+    return tuple(n if s in split else 0
+                 for s, n in enumerate(most_between(schedule, "B", "W")))
+
+
+def most_between(schedule: Schedule, first: str, then: str) -> tuple[int, ...]:
+    """Per stage: the most microbatches at once whose `first` action has run on its rank
+    and whose `then` action has not (F and B: the microbatches in flight; B and W: those
+    awaiting their weight gradients). Other actions and idle slots are skipped.
+
+    Example:
+        >>> from pxform.schedules import one_f_one_b
+        >>> most_between(one_f_one_b(4, 8), "F", "B")
+        (4, 3, 2, 1)
+    """
+    out = [0] * shape_of(schedule).stages
     for row in schedule.values():
-        count = {s: 0 for s in shape.weight_stages}
+        count = [0] * len(out)
         for a in row:
-            if a is None or a.stage not in count:
+            if a is None:
                 continue
-            if a.kind == "B":
+            if a.kind == first:
                 count[a.stage] += 1
                 out[a.stage] = max(out[a.stage], count[a.stage])
-            elif a.kind == "W":
+            elif a.kind == then:
                 count[a.stage] -= 1
     return tuple(out)
 
 
-__all__ = ["Timer", "awaiting_weights", "held"]
+__all__ = ["Timer", "awaiting_weights", "held", "most_between"]

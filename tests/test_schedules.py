@@ -538,5 +538,8 @@ def test_held_counts_what_the_executor_keeps():
     assert schedules.held(schedules.shifted_critical_path(4, 8))[:3] == (1, 1, 1)
     # interleaved on 2 ranks x 2 chunks, 4 microbatches: rank 0 peaks holding 3 of
     # chunk 0 and 2 of chunk 2 (Megatron's warm-up of 2(p - 1) + (v - 1)p = 4, plus one)
+    # microbatches between B and W: zero-bubble's stage s keeps s + 1; none without W
+    assert schedules.awaiting_weights(schedules.zero_bubble(4, 8)) == (1, 2, 3, 4)
+    assert schedules.awaiting_weights(schedules.one_f_one_b(4, 8)) == (0, 0, 0, 0)
     got = schedules.held(schedules.interleaved(2, 4, virtual_stages=2))
     assert got[0] + got[2] == 5 and got[1] + got[3] == 3, got

@@ -33,6 +33,7 @@ from pxform.core.ir import Graph, Value
 from pxform.core.units import format_bytes, format_table
 from pxform.cost.model import peak_bytes, saved_bytes_per_op, workspace_bytes
 from pxform.passes.cuts import Block
+from pxform.schedules.timing import most_between
 
 
 @dataclass(frozen=True)
@@ -128,18 +129,8 @@ def block_memory(graph: Graph, blocks: Sequence[Block], batch_inputs: set[str],
 
 def in_flight(actions: dict[int, list], num_stages: int) -> list[int]:
     """Per stage, the most microbatches whose forward has run and backward has not."""
-    peak = [0] * num_stages
-    for acts in actions.values():
-        live = [0] * num_stages
-        for a in acts:
-            if a is None:
-                continue
-            if a.kind == "F":
-                live[a.stage] += 1
-                peak[a.stage] = max(peak[a.stage], live[a.stage])
-            elif a.kind == "B":
-                live[a.stage] -= 1
-    return peak
+    peak = list(most_between(actions, "F", "B"))
+    return peak + [0] * (num_stages - len(peak))
 
 
 def choose_recompute(blocks: Sequence[BlockMemory], block_stage: Sequence[int],
