@@ -31,7 +31,14 @@ from typing import TypeAlias
 
 from pxform.core.errors import ScheduleError
 from pxform.schedules.actions import Action, Schedule
-from pxform.schedules.rules import Shape, expected_comm, needs, positions, shape_of
+from pxform.schedules.rules import (
+    Shape,
+    execution_order,
+    expected_comm,
+    needs,
+    positions,
+    shape_of,
+)
 
 Mark: TypeAlias = "tuple[int, int] | Action"
 """A cell to mark in a grid: `(rank, step)`, or an action (each place it occurs)."""
@@ -304,21 +311,12 @@ def _comm_compute(a: Action) -> Action:
 
 def _check_deadlock(schedule: Schedule, shape: Shape,
                     where: dict[Action, list[tuple[int, int]]], fn: str) -> None:
-    done: set[Action] = set()
-    pos = {r: 0 for r in schedule}
-    progress = True
-    while progress:
-        progress = False
-        for rank, row in schedule.items():
-            while pos[rank] < len(row):
-                a = row[pos[rank]]
-                if a is not None and not all(n in done for n in needs(a, shape)):
-                    break
-                if a is not None:
-                    done.add(a)
-                pos[rank] += 1
-                progress = True
-    stuck = {r: pos[r] for r in schedule if pos[r] < len(schedule[r])}
+    done = {a for _, a, _ in execution_order(schedule, shape)}
+    # (actions are unique here, `_check_complete`): a rank stops at its first action that
+    # did not run
+    stuck = {r: next(k for k, a in enumerate(row) if a is not None and a not in done)
+             for r, row in schedule.items()
+             if any(a is not None and a not in done for a in row)}
     if not stuck:
         return
     waits: dict[int, int] = {}
