@@ -32,13 +32,16 @@ def setup() -> tuple:
 
 def pin(stages: int, outer: int, inner: int, microbatches: int,
         roles: tuple[tuple[str, str], ...] | None, recompute: tuple[bool, ...] | None = None,
-        schedule: ScheduleChoice | None = None) -> Pin:
+        schedule: ScheduleChoice | None = None, reshard: tuple[bool, ...] | None = None
+        ) -> Pin:
     """A pin of the whole configuration; `roles` for every block (None: searched);
-    `schedule` the pipeline's (None: searched)."""
+    `schedule` the pipeline's (None: searched); `reshard` per block, ZeRO-3's
+    (`Option.reshard`, default True)."""
     options = None
     if roles is not None:
         flags = recompute or (False,) * NUM_BLOCKS
-        options = tuple(Option(roles, r) for r in flags)
+        options = tuple(Option(roles, r, k) for r, k in
+                        zip(flags, reshard or (True,) * len(flags)))
     return Pin(stages=stages, outer=outer, inner=inner, microbatches=microbatches,
                block_options=options, schedule=schedule)
 
@@ -74,7 +77,9 @@ def run_plan(the_pin: Pin | None, budget: str = "40GiB") -> dict:
         program = step.executable(params, batch, cfg).lower(params, batch, cfg)
         kinds = {"forward": sorted({c.split("(")[0] for c in program.collectives()}),
                  "backward": sorted({c.split("(")[0] for c in program.backward_collectives()})}
+    reshard = step.executable(params, batch, cfg).reshard_after_forward
     return {"config": plan.config_text(), "collectives": kinds, "actions": actions,
+            "reshard": reshard if isinstance(reshard, bool) else sorted(reshard),
             "stage_of_block": [b.stage for b in plan.blocks],
             "strategies": [b.strategy for b in plan.blocks],
             "loss_err": float((loss - ref_loss).abs()), "grad_err": err, "have": have,

@@ -61,6 +61,21 @@ def test_pinned_data_roles_on_2_ranks(world2, roles, recompute, forward, backwar
         assert "all_gather" not in r["collectives"]["forward"]
 
 
+def test_zero3_keeping_gathered_parameters_per_block_on_2_ranks(world2):
+    """A plan whose middle blocks keep ZeRO-3's gathered parameters for backward
+    (`BlockPlan.reshard` False) runs with the runtime resharding every parameter but
+    theirs (by pytree path), and matches the reference."""
+    r = _check(world2.run(W.run_plan, W.pin(1, 2, 1, 1, (("outer", "sdp"),),
+                                            reshard=(True, False, False, True))))
+    assert r["strategies"] == ["outer=sdp", "outer=sdp +keep-gathered",
+                               "outer=sdp +keep-gathered", "outer=sdp"]
+    freed = r["reshard"]
+    assert isinstance(freed, list) and "wte" in freed, freed
+    assert not any(p.startswith(("blocks.0.", "blocks.1.")) for p in freed), freed
+    assert {"all_gather"} <= set(r["collectives"]["forward"])
+    assert {"reduce_scatter"} <= set(r["collectives"]["backward"])
+
+
 def test_pinned_tensor_parallel_with_recompute_on_2_ranks(world2):
     r = _check(world2.run(W.run_plan, W.pin(1, 1, 2, 1, (("inner", "tp"),),
                                             (False, True, True, False))))
@@ -154,6 +169,8 @@ def test_what_training_loops_rely_on(world2, stages):
 @pytest.mark.parametrize("name, the_pin, limit", [
     ("dp", W.pin(1, 2, 1, 1, (("outer", "dp"),), (False,) * 6), 0.05),
     ("zero3", W.pin(1, 2, 1, 1, (("outer", "sdp"),), (False,) * 6), 0.05),
+    ("zero3 kept", W.pin(1, 2, 1, 1, (("outer", "sdp"),), (False,) * 6,
+                         reshard=(True,) + (False,) * 4 + (True,)), 0.05),
     ("dp+recompute", W.pin(1, 2, 1, 1, (("outer", "dp"),), (True,) * 6), 0.05),
     ("tp", W.pin(1, 1, 2, 1, (("inner", "tp"),), (False,) * 6), 0.15),
     ("sp", W.pin(1, 1, 2, 1, (("inner", "sp"),), (False,) * 6), 0.15),
@@ -162,7 +179,7 @@ def test_what_training_loops_rely_on(world2, stages):
     ("pp2 m4 zb", W.pin(2, 1, 1, 4, None, schedule=ScheduleChoice("zb")), 0.10),
     ("pp2 m4 interleaved", W.pin(2, 1, 1, 4, None,
                                  schedule=ScheduleChoice("interleaved", 2)), 0.10),
-], ids=["dp", "zero3", "dp+recompute", "tp", "sp", "pp2-m2", "pp2-m8", "pp2-m4-zb",
+], ids=["dp", "zero3", "zero3-kept", "dp+recompute", "tp", "sp", "pp2-m2", "pp2-m8", "pp2-m4-zb",
         "pp2-m4-interleaved"])
 def test_predicted_memory_matches_the_meter(world2, name, the_pin, limit):
     errors = world2.run(W.run_memory_accuracy, the_pin)

@@ -4,6 +4,7 @@ tensors (`test_auto.py` runs plans on gloo worlds)."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import re
@@ -480,7 +481,8 @@ def test_the_memory_bound_prunes_without_changing_the_least_memory_plan(monkeypa
 def test_saved_bytes_are_attributed_to_the_tensor_saved():
     """A sharded op counts each saved tensor at its own layout: so the fake-tensor run must
     say whose tensor each saved storage is (a linear saves its input x; relu its output;
-    the weight, a parameter, is stored anyway and not counted)."""
+    the weight, a parameter, is stored anyway and not counted, but named as saved: ZeRO-3
+    keeping gathered parameters keeps it whole)."""
     from pxform.cost.model import SavedBytes, saved_bytes_per_op
 
     def fn(w, x):
@@ -492,7 +494,8 @@ def test_saved_bytes_are_attributed_to_the_tensor_saved():
     assert [str(op.target) for op in graph.ops] == ["aten.linear.default",
                                                     "aten.relu.default", "aten.sum.default"]
     assert [v.name for v in graph.ops[0].inputs] == ["x", "w"]
-    assert saved[0] == SavedBytes(inputs=(16 * 4 * 4, 0), outputs=(0,), other=0)
+    assert saved[0] == SavedBytes(inputs=(16 * 4 * 4, 0), outputs=(0,), other=0,
+                                  stored=("w",))
     assert saved[1] == SavedBytes(inputs=(0,), outputs=(16 * 8 * 4,), other=0)
     assert saved[2].total == 0
 
@@ -584,6 +587,36 @@ def test_zero3_gathers_are_priced_per_block_not_per_parameter():
     # (the embedding and the head hold 2 blocks' parameters: the tied embedding, read by
     # both, is gathered by each)
     assert 2 * 6 * 0.05 * 0.95 <= added <= 2 * 7 * 0.05 * 1.05, added
+
+
+def test_zero3_keeps_gathered_parameters_where_memory_allows():
+    """Reshard after forward is searched per block (`Option.reshard`): under a budget
+    that holds some but not all of them, ZeRO-3 blocks keep the parameters they gather
+    for backward (no backward all-gather) and the rest free them; pinned to free them
+    everywhere, the same plan is slower and lighter by exactly the kept layers' gathered
+    weights (2 x 4d x d float32, whole: 128 MiB a layer)."""
+    plan = plan_mlp("4GiB")
+    sharded = [b for b in plan.blocks if any(r == "sdp" for _, r in b.roles)]
+    kept = [b for b in sharded if not b.reshard]
+    assert kept and len(kept) < len(sharded), [b.strategy for b in plan.blocks]
+    assert all(b.strategy.endswith(" +keep-gathered") for b in kept)
+    assert any(n.startswith(f"ZeRO-3 keeps the parameters it gathers from forward to "
+                            f"backward in {len(kept)} of {len(sharded)} sharded-data blocks")
+               for n in plan.notes), plan.notes
+    pin = pin_of(plan)
+    assert pin.block_options is not None
+    freeing = dataclasses.replace(pin, block_options=tuple(
+        Option(o.roles, o.recompute) for o in pin.block_options if o is not None))
+    freed = plan_mlp("80GiB", plan=freeing)
+    assert all(b.reshard for b in freed.blocks)
+    assert freed.step_time_s > plan.step_time_s
+    assert plan.peak_memory_bytes - freed.peak_memory_bytes == \
+        pytest.approx(len(kept) * 128 * 2**20, rel=0.02)
+    # keeping needs gathered parameters: no such option without sdp, or with recompute
+    with pytest.raises(ValueError, match="keeping gathered parameters needs an sdp axis"):
+        Option((("outer", "dp"),), False, False)
+    with pytest.raises(ValueError, match="and no recompute"):
+        Option((("outer", "sdp"),), True, False)
 
 
 # ---------------------------------------------------------------- schedules (golden)

@@ -215,6 +215,9 @@ class Auto(Executable):
                 if self.precision is not None:
                     plan = dataclasses.replace(
                         plan, precision=tuple(self.precision.to_json().items()))
+            # which blocks keep ZeRO-3's gathered parameters for backward: the runtime
+            # takes it by parameter path (`PlanLowering.reshard`)
+            self._cache[("reshard", id(plan))] = self._lowering(plan).reshard(graph)
             self._cache[key] = (plan, names, graph.inputs)
         return self._cache[key]
 
@@ -240,6 +243,7 @@ class Auto(Executable):
         abstract mesh and lowered already, lends its programs (lowering depends on the
         abstract mesh only), so a checked plan is not lowered twice."""
         lowering = self._lowering(plan)
+        reshard = self._cache.get(("reshard", id(plan)), True)
         if plan.stages > 1:
             fn: Any = like.fn if like is not None else Pipelined(
                 self.fn, plan.stages, plan.microbatches, plan.schedule, "pp",
@@ -247,11 +251,12 @@ class Auto(Executable):
                 batch_argnums=self._batch_argnums(len(specs)), batch_dim=self.batch_dim,
                 planner=lowering, fallback=fallback, precision=self.precision,
                 sync_batch_norm=self.sync_batch_norm)
-            exe = Sharded(fn, mesh, specs, precision=self.precision,
-                          sync_batch_norm=self.sync_batch_norm)
+            exe = Sharded(fn, mesh, specs, reshard_after_forward=reshard,
+                          precision=self.precision, sync_batch_norm=self.sync_batch_norm)
         else:
             exe = Sharded(self.fn, mesh, specs, planner=lowering, fallback=fallback,
-                          precision=self.precision, sync_batch_norm=self.sync_batch_norm)
+                          reshard_after_forward=reshard, precision=self.precision,
+                          sync_batch_norm=self.sync_batch_norm)
         if like is not None:
             exe._cache.update(like._cache)
         elif "traced" in self._cache and self.precision is None:

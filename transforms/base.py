@@ -126,7 +126,8 @@ class Enclosing:
         bucket_mb: the gradient bucket size, in MiB.
         fallback: whether the enclosing shard lets ops without a rule run replicated.
         reshard_after_forward: whether parameters gathered in forward (ZeRO-3) are freed
-            and gathered again for backward: all, none, or those of the named blocks.
+            and gathered again for backward: all, none, or those of the named blocks
+            and parameters.
         precision: the enclosing shard's mixed-precision policy.
     """
 

@@ -219,7 +219,8 @@ def shard(fn: Any, *, mesh: Mesh | AbstractMesh, in_specs: Any, out_specs: Any =
             block names reshards those blocks only: a block is a parameter's pytree path
             up to its first list index (`"blocks.3"`; `""` for parameters outside lists),
             as `pxform.runtime.prefetch` groups gathers, and the choice is per block as
-            FSDP2's is per module.
+            FSDP2's is per module. The collection may also name single parameters by
+            their pytree path (`"blocks.3.fc_w"`), as `pxform.auto`'s plans do.
         precision: a mixed-precision policy (`pxform.Precision`): parameters stay in
             their dtype and are cast where used (on the shard, before ZeRO-3 gathers), ops
             compute as autocast runs them, gradients are reduced in its `reduce_dtype` and

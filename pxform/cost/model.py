@@ -260,6 +260,9 @@ class SavedBytes:
     inputs: tuple[int, ...]
     outputs: tuple[int, ...]
     other: int
+    # values stored anyway (`skip`: parameters) that the op saves, or a view of: not
+    # counted, but a ZeRO-3 program that keeps gathered parameters keeps these whole
+    stored: tuple[str, ...] = ()
 
     @property
     def total(self) -> int:
@@ -274,7 +277,8 @@ def saved_bytes_per_op(graph: Graph, start: int, stop: int, skip: set[str]
 
     Values read from outside the range are fake inputs that require grad when floating.
     A storage is counted once, for the first op that saves it; storages of values named in
-    `skip` (parameters, batch inputs: stored anyway) are not counted.
+    `skip` (parameters, batch inputs: stored anyway) are not counted, but named in
+    `SavedBytes.stored` of every op saving them.
 
     Example:
         >>> [s.total for s in saved_bytes_per_op(traced.graph, 0, 3, {"params.w"})]
@@ -301,17 +305,21 @@ def saved_bytes_per_op(graph: Graph, start: int, stop: int, skip: set[str]
     with mode:
         tensors = [torch.empty(v.type.shape, dtype=v.type.dtype).requires_grad_(
                    v.type.dtype.is_floating_point and v.name not in no_grad) for v in inputs]
-    skipped = {id(t.untyped_storage()) for v, t in zip(inputs, tensors) if v.name in skip}
+    skipped = {id(t.untyped_storage()): v.name for v, t in zip(inputs, tensors)
+               if v.name in skip}
     # our own value -> tensor map (run_graph drops dead values; fake tensors cost nothing)
     env: dict[str, torch.Tensor] = {v.name: t for v, t in zip(inputs, tensors)}
     seen: dict[int, object] = {}  # storage id -> storage (kept alive so ids stay unique)
     pending: list[tuple[int, int]] = []  # (storage id, bytes) saved by the running op
+    stored: dict[str, None] = {}  # skipped values the running op saves, in order
     saved: list[SavedBytes] = []
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         storage = t.untyped_storage()
         key = id(storage)
-        if key not in seen and key not in skipped:
+        if key in skipped:
+            stored[skipped[key]] = None
+        elif key not in seen:
             seen[key] = storage
             pending.append((key, storage.nbytes()))
         return t
@@ -332,8 +340,9 @@ def saved_bytes_per_op(graph: Graph, start: int, stop: int, skip: set[str]
                 by_out[outs.index(key)] += nbytes
             else:
                 other += nbytes
-        saved.append(SavedBytes(tuple(by_in), tuple(by_out), other))
+        saved.append(SavedBytes(tuple(by_in), tuple(by_out), other, tuple(stored)))
         pending.clear()
+        stored.clear()
 
     with mode, torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         run_graph(sub, tensors, on_op=on_op)

@@ -68,6 +68,30 @@ class PlanLowering:
             op_stage[b.start:b.stop] = [b.stage] * (b.stop - b.start)
         return StageCuts(graph, tuple(op_stage), self.plan.num_stages, cuts.blocks, "plan")
 
+    def reshard(self, graph: Graph) -> bool | frozenset[str]:
+        """Which gathered parameters the runtime frees after forward (the runtime's
+        `reshard_after_forward`): every one (True) unless a block keeps them
+        (`BlockPlan.reshard` False); then the paths of all parameters but those read only
+        by such blocks. A parameter read by a block that reshards and one that keeps
+        reshards: the plan's memory holds either way, its time is a gather short.
+
+        Example:
+            >>> lowering.reshard(graph)      # blocks 1 and 2 keep theirs
+            frozenset({'wte', 'blocks.0.w', 'blocks.3.w', ...})
+        """
+        graph = self.graph(graph)
+        params = {name for name, _ in self.plan.parameter_specs}
+        keep: set[str] = set()
+        free: set[str] = set()
+        for b in self.plan.blocks:
+            read = {v.name for op in graph.ops[b.start:b.stop] for v in op.inputs
+                    if v.name in params}
+            (free if b.reshard else keep).update(read)
+        kept = keep - free
+        if not kept:
+            return True
+        return frozenset(params - kept) or False
+
     def strategies(self, graph: Graph, mesh: AbstractMesh, layouts: Sequence[Layout]
                    ) -> tuple[Graph, list[Strategy]]:
         """The graph to lower (markers removed, the plan's recompute blocks tagged) and

@@ -117,7 +117,8 @@ class Convert(torch.nn.Module):
 
     def __init__(self, forward_steps: tuple[Step, ...], backward_steps: tuple[Step, ...],
                  param: int | None, where: str = "", output: int | None = None,
-                 site: int | None = None, block: str = "", asynchronous: bool = False,
+                 site: int | None = None, block: tuple[str, str] = ("", ""),
+                 asynchronous: bool = False,
                  cast: torch.dtype | None = None, grad_dtype: torch.dtype | None = None
                  ) -> None:
         super().__init__()
@@ -134,7 +135,8 @@ class Convert(torch.nn.Module):
         # into a gradient bucket, and the partial value goes on (its gradient is the same)
         self.output = output
         self.site = site  # its place among the program's parameter gathers (`prefetch`)
-        self.block = block  # its parameter's block (`reshard_after_forward` per block)
+        # its parameter's (block, path): `reshard_after_forward` per block or parameter
+        self.block = block
         # its last collective (each direction) is left running (`pxform.lower.overlap`)
         self.asynchronous = asynchronous
 
@@ -657,7 +659,8 @@ class _Emitter:
                                               f"convert(%{instr.src}) [{name}]",
                                               self.deferred.get(instr.dst.name),
                                               self.sites.get(instr.dst.name),
-                                              block_name(instr.src), instr.asynchronous,
+                                              (block_name(instr.src), instr.src),
+                                              instr.asynchronous,
                                               instr.cast, instr.grad_dtype))
                 node = graph.call_module(name, (env[instr.src],))
                 if instr.asynchronous and instr.forward.steps:

@@ -36,12 +36,14 @@ _REGISTRY: contextvars.ContextVar[dict[int, _Gathered] | None] = contextvars.Con
     "pxform_gathered", default=None)
 _REGATHER: contextvars.ContextVar[Regather | None] = contextvars.ContextVar(
     "pxform_regather", default=None)
-# the blocks that reshard (`pxform.lower.comm.block_name`), None: every block
+# the blocks (`pxform.lower.comm.block_name`) and parameters (pytree paths) that reshard,
+# None: every one
 _BLOCKS: contextvars.ContextVar[frozenset[str] | None] = contextvars.ContextVar(
     "pxform_reshard_blocks", default=None)
 
 # Which parameters reshard after forward: all (True), none (False), or those of the named
-# blocks (the choice is per block, as FSDP2's is per module).
+# blocks and parameters (the choice is per block, as FSDP2's is per module, or per
+# parameter, as `pxform.auto`'s plans make it per block of the search)
 Reshard = bool | frozenset[str]
 
 
@@ -130,14 +132,16 @@ class _Handle:
 
 
 def note_gathered(out: torch.Tensor, shard: torch.Tensor, steps: tuple[Step, ...],
-                  axes: AxisGroups, group: int | None = None, block: str = "",
+                  axes: AxisGroups, group: int | None = None,
+                  names: tuple[str, str] = ("", ""),
                   cast: torch.dtype | None = None) -> None:
     """Record that `out` is `shard` (cast to `cast`, if given) gathered by `steps` (called
-    by `Convert`), with the block group it was gathered with (None: alone) and its block's
-    name; a no-op outside `reshard_after_forward()` and for blocks it does not name."""
+    by `Convert`), with the block group it was gathered with (None: alone) and `names`, its
+    block's name and its own path; a no-op outside `reshard_after_forward()` and for
+    parameters it names neither of."""
     registry = _REGISTRY.get()
     blocks = _BLOCKS.get()
-    if registry is not None and (blocks is None or block in blocks):
+    if registry is not None and (blocks is None or not blocks.isdisjoint(names)):
         # a gather computed ahead (prefetch) comes out of its autograd function as a view
         # of the gathered tensor: what autograd saves are views of that base
         base = out._base if out._base is not None else out
@@ -176,7 +180,8 @@ def _unpack(saved: Any) -> torch.Tensor:
 def reshard_after_forward(enabled: Reshard = True) -> Iterator[None]:
     """Run a program's forward so that the parameters it gathers are not kept for
     backward (module doc). With `enabled=False`, nothing changes; with a set of block
-    names, only those blocks' parameters reshard.
+    names and parameter paths, only the parameters of those blocks and those named
+    reshard.
 
     Example:
         >>> with with_groups(axes, buckets), reshard_after_forward():

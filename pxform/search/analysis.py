@@ -131,6 +131,8 @@ def analyse(graph: Graph, batch_inputs: set[str], batch_dim: int = 0,
     skip = set(batch) | set(params)
     done: dict[int, list[SavedBytes]] = {}
     for (a, b, _), k in zip(blocks, kind_of):
+        # (a kind's blocks share the first one's: its `stored` names that block's
+        # parameters, as the search walks the first block of each kind)
         if k not in done:
             done[k] = saved_bytes_per_op(graph, a, b, skip)
         saved[a:b] = done[k]

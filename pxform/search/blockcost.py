@@ -105,6 +105,11 @@ class WalkCost:
                                  # activation, `pxform.lower.mpmd`'s weight ops)
     weight_out_bytes: float = 0.0  # those ops' outputs: zero-bubble's B keeps their
                                    # gradients for its W (`pxform.runtime.pipeline`)
+    gather_s: float = 0.0  # ZeRO-3: one pass of the block's parameter gathers (in
+                           # `fwd_comm`, and again in `bwd_comm`: reshard after forward)
+    gathered_saved_bytes: float = 0.0  # of the parameters they make whole, those the
+                                       # block's ops save for backward: what a microbatch
+                                       # keeps without reshard after forward
 
 
 def _floating(v: Value) -> bool:
@@ -165,6 +170,7 @@ def walk(a: Analysis, block: BlockInfo, strats: list[Strategy], outside: Mapping
     # kind and axis for the block's gradients together, so one latency, not one per tensor
     bucket: dict[tuple[str, str], float] = {}
     gathers: dict[tuple[str, str], float] = {}  # ZeRO-3's parameter gathers, likewise
+    gathered_params: dict[str, float] = {}  # parameter -> its bytes gathered whole
     for k, s in zip(range(block.start, block.stop), strats):
         op = graph.ops[k]
         ways = _ways(s, axes)
@@ -221,7 +227,10 @@ def walk(a: Analysis, block: BlockInfo, strats: list[Strategy], outside: Mapping
                 # `pxform.runtime.reshard`): transient, not saved; the gather runs twice
                 for kind, axis, sent in cache.steps(v, have, s.inputs[i]):
                     gathers[kind, axis] = gathers.get((kind, axis), 0.0) + sent
-                gathered += v.type.nbytes * _local_fraction(v, s.inputs[i], cache)
+                whole = v.type.nbytes * _local_fraction(v, s.inputs[i], cache)
+                gathered += whole
+                if v.name in a.params:  # (a cast parameter's saved copy is in `saved`)
+                    gathered_params[v.name] = whole
             else:
                 fwd_comm += fwd
             if param:
@@ -277,10 +286,12 @@ def walk(a: Analysis, block: BlockInfo, strats: list[Strategy], outside: Mapping
     # parameters are freed one by one after their use: about one block's worth on top of
     # the op at work (metered within 5 %, tests/test_auto.py)
     transient += gathered
+    stored = {n for k in range(block.start, block.stop) for n in a.op_saved[k].stored}
+    gathered_saved = sum(b for n, b in gathered_params.items() if n in stored)
     return WalkCost(fwd_compute, fwd_comm, bwd_comm, grad_comm, saved, kept, pbytes, gbytes,
                     transient, packed, packed_sent.get("outer", 0.0),
                     packed_sent.get("inner", 0.0), redo + gathered, bwd_compute,
-                    weight_compute, weight_out)
+                    weight_compute, weight_out, gather_time, gathered_saved)
 
 
 # ---------------------------------------------------------------- tensor-axis beam search

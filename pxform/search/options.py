@@ -114,7 +114,7 @@ def _fields(w: WalkCost) -> tuple[float, ...]:
     return (w.fwd_compute, w.fwd_comm, w.bwd_comm, w.grad_comm, w.saved_bytes, w.kept_bytes,
             w.param_bytes, w.grad_bytes, w.transient_bytes, w.packed_bytes, w.packed_outer,
             w.packed_inner, w.redo_bytes, w.bwd_compute, w.weight_compute,
-            w.weight_out_bytes)
+            w.weight_out_bytes, w.gather_s, w.gathered_saved_bytes)
 
 
 def _walk_at(ctx: SearchContext, block: BlockInfo, config: Config, option: Option,
@@ -155,6 +155,13 @@ def option_cost(ctx: SearchContext, block: BlockInfo, config: Config, option: Op
     model = ctx.model
     f = w.fwd_compute + w.fwd_comm
     bc = w.bwd_compute + w.bwd_comm + (f if option.recompute else 0.0)
+    saved = w.saved_bytes
+    if not option.reshard:
+        # ZeRO-3 keeping what forward gathered (`Option.reshard`): backward gathers
+        # nothing, and each microbatch in flight holds the gathered parameters its ops
+        # saved (the runtime gathers per microbatch)
+        bc -= w.gather_s
+        saved += w.gathered_saved_bytes
     if option.sdp_axes:
         b = model.overlap(bc, w.grad_comm)
         extra = 0.0
@@ -165,7 +172,7 @@ def option_cost(ctx: SearchContext, block: BlockInfo, config: Config, option: Op
     # chosen blocks' sum exactly)
     extra += (ctx.packed_rate(config, OUTER) * w.packed_outer
               + ctx.packed_rate(config, INNER) * w.packed_inner)
-    return OptionCost(f, b, extra, w.saved_bytes, w.kept_bytes, w.param_bytes, w.grad_bytes,
+    return OptionCost(f, b, extra, saved, w.kept_bytes, w.param_bytes, w.grad_bytes,
                       w.transient_bytes, w.packed_bytes, w.redo_bytes, w.packed_outer,
                       w.packed_inner, w.weight_compute, w.weight_out_bytes)
 

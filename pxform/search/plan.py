@@ -50,10 +50,12 @@ def schedule_text(name: str, virtual_stages: int) -> str:
     return f"{name}(virtual_stages={virtual_stages})" if virtual_stages > 1 else name
 
 
-def strategy_text(roles: tuple[tuple[str, str], ...], recompute: bool) -> str:
-    """A block's strategy as plans print it: "outer=dp inner=tp +recompute"."""
+def strategy_text(roles: tuple[tuple[str, str], ...], recompute: bool,
+                  reshard: bool = True) -> str:
+    """A block's strategy as plans print it: "outer=dp inner=tp +recompute", or
+    "outer=sdp +keep-gathered" where ZeRO-3 keeps the gathered parameters for backward."""
     text = " ".join(f"{a}={r}" for a, r in roles) or "single device"
-    return text + (" +recompute" if recompute else "")
+    return text + (" +recompute" if recompute else "") + ("" if reshard else " +keep-gathered")
 
 
 @dataclass(frozen=True)
@@ -76,10 +78,13 @@ class BlockPlan:
     start: int = 0
     stop: int = 0
     ops: tuple[str, ...] = ()
+    # ZeRO-3 (an sdp axis): whether the parameters the block gathers are freed after its
+    # forward and gathered again for backward (the runtime's `reshard_after_forward`)
+    reshard: bool = True
 
     @property
     def strategy(self) -> str:
-        return strategy_text(self.roles, self.recompute)
+        return strategy_text(self.roles, self.recompute, self.reshard)
 
 
 @dataclass(frozen=True)
@@ -328,7 +333,8 @@ class Plan:
         if len(self.blocks) != len(other.blocks):
             out.append(f"blocks: {len(self.blocks)} -> {len(other.blocks)}")
         for x, y in zip(self.blocks, other.blocks):
-            if (x.stage, x.roles, x.recompute) != (y.stage, y.roles, y.recompute):
+            if (x.stage, x.roles, x.recompute, x.reshard) != \
+                    (y.stage, y.roles, y.recompute, y.reshard):
                 out.append(f"block {x.label}: stage {x.stage} {x.strategy} -> stage "
                            f"{y.stage} {y.strategy}")
         if self.policy != other.policy:
@@ -437,8 +443,8 @@ def _groups(blocks: tuple[BlockPlan, ...], per_block: bool) -> list[list[BlockPl
     for b in blocks:
         if out and not per_block:
             last = out[-1][-1]
-            if (last.kind, last.stage, last.roles, last.recompute) == \
-                    (b.kind, b.stage, b.roles, b.recompute):
+            if (last.kind, last.stage, last.roles, last.recompute, last.reshard) == \
+                    (b.kind, b.stage, b.roles, b.recompute, b.reshard):
                 out[-1].append(b)
                 continue
         out.append([b])

@@ -26,7 +26,7 @@ from pxform.ops.strategy import choice_text
 from pxform.schedules import Costs, resolve, simulate
 from pxform.search.analysis import Analysis, BlockInfo, analyse
 from pxform.search.context import Pin, SearchContext, tensor_choice_key
-from pxform.search.options import block_strategies, canonical, param_layouts
+from pxform.search.options import block_strategies, canonical, param_layouts, walk_cost
 from pxform.search.partition import pareto, search_configs
 from pxform.search.pipelines import NAMES, ScheduleChoice
 from pxform.search.plan import BlockPlan, FrontierPoint, Plan, StagePlan
@@ -124,7 +124,7 @@ def search(graph: Graph, batch_inputs: set[str], *, devices: int, budget: int,
         plan = dataclasses.replace(plan, notes=(
             f"memory margin {margin:.0%}: searched within {format_bytes(int(usable))} of the "
             f"{format_bytes(budget)} budget (the memory model's error on measured plans is "
-            f"within about 5-10 %: docs/benchmarks/accuracy.md)",))
+            f"within about 5-10 %: docs/benchmarks/accuracy.md)", *plan.notes))
     return plan
 
 
@@ -288,7 +288,8 @@ def _make_plan(c: Candidate, ctx: SearchContext, found: Sequence[Candidate], sec
     blocks = tuple(BlockPlan(b.index, b.label, b.kind, c.block_stage[b.index],
                              c.options[b.index].roles, c.options[b.index].recompute,
                              c.block_time[b.index], c.block_memory[b.index], b.start, b.stop,
-                             _op_texts(ctx, b, cfg, c.options[b.index]))
+                             _op_texts(ctx, b, cfg, c.options[b.index]),
+                             c.options[b.index].reshard)
                    for b in a.blocks)
     stages = tuple(StagePlan(s.stage, s.blocks, s.forward, s.backward, s.memory, s.in_flight,
                              s.param_bytes, s.weight) for s in c.stages)
@@ -315,6 +316,7 @@ def _make_plan(c: Candidate, ctx: SearchContext, found: Sequence[Candidate], sec
                     batch[v.name] = _spec(canonical(ctx, v.name, v.type.rank,
                                                          c.options[b.index]))
     step = _simulated_step(c, hw.step_overhead_s)
+    notes = _reshard_notes(c, ctx)
     points = tuple(FrontierPoint(p.step_time, p.peak_memory, _config_text(p),
                                  _summary(p.options)) for p in pareto(found))
     return Plan(fn, cfg.devices, hw.name, int(budget), objective, ctx.global_batch,
@@ -328,7 +330,29 @@ def _make_plan(c: Candidate, ctx: SearchContext, found: Sequence[Candidate], sec
                 virtual_stages=c.schedule.virtual_stages,
                 schedule_times=tuple((choice.text(), t) for choice, t in
                                      ctx.schedules.get(cfg, {}).items()
-                                     if cfg.stages > 1 and len(ctx.schedules[cfg]) > 1))
+                                     if cfg.stages > 1 and len(ctx.schedules[cfg]) > 1),
+                notes=notes)
+
+
+def _reshard_notes(c: Candidate, ctx: SearchContext) -> tuple[str, ...]:
+    """Why blocks keep ZeRO-3's gathered parameters (`Option.reshard`): the backward
+    gathers it saves per step against the bytes it holds at the stage's peak."""
+    a = ctx.analysis
+    sharded = [b for b in a.blocks if c.options[b.index].sdp_axes]
+    kept = [b for b in sharded if not c.options[b.index].reshard]
+    if not kept:
+        return ()
+    flight = {s.stage: s.in_flight for s in c.stages}
+    walks = [(b, walk_cost(ctx, b, c.config, c.options[b.index])) for b in kept]
+    saved = sum(w.gather_s for _, w in walks) * c.config.microbatches
+    held = sum(w.gathered_saved_bytes * flight.get(c.block_stage[b.index], 1)
+               for b, w in walks)
+    labels = ", ".join(b.label for b in kept[:4]) + (", ..." if len(kept) > 4 else "")
+    return (f"ZeRO-3 keeps the parameters it gathers from forward to backward in "
+            f"{len(kept)} of {len(sharded)} sharded-data blocks ({labels}): "
+            f"{saved:.4g} s of backward all-gathers saved per step for "
+            f"{format_bytes(int(held))} held per device; the others free them after forward "
+            f"and gather them again (reshard after forward, the default)",)
 
 
 def _config_text(c: Candidate) -> str:
@@ -374,7 +398,7 @@ def _summary(options: Sequence[Option]) -> str:
 def pin_of(plan: Plan) -> Pin:
     """Every choice of `plan` as constraints for the search."""
     return Pin(plan.stages, plan.outer, plan.inner, plan.microbatches,
-               tuple(Option(b.roles, b.recompute) for b in plan.blocks),
+               tuple(Option(b.roles, b.recompute, b.reshard) for b in plan.blocks),
                tuple(b.stage for b in plan.blocks),
                {k: tuple(cs) for k, cs in plan.tensor_choices},
                ScheduleChoice(plan.schedule, plan.virtual_stages) if plan.stages > 1

@@ -15,7 +15,9 @@ along their sequence dim, Megatron-LM's layout), or the same data role as the ou
 (mixing DP and SDP on one block is never better than SDP alone, Galvatron-BMW §3.2, so
 that branch is pruned); tensor parallelism across nodes is not offered (its activation
 all-reduces on the slow link lose to data parallelism there in every published
-configuration). Each option is taken with recompute off and on.
+configuration). Each option is taken with recompute off and on; one with sharded data and
+no recompute is also taken keeping its gathered parameters from forward to backward
+(`Option.reshard`).
 """
 
 from __future__ import annotations
@@ -34,10 +36,22 @@ PP = "pp"
 
 @dataclass(frozen=True)
 class Option:
-    """One block's strategy: a role per stage-mesh axis, and recompute."""
+    """One block's strategy: a role per stage-mesh axis, recompute, and whether ZeRO-3's
+    gathered parameters are freed after forward and gathered again for backward
+    (`reshard`, FSDP2's `reshard_after_forward`: True unless the block has an `sdp` axis
+    and no recompute, where False keeps them, one copy per microbatch in flight, and saves
+    backward's gathers)."""
 
-    roles: tuple[tuple[str, str], ...]   # (axis, "dp" | "sdp" | "tp")
+    roles: tuple[tuple[str, str], ...]   # (axis, "dp" | "sdp" | "tp" | "sp")
     recompute: bool
+    reshard: bool = True
+
+    def __post_init__(self) -> None:
+        if not self.reshard and (self.recompute or not self.sdp_axes):
+            # a recomputed block gathers again in backward anyway; without sdp nothing is
+            # gathered: one spelling per strategy, so that equal strategies compare equal
+            raise ValueError(f"Option {self.text()}: keeping gathered parameters needs an "
+                             f"sdp axis and no recompute")
 
     def role(self, axis: str) -> str | None:
         return dict(self.roles).get(axis)
@@ -65,7 +79,7 @@ class Option:
         return any(r == "sp" for _, r in self.roles)
 
     def text(self) -> str:
-        return strategy_text(self.roles, self.recompute)
+        return strategy_text(self.roles, self.recompute, self.reshard)
 
 
 @dataclass(frozen=True)
@@ -108,7 +122,8 @@ def options(config: Config, sequence_parallel: bool = True) -> list[Option]:
         combos += [((INNER, "dp"),), ((INNER, "sdp"),)] + [((INNER, t),) for t in tensor]
     else:
         combos.append(())
-    return [Option(r, rc) for r in combos for rc in (False, True)]
+    out = [Option(r, rc) for r in combos for rc in (False, True)]
+    return out + [Option(r, False, False) for r in combos if any(x == "sdp" for _, x in r)]
 
 
 def powers_of_two(n: int) -> Iterator[int]:
