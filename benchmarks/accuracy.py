@@ -40,8 +40,9 @@ def cases(ranks: int, num_blocks: int) -> list[tuple[str, Any]]:
     from pxform.search.pipelines import ScheduleChoice
     from pxform.search.space import Option
 
-    def every(roles: tuple[tuple[str, str], ...], recompute: bool = False) -> tuple:
-        return (Option(roles, recompute),) * num_blocks
+    def every(roles: tuple[tuple[str, str], ...], recompute: bool = False,
+              reshard: bool = True) -> tuple:
+        return (Option(roles, recompute, reshard),) * num_blocks
 
     out: list[tuple[str, Any]] = [("searched", None)]
     n = ranks
@@ -52,6 +53,8 @@ def cases(ranks: int, num_blocks: int) -> list[tuple[str, Any]]:
                              block_options=every((("outer", "dp"),), True))),
         ("zero3", Pin(stages=1, outer=n, inner=1, microbatches=1,
                       block_options=every((("outer", "sdp"),)))),
+        ("zero3 kept", Pin(stages=1, outer=n, inner=1, microbatches=1,
+                           block_options=every((("outer", "sdp"),), reshard=False))),
         ("tp", Pin(stages=1, outer=1, inner=n, microbatches=1,
                    block_options=every((("inner", "tp"),)))),
         ("tp+recompute", Pin(stages=1, outer=1, inner=n, microbatches=1,
