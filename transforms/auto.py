@@ -22,9 +22,11 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
-from collections.abc import Callable, Sequence
+import gc
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -151,75 +153,80 @@ class Auto(Executable):
         full: Any = optree.tree_map(global_stand_in, args, is_leaf=is_dtensor)  # type: ignore[arg-type]
         key = cache_key(full, {})
         if key not in self._cache:
-            graph, names, _ = self._graph(args)
-            if self.given is not None:
-                plan = self.given
-                self._lowering(plan).graph(graph)  # made for this graph, or an error
-            else:
-                from pxform.search import search
-
-                assert self.hardware is not None and self.memory_budget is not None
-                from pxform.search.context import Pin
-
-                pin = self.pin
-                if self._cache.get("writes_state") and (pin is None or pin.stages is None):
-                    # module state written in place (BatchNorm's running statistics) needs
-                    # the whole batch in one step: no pipeline (`pxform.pipeline` refuses)
-                    pin = dataclasses.replace(pin or Pin(), stages=1)
-                budget, hardware = self.memory_budget, self.hardware
-
-                def best(pin: Pin | None) -> Plan:
-                    return search(graph, names, devices=self.devices,
-                                  budget=budget, hardware=hardware,
-                                  objective=self.objective, batch_range=self.batch_range,
-                                  pin=pin, batch_dim=self.batch_dim, optimizer=self.optimizer,
-                                  fn=f"auto({self.__name__})", function=self.__name__,
-                                  progress=self.progress, margin=self.memory_margin)
-
-                plan = best(pin)
-                # never return a plan that cannot run: lower it on its abstract mesh first;
-                # if it fails, the best plan without sequence parallelism, under 1F1B,
-                # without pipeline stages, then without tensor parallelism (plain data
-                # parallel / ZeRO), says which in its notes
-                failure = self._fails_to_lower(plan, args, graph.inputs, names)
-                tried = [(plan.config_text(), failure)] if failure else []
-                from pxform.search.pipelines import ONE_F_ONE_B
-
-                fallbacks: list[dict[str, Any]] = [{"stages": 1}, {"stages": 1, "inner": 1}]
-                if plan.stages > 1 and (plan.schedule, plan.virtual_stages) != ("1f1b", 1):
-                    # the same pipeline under plain 1F1B first
-                    fallbacks.insert(0, {"schedule": ONE_F_ONE_B})
-                if any(r == "sp" for b in plan.blocks for _, r in b.roles):
-                    # and the same without sequence parallelism
-                    fallbacks.insert(0, {"sequence_parallel": False})
-                for fewer in fallbacks:
-                    if not failure:
-                        break
-                    if pin is not None and any(getattr(pin, k) not in (None, v)
-                                               for k, v in fewer.items()):
-                        continue  # the user pinned otherwise
-                    plan = best(dataclasses.replace(pin or Pin(), **fewer))
-                    failure = self._fails_to_lower(plan, args, graph.inputs, names)
-                    if failure:
-                        tried.append((plan.config_text(), failure))
-                if failure:
-                    raise PxformError(
-                        f"pxform.auto({self.__name__}): no plan the search found lowers for "
-                        f"{self.devices} devices: " + "; ".join(f"{c}: {e}" for c, e in tried)
-                        + "\n  Fix: pass plan=pxform.search.Pin(...) to fix the layout, "
-                        "or report the error with the function that caused it.")
-                if tried:
-                    plan = dataclasses.replace(plan, notes=(*plan.notes, *(
-                        f"the searched plan {c} does not lower ({e}); this is the best "
-                        f"that does" for c, e in tried)))
-                if self.precision is not None:
-                    plan = dataclasses.replace(
-                        plan, precision=tuple(self.precision.to_json().items()))
-            # which blocks keep ZeRO-3's gathered parameters for backward: the runtime
-            # takes it by parameter path (`PlanLowering.reshard`)
-            self._cache[("reshard", id(plan))] = self._lowering(plan).reshard(graph)
-            self._cache[key] = (plan, names, graph.inputs)
+            with _gc_paused():
+                self._cache[key] = self._plan_now(args)
         return self._cache[key]
+
+    def _plan_now(self, args: tuple[Any, ...]) -> tuple[Plan, set[str], tuple[Any, ...]]:
+        """Trace, search (or check the given plan) and check it lowers (`_planned`)."""
+        graph, names, _ = self._graph(args)
+        if self.given is not None:
+            plan = self.given
+            self._lowering(plan).graph(graph)  # made for this graph, or an error
+        else:
+            from pxform.search import search
+
+            assert self.hardware is not None and self.memory_budget is not None
+            from pxform.search.context import Pin
+
+            pin = self.pin
+            if self._cache.get("writes_state") and (pin is None or pin.stages is None):
+                # module state written in place (BatchNorm's running statistics) needs
+                # the whole batch in one step: no pipeline (`pxform.pipeline` refuses)
+                pin = dataclasses.replace(pin or Pin(), stages=1)
+            budget, hardware = self.memory_budget, self.hardware
+
+            def best(pin: Pin | None) -> Plan:
+                return search(graph, names, devices=self.devices,
+                              budget=budget, hardware=hardware,
+                              objective=self.objective, batch_range=self.batch_range,
+                              pin=pin, batch_dim=self.batch_dim, optimizer=self.optimizer,
+                              fn=f"auto({self.__name__})", function=self.__name__,
+                              progress=self.progress, margin=self.memory_margin)
+
+            plan = best(pin)
+            # never return a plan that cannot run: lower it on its abstract mesh first;
+            # if it fails, the best plan without sequence parallelism, under 1F1B,
+            # without pipeline stages, then without tensor parallelism (plain data
+            # parallel / ZeRO), says which in its notes
+            failure = self._fails_to_lower(plan, args, graph.inputs, names)
+            tried = [(plan.config_text(), failure)] if failure else []
+            from pxform.search.pipelines import ONE_F_ONE_B
+
+            fallbacks: list[dict[str, Any]] = [{"stages": 1}, {"stages": 1, "inner": 1}]
+            if plan.stages > 1 and (plan.schedule, plan.virtual_stages) != ("1f1b", 1):
+                # the same pipeline under plain 1F1B first
+                fallbacks.insert(0, {"schedule": ONE_F_ONE_B})
+            if any(r == "sp" for b in plan.blocks for _, r in b.roles):
+                # and the same without sequence parallelism
+                fallbacks.insert(0, {"sequence_parallel": False})
+            for fewer in fallbacks:
+                if not failure:
+                    break
+                if pin is not None and any(getattr(pin, k) not in (None, v)
+                                           for k, v in fewer.items()):
+                    continue  # the user pinned otherwise
+                plan = best(dataclasses.replace(pin or Pin(), **fewer))
+                failure = self._fails_to_lower(plan, args, graph.inputs, names)
+                if failure:
+                    tried.append((plan.config_text(), failure))
+            if failure:
+                raise PxformError(
+                    f"pxform.auto({self.__name__}): no plan the search found lowers for "
+                    f"{self.devices} devices: " + "; ".join(f"{c}: {e}" for c, e in tried)
+                    + "\n  Fix: pass plan=pxform.search.Pin(...) to fix the layout, "
+                    "or report the error with the function that caused it.")
+            if tried:
+                plan = dataclasses.replace(plan, notes=(*plan.notes, *(
+                    f"the searched plan {c} does not lower ({e}); this is the best "
+                    f"that does" for c, e in tried)))
+            if self.precision is not None:
+                plan = dataclasses.replace(
+                    plan, precision=tuple(self.precision.to_json().items()))
+        # which blocks keep ZeRO-3's gathered parameters for backward: the runtime
+        # takes it by parameter path (`PlanLowering.reshard`)
+        self._cache[("reshard", id(plan))] = self._lowering(plan).reshard(graph)
+        return plan, names, graph.inputs
 
     def _fails_to_lower(self, plan: Plan, args: tuple[Any, ...], inputs: tuple[Any, ...],
                         names: set[str]) -> str | None:
@@ -354,6 +361,21 @@ class Auto(Executable):
         """Plan (once), lower and run on this rank (what `value_and_grad` calls)."""
         filled = self._filled(args)
         return self.executable(*filled).run(args, grad_argnums)
+
+
+@contextlib.contextmanager
+def _gc_paused() -> Iterator[None]:
+    """Planning without the cyclic garbage collector: tracing and the search make millions
+    of short-lived objects, and its full collections took a tenth of planning GPT-3 175B
+    (nothing planning makes needs collecting before it ends; reference counting still frees
+    everything else at once)."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
 DEFAULT_MEMORY_MARGIN = 0.05

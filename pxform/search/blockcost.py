@@ -59,6 +59,7 @@ class RelayoutCache:
     axes: Mapping[str, tuple[int, int]]  # axis -> (size, link level)
     mesh: AbstractMesh
     _cache: dict = field(default_factory=dict)
+    _times: dict = field(default_factory=dict)  # (..., scale) -> seconds
 
     def relayout(self, v: Value, src: Layout, dst: Layout) -> Relayout:
         key = (v.type.shape, v.type.dtype.itemsize, src, dst)
@@ -73,7 +74,12 @@ class RelayoutCache:
     def time(self, v: Value, src: Layout, dst: Layout, scale: float) -> float:
         if src == dst:
             return 0.0
-        return self.model.relayout_time(self.relayout(v, src, dst), self.axes, scale)
+        key = (v.type.shape, v.type.dtype.itemsize, src, dst, scale)
+        t = self._times.get(key)
+        if t is None:
+            t = self._times[key] = self.model.relayout_time(self.relayout(v, src, dst),
+                                                            self.axes, scale)
+        return t
 
     def steps(self, v: Value, src: Layout, dst: Layout) -> list[tuple[str, str, float]]:
         return [] if src == dst else relayout_steps(self.relayout(v, src, dst))
@@ -306,14 +312,15 @@ class _State:
 
 
 def tensor_strategies(a: Analysis, block: BlockInfo, axis: str, size: int, level: int,
-                      model: CostModel, scale: float, sequence_parallel: bool = False
-                      ) -> tuple[Strategy, ...]:
+                      model: CostModel, scale: float, sequence_parallel: bool = False,
+                      cache: RelayoutCache | None = None) -> tuple[Strategy, ...]:
     """Per op of `block`, its strategy on the tensor axis `axis` of `size` (module doc).
     Values from earlier blocks arrive, and values for later ones leave, whole; with
     `sequence_parallel`, split over the axis along their sequence dim
-    (`sequence_layout`)."""
+    (`sequence_layout`). `cache`: re-layouts on that one-axis mesh, shared between calls."""
     mesh = AbstractMesh({axis: size})
-    cache = RelayoutCache(model, {axis: (size, level)}, mesh)
+    if cache is None:
+        cache = RelayoutCache(model, {axis: (size, level)}, mesh)
     graph = a.graph
     vals = a.values()
     last: dict[str, int] = {}
@@ -355,7 +362,10 @@ def tensor_strategies(a: Analysis, block: BlockInfo, axis: str, size: int, level
                 bad, t = _tensor_step(a, k, s, st, cache, sc, dtype, model)
                 if t is None:
                     continue
-                layouts = dict(st.layouts)
+                # only what is read later or leaves the block: the rest is never looked
+                # up again, and keeping it made each step quadratic in the block's ops
+                layouts = {n: lay for n, lay in st.layouts.items()
+                           if last.get(n, -1) > k or n in crossing}
                 for v, lay in zip(op.outputs, s.outputs):
                     layouts[v.name] = lay
                 params = dict(st.params)
@@ -376,6 +386,8 @@ def tensor_strategies(a: Analysis, block: BlockInfo, axis: str, size: int, level
                                (*st.picks, s))
                 live = tuple(sorted((n, lay) for n, lay in layouts.items()
                                     if last.get(n, -1) > k or n in crossing))
+                if len(live) < len(layouts):  # this op's outputs nothing reads
+                    layouts = dict(live)
                 sig = (live, tuple(sorted(params.items())))
                 old = grown.get(sig)
                 if old is None or state.key < old.key:

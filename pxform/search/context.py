@@ -194,8 +194,14 @@ class SearchContext:
         key = (kind, config.inner, level, sequence_parallel)
         if key not in self.tensor:
             block = first_block(a, kind)
+            mesh = AbstractMesh({INNER: config.inner})
+            axes = {INNER: (config.inner, level)}
+            ckey = mesh, tuple(sorted(axes.items()))
+            if ckey not in self.relayouts:  # (shared by every kind, with and without sp)
+                self.relayouts[ckey] = RelayoutCache(self.model, axes, mesh)
             self.tensor[key] = tensor_strategies(a, block, INNER, config.inner, level,
-                                                 self.model, 1.0, sequence_parallel)
+                                                 self.model, 1.0, sequence_parallel,
+                                                 self.relayouts[ckey])
         return self.tensor[key]
 
     def table_key(self, options: tuple[Option, ...]) -> int:
