@@ -485,24 +485,28 @@ def test_bucketed_all_reduce_exposes_the_last_bucket():
     assert busy.bucketed_all_reduce(1e6, "dp", axes) == pytest.approx(table.time(1e6) + 1e-3)
 
 
-def measure_runtime_costs() -> tuple[float, float, float, float]:
+def measure_runtime_costs() -> tuple[float, ...]:
     """On every rank: a profile refined by `runtime_costs`."""
     from pxform.tools.runtime_costs import runtime_costs
 
     hw = runtime_costs(calibrate(sizes=SIZES, repeats=1))
     return (hw.param_overhead_s, hw.step_overhead_s, hw.action_overhead_s,
-            hw.collective_overhead_s, hw.param_action_overhead_s)
+            hw.collective_overhead_s, hw.param_action_overhead_s, hw.weight_op_overhead_s)
 
 
 def test_runtime_costs_are_measured_on_real_programs(world):
     """`pxform.tools.runtime_costs` times data-parallel steps over 4 and 64 parameters, a
-    2-stage pipeline at 2 and 8 microbatches and a tensor-parallel chain at 2 and 10
-    layers: every rank gets rank 0's numbers, each positive and below the step times
-    they come from (a hook and a gradient per parameter, a pipeline action, a collective's
-    wrapping: microseconds to a millisecond here, not seconds)."""
+    2-stage pipeline at 2 and 8 microbatches, a tensor-parallel chain at 2 and 10
+    layers and a zero-bubble pipeline's W actions over 1 and 16 weight ops: every rank
+    gets rank 0's numbers, each positive and below the step times they come from (a hook
+    and a gradient per parameter, a pipeline action, a collective's wrapping, autograd
+    asked per weight op: microseconds to a millisecond here, not seconds)."""
     results = world.run(measure_runtime_costs)
     assert results[0] == results[1]
-    per_param, per_step, per_action, per_collective, per_param_action = results[0]
+    per_param, per_step, per_action, per_collective, per_param_action, per_weight_op = \
+        results[0]
+    # two autograd calls per weight op: tens of microseconds at least on this CPU
+    assert 1e-6 < per_weight_op < 5e-3
     # the differences of small timings may come out at 0 (clamped) on a loaded machine
     # (a stream of tiny collectives can run faster than the comm table's barrier-timed
     # ones it is corrected by); a hook per parameter always costs something

@@ -632,12 +632,32 @@ def attention_stack(params, x):
     return (h ** 2).mean()
 
 
-def plan_schedule(fn, args, budget="80GiB", **pin):
+def plan_schedule(fn, args, budget="80GiB", hardware="a100-80gb", **pin):
     """The plan on 4 pipeline ranks, 4 microbatches, a100-80gb's fixed profile."""
     pin = Pin(stages=4, outer=1, inner=1, microbatches=4, **pin)
     step = pxform.auto(fn, mesh=pxform.Mesh.abstract(4), memory_budget=budget,
-                       hardware="a100-80gb", plan=pin, memory_margin=0.0)
+                       hardware=hardware, plan=pin, memory_margin=0.0)
     return step.plan(*args)
+
+
+def test_zero_bubble_pays_the_runtime_per_weight_op():
+    """A W action asks autograd for each weight op's gradient apart: a profile's
+    `weight_op_overhead_s` (measured by `runtime_costs`) adds to each stage's W per weight
+    op (a layer's two linears; the head's loss has none), and to nothing under 1F1B."""
+    from pxform.cost.hardware import hardware
+
+    args = mlp_args(d=1024, layers=4, batch=4096)
+    slow = dataclasses.replace(hardware("a100-80gb"), weight_op_overhead_s=1e-3)
+    base, paid = (plan_schedule(residual_mlp, args, hardware=hw,
+                                schedule=ScheduleChoice("zb")) for hw in ("a100-80gb", slow))
+    for b, p in zip(base.stage_plans, paid.stage_plans):
+        ops = 2 * sum(base.blocks[k].label.startswith("layer") for k in b.blocks)
+        assert p.weight_s - b.weight_s == pytest.approx(ops * 1e-3, rel=1e-6), (b, p)
+        assert p.backward_s - b.backward_s == pytest.approx(ops * 1e-3, rel=1e-6)
+    assert paid.step_time_s > base.step_time_s
+    one, one_paid = (plan_schedule(residual_mlp, args, hardware=hw, schedule=ScheduleChoice())
+                     for hw in ("a100-80gb", slow))
+    assert one.step_time_s == one_paid.step_time_s
 
 
 def test_zero_bubble_is_chosen_where_its_simulated_bubble_wins():

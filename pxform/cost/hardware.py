@@ -195,7 +195,7 @@ def _power_law(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
 
 
 _FIXED_COSTS = ("step_overhead_s", "param_overhead_s", "action_overhead_s",
-                "collective_overhead_s", "param_action_overhead_s")
+                "collective_overhead_s", "param_action_overhead_s", "weight_op_overhead_s")
 """The runtime's own fixed costs a profile may carry (`Hardware`)."""
 
 OP_CLASSES = ("matmul", "attention", "gelu", "gelu_tanh", "silu", "softmax",
@@ -332,6 +332,8 @@ class Hardware:
             parameter tensor of a stage per pipeline action, beyond the ops and the
             collectives' transfer (`pxform.tools.runtime_costs` measures them; 0: not
             measured).
+        weight_op_overhead_s: the same, per weight op of a zero-bubble W action (the
+            executor's autograd calls for that op's weight gradient, one op at a time).
         source: where the numbers come from.
 
     Example:
@@ -360,6 +362,7 @@ class Hardware:
     action_overhead_s: float = 0.0
     collective_overhead_s: float = 0.0
     param_action_overhead_s: float = 0.0
+    weight_op_overhead_s: float = 0.0
 
     def __post_init__(self) -> None:
         what = f"Hardware {self.name!r}"

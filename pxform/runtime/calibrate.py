@@ -721,5 +721,6 @@ def summary(hw: Hardware) -> str:
                      f"{hw.action_overhead_s * 1e6:.3g} us per pipeline action, "
                      f"{hw.collective_overhead_s * 1e6:.3g} us per collective, "
                      f"{hw.param_action_overhead_s * 1e6:.3g} us per parameter and "
-                     f"pipeline action")
+                     f"pipeline action, {hw.weight_op_overhead_s * 1e6:.3g} us per weight op "
+                     f"of a zero-bubble W")
     return "\n".join(lines)

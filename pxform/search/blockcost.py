@@ -113,6 +113,7 @@ class WalkCost:
                                    # gradients for its W (`pxform.runtime.pipeline`)
     gather_s: float = 0.0  # ZeRO-3: one pass of the block's parameter gathers (in
                            # `fwd_comm`, and again in `bwd_comm`: reshard after forward)
+    weight_ops: float = 0.0  # how many ops read a weight and an activation (a W's)
     gathered_saved_bytes: float = 0.0  # of the parameters they make whole, those the
                                        # block's ops save for backward: what a microbatch
                                        # keeps without reshard after forward
@@ -166,7 +167,7 @@ def walk(a: Analysis, block: BlockInfo, strats: list[Strategy], outside: Mapping
     layouts: dict[str, Layout] = {}
     done: set[tuple[str, Layout]] = set()
     fwd_compute = fwd_comm = bwd_comm = grad_comm = saved = transient = gathered = 0.0
-    redo = bwd_compute = weight_compute = weight_out = 0.0
+    redo = bwd_compute = weight_compute = weight_out = weight_ops = 0.0
     # values made from parameters alone (a transposed or cast weight): weights too
     weights = set(a.params) | set(a.param_casts)
     classes = a.op_classes or ("elementwise",) * len(a.graph.ops)
@@ -193,6 +194,7 @@ def walk(a: Analysis, block: BlockInfo, strats: list[Strategy], outside: Mapping
         elif any(reads_weight):
             # its weight gradient costs about its forward (x^T dy for a matmul)
             weight_compute += min(f, b)
+            weight_ops += 1
             weight_out += sum(v.type.nbytes * sc * _local_fraction(v, lay, cache)
                               for v, lay in zip(op.outputs, s.outputs) if _floating(v))
         # each saved tensor at its own layout's local size; the op's intermediates as its
@@ -297,7 +299,7 @@ def walk(a: Analysis, block: BlockInfo, strats: list[Strategy], outside: Mapping
     return WalkCost(fwd_compute, fwd_comm, bwd_comm, grad_comm, saved, kept, pbytes, gbytes,
                     transient, packed, packed_sent.get("outer", 0.0),
                     packed_sent.get("inner", 0.0), redo + gathered, bwd_compute,
-                    weight_compute, weight_out, gather_time, gathered_saved)
+                    weight_compute, weight_out, gather_time, weight_ops, gathered_saved)
 
 
 # ---------------------------------------------------------------- tensor-axis beam search

@@ -62,6 +62,7 @@ class OptionCost:
     packed_inner: float = 0.0  # and over the inner (`SearchContext.packed_rate`)
     weight: float = 0.0  # of `backward`, the weight gradients (a zero-bubble W action)
     weight_out: float = 0.0  # gradients zero-bubble's B keeps for its W, per microbatch
+    weight_ops: int = 0  # ops with a weight gradient: a W asks autograd for each apart
 
     def step_time(self, m: int) -> float:
         return m * (self.forward + self.backward) + self.step_extra

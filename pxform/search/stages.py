@@ -194,6 +194,7 @@ def assemble(ctx: SearchContext, config: Config, part: tuple[int, ...],
     fw, bw, wt = [], [], []
     for s, ((idx, _), (pt, mem)) in enumerate(zip(stage_points, picked)):
         f = b = w = extra = pbytes = outer = inner = 0.0
+        weight_ops = 0
         for k, c in zip(idx, pt.choices):
             o = tables[k].options[c]
             oc = tables[k].costs[c]
@@ -207,6 +208,7 @@ def assemble(ctx: SearchContext, config: Config, part: tuple[int, ...],
             f += oc.forward
             b += oc.backward
             w += oc.weight
+            weight_ops += oc.weight_ops
             extra += oc.step_extra
             pbytes += oc.params
             outer += oc.packed_outer
@@ -219,15 +221,19 @@ def assemble(ctx: SearchContext, config: Config, part: tuple[int, ...],
                 extra += (ctx.model.bucketed_all_reduce(sent, axis, axes)
                           - ctx.packed_rate(config, axis) * sent)
         # the runtime's own host time (`pxform.tools.runtime_costs`): per parameter tensor
-        # per step, and per pipeline action (a zero-bubble W is one more)
+        # per step, and per pipeline action (a zero-bubble W is one more, and asks
+        # autograd for each weight op's gradient apart)
         hw = ctx.hardware
         num_params = sum(len(ctx.analysis.blocks[k].params) for k in idx)
         extra += hw.param_overhead_s * num_params
         if config.stages > 1:
             action = hw.action_overhead_s + hw.param_action_overhead_s * num_params
             f += action
-            b += action * (2 if schedule.split else 1)
-            w += action if schedule.split else 0.0
+            b += action
+            if schedule.split:
+                split = action + hw.weight_op_overhead_s * weight_ops
+                b += split
+                w += split
         if config.stages > 1:  # the owner's chosen option, not the least the DP assumed
             exact = borrowed(ctx, idx, tables, chosen_cost)
             mem += exact - borrowed(ctx, idx, tables)

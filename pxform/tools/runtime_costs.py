@@ -25,6 +25,12 @@ world and returns the profile with them set:
 * `param_action_overhead_s`, per parameter tensor of a stage per pipeline action (its
   conversion's autograd function, its gradient accumulated over microbatches): the same
   pipeline with 16 parameters per stage instead of 1, the difference over 2 x 6 x 15.
+* `weight_op_overhead_s`, per weight op of a zero-bubble W action (the executor asks
+  autograd for each weight op's gradient on its own, then hands it on): a 2-stage ZB-H1
+  pipeline of chained tiny matmuls, 1 and 16 per stage, its W actions timed as they run
+  (`pxform.runtime.pipeline.recording`): the difference of the median W over 15, less
+  what the cost model already charges per parameter and action and for the op's weight
+  gradient.
 
 Each difference is the median of `repeats` paired differences, the short and the long
 program timed alternately, each call after a barrier (a drift in the machine's load falls
@@ -57,6 +63,7 @@ from pxform.cost.model import CostModel
 from pxform.frontend.boundary import stage_boundary
 from pxform.runtime import world
 from pxform.runtime.mesh import Mesh
+from pxform.runtime.pipeline import recording
 from pxform.transforms.grad import value_and_grad
 from pxform.transforms.pipeline import pipeline
 from pxform.transforms.shard import shard
@@ -67,8 +74,9 @@ _WIDTH = 8  # elements per tiny parameter
 
 
 def runtime_costs(hw: Hardware, repeats: int = 9) -> Hardware:
-    """`hw` with `param_overhead_s`, `step_overhead_s` and `action_overhead_s` measured
-    on the current world (module doc). Call it on every rank, like a collective.
+    """`hw` with the runtime's fixed costs (`param_overhead_s`, `step_overhead_s`,
+    `action_overhead_s`, ...) measured on the current world (module doc). Call it on every
+    rank, like a collective.
 
     Example:
         >>> hw = runtime_costs(calibrate())
@@ -130,7 +138,7 @@ def runtime_costs(hw: Hardware, repeats: int = 9) -> Hardware:
         ops += model.bucketed_all_reduce(few * _WIDTH * 4.0 * 2 * (n - 1) / n, "dp", axes)
     per_step = max(0.0, t_few - few * per_param - ops)
 
-    per_action = per_param_action = 0.0
+    per_action = per_param_action = per_weight_op = 0.0
     if n >= 2 and n % 2 == 0:
         def two_stages(p: dict[str, list[torch.Tensor]], x: torch.Tensor) -> torch.Tensor:
             h = stage_boundary(x @ torch.stack(p["w1"]).sum(0))
@@ -155,11 +163,51 @@ def runtime_costs(hw: Hardware, repeats: int = 9) -> Hardware:
         per_action = max(0.0, slots / (2 * 6) - p2p)
         per_param_action = max(0.0, (slots_many - slots) / (2 * 6 * 15))
 
-    mine = (per_param, per_step, per_action, per_collective, per_param_action)
+        def chained(p: dict[str, list[torch.Tensor]], x: torch.Tensor) -> torch.Tensor:
+            for w in p["w1"]:  # each matmul a weight op of its own
+                x = x @ w
+            x = stage_boundary(x)
+            for w in p["w2"]:
+                x = x @ w
+            return x.sum()
+
+        def zb_step(count: int) -> Callable[[], Any]:
+            piped = pipeline(chained, stages=2, microbatches=8, schedule="zb")
+            step = value_and_grad(shard(piped, mesh=Mesh({"pp": 2, "dp": n // 2}),
+                                        in_specs=(None, P("dp"))))
+            params = {k: [torch.randn(_WIDTH, _WIDTH, generator=gen) / _WIDTH ** 0.5
+                          for _ in range(count)] for k in ("w1", "w2")}
+            batch = torch.randn(8 * n, _WIDTH, generator=gen)
+            return lambda: step(params, batch)
+
+        one, many_ops = _weight_action(zb_step(1), repeats), _weight_action(zb_step(16), repeats)
+        # the model prices a W as its ops' weight gradients (about each op's forward: a
+        # matmul of 2 rows here) plus the per-action and per-parameter costs above
+        rows = 8 * n // 8 // (n // 2)
+        compute = min(CostModel(hw).op_times(2.0 * rows * _WIDTH * _WIDTH, torch.float32,
+                                             0.0, "matmul"))
+        per_weight_op = max(0.0, (many_ops - one) / 15 - per_param_action - compute)
+
+    mine = (per_param, per_step, per_action, per_collective, per_param_action, per_weight_op)
     kept = world.gather_objects(mine)[0] if n > 1 else mine
     return dataclasses.replace(hw, param_overhead_s=kept[0], step_overhead_s=kept[1],
                                action_overhead_s=kept[2], collective_overhead_s=kept[3],
-                               param_action_overhead_s=kept[4])
+                               param_action_overhead_s=kept[4], weight_op_overhead_s=kept[5])
+
+
+def _weight_action(call: Callable[[], Any], repeats: int) -> float:
+    """The median seconds of the W actions this rank runs in `repeats` calls of `call` (a
+    zero-bubble pipeline's step), after two untimed calls."""
+    for _ in range(2):
+        call()
+    seconds = []
+    for _ in range(repeats):
+        if world.initialized():
+            world.barrier()
+        with recording() as events:
+            call()
+        seconds += [end - start for a, start, end in events if a.kind == "W"]
+    return statistics.median(seconds) if seconds else 0.0
 
 
 def _paired(short: Callable[[], Any], long: Callable[[], Any], repeats: int
