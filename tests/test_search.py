@@ -73,6 +73,27 @@ def test_tight_memory_gives_zero3_or_tensor_parallel():
     assert plan_mlp("80GiB").step_time_s <= plan.step_time_s
 
 
+def test_near_ties_take_the_simplest_plan():
+    """Plans predicted within `tolerance` (5 % by default) of the fastest are ties, and the
+    one with fewer pipeline stages, then fewer microbatches, wins: the model's error is
+    larger than such gains, and near-ties flipped with each calibration. tolerance=0 takes
+    the fastest; the plan's notes name it, and explain() marks the plan taken."""
+    fastest = plan_mlp("2GiB", tolerance=0.0)
+    simple = plan_mlp("2GiB")
+    assert (fastest.stages, fastest.microbatches) == (4, 32), fastest.config_text()
+    assert (simple.stages, simple.microbatches) == (2, 16), simple.config_text()
+    assert fastest.step_time_s < simple.step_time_s <= 1.05 * fastest.step_time_s
+    note = next(n for n in simple.notes if n.startswith("taken over the fastest plan found"))
+    assert "pp=4 outer=1 inner=1 microbatches=32 schedule=zb at" in note
+    assert "tolerance=0.05" in note and "pass tolerance=0 for the fastest" in note
+    assert not any(n.startswith("taken over") for n in fastest.notes)
+    why = simple.explain().split("why this plan:")[1]
+    assert "\n*  " + simple.config_text() in why
+    with pytest.raises(pxform.PxformError, match=r"tolerance=1; give a fraction of the "
+                                                 r"fastest plan's step in \[0, 1\)"):
+        plan_mlp("2GiB", tolerance=1)
+
+
 def test_tighter_memory_recomputes():
     plan = plan_mlp("1.2GiB")
     assert any(b.recompute for b in plan.blocks)

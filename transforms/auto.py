@@ -79,6 +79,7 @@ class Auto(Executable):
     precision: Precision | None = None  # mixed precision, applied by the trace
     sync_batch_norm: bool = False  # training-mode BatchNorm by the whole batch's statistics
     memory_margin: float = 0.0  # plans fit memory_budget x (1 - memory_margin)
+    tolerance: float = 0.0  # plans within this fraction of the fastest: the simplest
     _cache: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -182,7 +183,8 @@ class Auto(Executable):
                               objective=self.objective, batch_range=self.batch_range,
                               pin=pin, batch_dim=self.batch_dim, optimizer=self.optimizer,
                               fn=f"auto({self.__name__})", function=self.__name__,
-                              progress=self.progress, margin=self.memory_margin)
+                              progress=self.progress, margin=self.memory_margin,
+                              tolerance=self.tolerance)
 
             plan = best(pin)
             # never return a plan that cannot run: lower it on its abstract mesh first;
@@ -378,6 +380,10 @@ def _gc_paused() -> Iterator[None]:
             gc.enable()
 
 
+DEFAULT_TOLERANCE = 0.05
+"""`auto`'s default: plans within 5 % of the fastest predicted step are ties, and the
+simplest wins (`pxform.search.partition.SIMPLER_WITHIN`)."""
+
 DEFAULT_MEMORY_MARGIN = 0.05
 """The share of the memory budget `auto`'s plans keep free by default: the memory model's
 error on measured plans (`docs/benchmarks/accuracy.md`)."""
@@ -389,7 +395,8 @@ def auto(fn: Any = None, *, mesh: Any, memory_budget: Any = None, objective: str
          plan: Plan | Pin | None = None, optimizer: str = "adam",
          progress: Callable[[int, int], None] | None = None, allow_fallback: bool = True,
          precision: Precision | None = None, sync_batch_norm: bool = False,
-         memory_margin: float = DEFAULT_MEMORY_MARGIN) -> Any:
+         memory_margin: float = DEFAULT_MEMORY_MARGIN,
+         tolerance: float = DEFAULT_TOLERANCE) -> Any:
     """Search a parallel plan for `fn` and run it (module doc). Usable as a decorator.
 
     Args:
@@ -422,6 +429,11 @@ def auto(fn: Any = None, *, mesh: Any, memory_budget: Any = None, objective: str
             plans fit 95 % of it): a plan at 99.9 % of the budget fails on the memory
             model's first error. The plan's `headroom_bytes` and `explain()` show what it
             leaves; 0 plans to the whole budget.
+        tolerance: configurations predicted within this fraction of the fastest are
+            ties, and the simplest wins: fewer pipeline stages, then fewer microbatches,
+            then 1F1B (default 0.05: the model's error is larger, and such near-ties
+            flipped with each calibration); the plan's notes name the faster plan it
+            passed over. 0 takes the fastest.
 
     Example:
         >>> step = pxform.auto(loss_fn, mesh=8, memory_budget="40GiB", hardware="a100-40gb")
@@ -434,7 +446,7 @@ def auto(fn: Any = None, *, mesh: Any, memory_budget: Any = None, objective: str
                                  batch_dim=batch_dim, plan=plan, optimizer=optimizer,
                                  progress=progress, allow_fallback=allow_fallback,
                                  precision=precision, sync_batch_norm=sync_batch_norm,
-                                 memory_margin=memory_margin)
+                                 memory_margin=memory_margin, tolerance=tolerance)
     if isinstance(fn, torch.nn.Module):
         raise module_given(fn, "auto")
     devices = _device_count(mesh)
@@ -468,10 +480,16 @@ def auto(fn: Any = None, *, mesh: Any, memory_budget: Any = None, objective: str
             f"pxform.auto({getattr(fn, '__name__', 'fn')}): memory_margin={memory_margin!r}; "
             f"give a fraction of memory_budget in [0, 1).\n  Fix: e.g. memory_margin=0.05 "
             f"plans within 95 % of the budget; 0 plans to all of it.")
+    if isinstance(tolerance, bool) or not isinstance(tolerance, (int, float)) or \
+            not 0 <= tolerance < 1:
+        raise PxformError(
+            f"pxform.auto({getattr(fn, '__name__', 'fn')}): tolerance={tolerance!r}; give a "
+            f"fraction of the fastest plan's step in [0, 1).\n  Fix: e.g. tolerance=0.05 "
+            f"takes the simplest plan within 5 % of the fastest; 0 takes the fastest.")
     return Auto(fn, devices, budget, objective, hw, batch_range, nums, batch_dim, plan,
                 optimizer, progress, allow_fallback=allow_fallback,
                 precision=precision_arg(precision, "auto"), sync_batch_norm=sync_batch_norm,
-                memory_margin=memory_margin)
+                memory_margin=memory_margin, tolerance=tolerance)
 
 
 def _budget(value: Any, name: str) -> int:

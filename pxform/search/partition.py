@@ -232,16 +232,35 @@ def _shift(part: tuple[int, ...], stage: int, p: int) -> tuple[int, ...] | None:
 
 
 
+SIMPLER_WITHIN = 0.05
+"""`auto`'s default `tolerance`: configurations predicted within this fraction of the
+fastest count as tied, and the simplest of them is taken (`simplicity`). The model's error
+on measured steps is larger than that (docs/benchmarks/accuracy.md), and a calibration
+run minutes later moves predictions by as much: without it, plans flipped between 2 and 16
+microbatches from one calibration to the next, and the many-microbatch plan ran twice as
+long as predicted."""
+
+
+def simplicity(c: Candidate) -> tuple[int, int, int, bool, float]:
+    """Simplest first: fewer pipeline stages, fewer chunks per rank, fewer microbatches
+    (each adds per-microbatch costs the model prices least well), 1F1B, then faster."""
+    return (c.config.stages, c.schedule.virtual_stages, c.config.microbatches,
+            c.schedule.name != "1f1b", c.step_time)
+
+
 def search_configs(ctx: SearchContext, configs: Sequence[Config], objective: str,
                    progress: Callable[[int, int], None] | None = None, *,
-                   first_fit: bool = False
+                   first_fit: bool = False, tolerance: float = 0.0
                    ) -> tuple[Candidate | None, list[Candidate], float]:
-    """Evaluate every configuration; the best plan, every plan found (for the frontier),
-    and the seconds it took. `first_fit`: stop at the first plan that fits (to ask
-    whether any does)."""
+    """Evaluate every configuration; the best plan, every plan found (for the frontier;
+    each configuration's best among them), and the seconds it took. `first_fit`: stop at
+    the first plan that fits (to ask whether any does). `tolerance` (objective "time"):
+    configurations within that fraction of the fastest are ties, and the simplest wins
+    (`SIMPLER_WITHIN`)."""
     start = time.perf_counter()
     best: Candidate | None = None
     found: list[Candidate] = []
+    slack = 1.0 + (tolerance if objective == "time" else 0.0)
     # branch and bound: the most promising configurations first, and none whose lower
     # bound (step time, or peak memory for the memory objective) cannot beat the best
     # plan so far. Memory ties are kept: step time breaks them.
@@ -250,21 +269,30 @@ def search_configs(ctx: SearchContext, configs: Sequence[Config], objective: str
     else:
         bounds = {c: memory_lower_bound(ctx, c) for c in configs}
     order = sorted(configs, key=lambda c: (bounds[c], c.stages, c.outer, c.microbatches))
+    bests: list[Candidate] = []
     for n, config in enumerate(order):
-        if best is not None and (bounds[config] >= best.step_time if objective == "time"
+        if best is not None and (bounds[config] >= best.step_time * slack
+                                 if objective == "time"
                                  else bounds[config] > best.peak_memory):
             if progress is not None:
                 progress(n + 1, len(configs))
             continue
         cand, extra = evaluate(ctx, config, objective,
-                               best.step_time if best is not None else math.inf)
+                               best.step_time * slack if best is not None else math.inf)
         found.extend(extra)
-        if cand is not None and (best is None or _key(cand, objective) < _key(best, objective)):
-            best = cand
+        if cand is not None:
+            bests.append(cand)
+            if best is None or _key(cand, objective) < _key(best, objective):
+                best = cand
         if progress is not None:
             progress(n + 1, len(configs))
         if first_fit and best is not None:
             break
+    seen = {id(c) for c in found}
+    found.extend(c for c in bests if id(c) not in seen)
+    if best is not None and slack > 1.0:
+        fastest = best.step_time
+        best = min((c for c in bests if c.step_time <= fastest * slack), key=simplicity)
     return best, found, time.perf_counter() - start
 
 

@@ -45,7 +45,8 @@ def search(graph: Graph, batch_inputs: set[str], *, devices: int, budget: int,
            batch_range: tuple[int, int] | None = None, pin: Pin | None = None,
            batch_dim: int = 0, optimizer: str = "adam", fn: str = "auto",
            function: str | None = None,
-           progress: Callable[[int, int], None] | None = None, margin: float = 0.0) -> Plan:
+           progress: Callable[[int, int], None] | None = None, margin: float = 0.0,
+           tolerance: float = 0.0) -> Plan:
     """The best plan for `graph` on `devices` devices of `hardware` within `budget` bytes
     per device (module doc).
 
@@ -62,6 +63,10 @@ def search(graph: Graph, batch_inputs: set[str], *, devices: int, budget: int,
         margin: a safety margin, a fraction of `budget`: plans must fit `budget x (1 -
             margin)` (the plan's `notes` say so). The plan's `headroom_bytes` is what is
             left of the whole budget at its predicted peak.
+        tolerance: objective "time": configurations predicted within this fraction of
+            the fastest count as tied, and the simplest is taken (fewer stages, then
+            fewer microbatches: `partition.simplicity`); the plan's notes name the faster
+            one it passed over. 0: always the fastest.
 
     Raises:
         SearchError: nothing fits; the message states the least memory per device any
@@ -73,6 +78,10 @@ def search(graph: Graph, batch_inputs: set[str], *, devices: int, budget: int,
             not 0 <= margin < 1:
         raise SearchError(f"pxform.{fn}: memory_margin={margin!r}; give a fraction of the "
                           f"budget in [0, 1), e.g. 0.05 to plan within 95 % of it.")
+    if isinstance(tolerance, bool) or not isinstance(tolerance, (int, float)) or \
+            not 0 <= tolerance < 1:
+        raise SearchError(f"pxform.{fn}: tolerance={tolerance!r}; give a fraction in [0, 1), "
+                          f"e.g. 0.05 to take the simplest plan within 5 % of the fastest.")
     usable = float(budget) * (1.0 - margin)
     analysis = analyse(graph, batch_inputs, batch_dim, fn)
     model = CostModel(hardware, optimizer)
@@ -108,7 +117,8 @@ def search(graph: Graph, batch_inputs: set[str], *, devices: int, budget: int,
             ctx = SearchContext(analysis, model, usable, batch, pin)
             cands = _configs(analysis, n, hardware, batch, pin, fn)
             goal = "memory" if objective == "memory" else "time"
-            cand, found, secs = search_configs(ctx, cands, goal, progress)
+            cand, found, secs = search_configs(ctx, cands, goal, progress,
+                                               tolerance=tolerance)
             if cand is None:
                 continue
             if best is None or _better(cand, best[0], objective, batch_range is not None):
@@ -120,6 +130,16 @@ def search(graph: Graph, batch_inputs: set[str], *, devices: int, budget: int,
                           margin)
     cand, ctx, found, secs = best
     plan = _make_plan(cand, ctx, found, secs, function or fn, hardware, budget, objective)
+    # (a faster schedule of the chosen configuration lost to `SCHEDULE_GAIN`, not here)
+    fastest = min((c for c in found if c.config != cand.config), key=lambda c: c.step_time,
+                  default=cand)
+    if objective == "time" and fastest.step_time < cand.step_time:
+        plan = dataclasses.replace(plan, notes=(*plan.notes, (
+            f"taken over the fastest plan found, {_config_text(fastest)} at "
+            f"{fastest.step_time:.4g} s ({1 - fastest.step_time / cand.step_time:.1%} "
+            f"faster): within tolerance={tolerance:g} of it the simplest plan wins (fewer "
+            f"pipeline stages, then fewer microbatches), the model's error being larger "
+            f"than that gain; pass tolerance=0 for the fastest")))
     if margin:
         plan = dataclasses.replace(plan, notes=(
             f"memory margin {margin:.0%}: searched within {format_bytes(int(usable))} of the "
@@ -317,8 +337,13 @@ def _make_plan(c: Candidate, ctx: SearchContext, found: Sequence[Candidate], sec
                                                          c.options[b.index]))
     step = _simulated_step(c, hw.step_overhead_s)
     notes = _reshard_notes(c, ctx)
+    # the frontier, and the chosen plan where a faster one dominates it (a simpler plan
+    # taken within `tolerance`): explain() and the CLI mark it among the points
+    shown = pareto(found)
+    if all(p is not c for p in shown):
+        shown = sorted([*shown, c], key=lambda p: (p.peak_memory, p.step_time))
     points = tuple(FrontierPoint(p.step_time, p.peak_memory, _config_text(p),
-                                 _summary(p.options)) for p in pareto(found))
+                                 _summary(p.options)) for p in shown)
     return Plan(fn, cfg.devices, hw.name, int(budget), objective, ctx.global_batch,
                 cfg.stages, cfg.outer, cfg.inner, cfg.microbatches, c.schedule.name, blocks,
                 stages,
