@@ -431,9 +431,9 @@ def auto(fn: Any = None, *, mesh: Any, memory_budget: Any = None, objective: str
             leaves; 0 plans to the whole budget.
         tolerance: configurations predicted within this fraction of the fastest are
             ties, and the simplest wins: fewer pipeline stages, then fewer microbatches,
-            then 1F1B (default 0.05: the model's error is larger, and such near-ties
-            flipped with each calibration); the plan's notes name the faster plan it
-            passed over. 0 takes the fastest.
+            then 1F1B, then fewer tensor-parallel blocks (default 0.05: the model's error
+            is larger, and such near-ties flipped with each calibration); the plan's
+            notes name the faster plan it passed over. 0 takes the fastest.
 
     Example:
         >>> step = pxform.auto(loss_fn, mesh=8, memory_budget="40GiB", hardware="a100-40gb")

@@ -135,7 +135,7 @@ def calibrate(*, sizes: Sequence[int] = (2**10, 2**14, 2**18, 2**22), repeats: i
     bandwidth = _measure_bandwidth(device, say)
     overhead = _measure_op_overhead(say) if device.type == "cpu" else 0.0
     compute = _measure_compute(device, say)
-    curves = _measure_op_curves(device, max(3, min(repeats, 7)), say)
+    curves = _measure_op_curves(device, max(3, min(repeats, 9)), say)
     overlap = _measure_overlap(device, max(3, repeats // 3), say) if world >= 2 else 0.0
     profile: dict[str, Any] | None = None
     if rank == 0:
@@ -341,12 +341,15 @@ def _runs(fn: Callable[..., torch.Tensor], inputs: Sequence[torch.Tensor], lengt
 def _measure_op_curves(device: torch.device, repeats: int, say: Callable[[str], None]
                        ) -> tuple[OpCurve, ...]:
     """Forward and backward seconds of one op per class and size (`_op_cases`), under
-    autograd as training runs them: chains of 2 and of 10 ops, each timed as the median
-    of `repeats` after a warm-up, and the difference over 8 ops, so that what one
-    backward call costs whatever its length (the engine's start, the first gradient's
-    allocation) is not charged to every op. Gradients of the inputs are set to None
-    before each backward (allocated afresh, as in a training step). Times are made
-    non-decreasing in size (running maxima), as the comm tables are."""
+    autograd as training runs them: chains of 2 and of 10 ops, timed in alternation (short
+    forward, long forward, short forward and backward, long forward and backward) after a
+    warm-up, `repeats` times; per repeat the differences over 8 ops, and their medians, so
+    that what one backward call costs whatever its length (the engine's start, the first
+    gradient's allocation) is not charged to every op, and a drift in the machine's load
+    falls on both sides of each difference (timing the short chains first and the long
+    ones after moved single points by 2-20x on this 2-core machine). Gradients of the
+    inputs are set to None before each backward (allocated afresh, as in a training step).
+    Times are made non-decreasing in size (running maxima), as the comm tables are."""
     gen = torch.Generator(device).manual_seed(0)  # leave the global RNG state alone
     short, long = _CHAIN
     curves = []
@@ -358,16 +361,19 @@ def _measure_op_curves(device: torch.device, repeats: int, say: Callable[[str], 
             if kind == "matmul":  # keep a chain of matmuls in range
                 inputs[1] /= shapes[1][0] ** 0.5
             inputs = [x.requires_grad_(True) for x in inputs]
-            medians = []
-            for length in (short, long):
-                forward, both = _runs(fn, inputs, length)
-                f, spread_f = _timed_median(forward, device, repeats)
-                fb, spread_b = _timed_median(both, device, repeats)
-                medians.append((f, fb))
-                worst = max(worst, spread_f, spread_b)
-            (f0, fb0), (f1, fb1) = medians
-            fwd = max((f1 - f0) / (long - short), 1e-9)
-            bwd = max((fb1 - fb0) / (long - short) - fwd, 1e-9)
+            runs = [_runs(fn, inputs, length) for length in (short, long)]
+            calls = [runs[0][0], runs[1][0], runs[0][1], runs[1][1]]
+            for call in calls:  # warm-up
+                call()
+            _sync(device)
+            fwds, bwds = [], []
+            for _ in range(repeats):
+                t = [_timed_once(call, device) for call in calls]
+                fwd = (t[1] - t[0]) / (long - short)
+                fwds.append(fwd)
+                bwds.append((t[3] - t[2]) / (long - short) - fwd)
+            fwd, bwd = max(statistics.median(fwds), 1e-9), max(statistics.median(bwds), 1e-9)
+            worst = max(worst, _spread(fwds), _spread([f + b for f, b in zip(fwds, bwds)]))
             rows.append((size, fwd, bwd))
             say(f"op {kind} {size:.3g}: forward {fwd * 1e6:.1f} us, backward "
                 f"{bwd * 1e6:.1f} us")
@@ -378,6 +384,23 @@ def _measure_op_curves(device: torch.device, repeats: int, say: Callable[[str], 
             monotone.append((size, f_max, b_max))
         curves.append(OpCurve(kind, tuple(monotone), round(worst, 4)))
     return tuple(curves)
+
+
+def _timed_once(run: Callable[[], object], device: torch.device) -> float:
+    start = time.perf_counter()
+    run()
+    _sync(device)
+    return time.perf_counter() - start
+
+
+def _spread(values: Sequence[float]) -> float:
+    """The relative interquartile range of `values` (0 for fewer than 2)."""
+    if len(values) < 2:
+        return 0.0
+    xs = sorted(values)
+    med = statistics.median(xs)
+    q1, q3 = xs[len(xs) // 4], xs[(3 * len(xs)) // 4]
+    return abs(q3 - q1) / abs(med) if med else 0.0
 
 
 def _measure_overlap(device: torch.device, repeats: int, say: Callable[[str], None]

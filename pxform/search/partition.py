@@ -241,11 +241,17 @@ microbatches from one calibration to the next, and the many-microbatch plan ran 
 long as predicted."""
 
 
-def simplicity(c: Candidate) -> tuple[int, int, int, bool, float]:
+def simplicity(c: Candidate) -> tuple[int, int, int, bool, int, int, int, int, float]:
     """Simplest first: fewer pipeline stages, fewer chunks per rank, fewer microbatches
-    (each adds per-microbatch costs the model prices least well), 1F1B, then faster."""
+    (each adds per-microbatch costs the model prices least well), 1F1B, then fewer
+    blocks split inside their ops (tensor parallelism: collectives in every layer), a
+    smaller inner axis (without tensor parallelism, `outer=2` and `inner=2` are the same
+    data parallelism: one spelling), fewer recomputed, fewer with sharded data, then
+    faster."""
     return (c.config.stages, c.schedule.virtual_stages, c.config.microbatches,
-            c.schedule.name != "1f1b", c.step_time)
+            c.schedule.name != "1f1b", sum(o.tensor_axis is not None for o in c.options),
+            c.config.inner, sum(o.recompute for o in c.options),
+            sum(bool(o.sdp_axes) for o in c.options), c.step_time)
 
 
 def search_configs(ctx: SearchContext, configs: Sequence[Config], objective: str,

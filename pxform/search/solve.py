@@ -138,8 +138,9 @@ def search(graph: Graph, batch_inputs: set[str], *, devices: int, budget: int,
             f"taken over the fastest plan found, {_config_text(fastest)} at "
             f"{fastest.step_time:.4g} s ({1 - fastest.step_time / cand.step_time:.1%} "
             f"faster): within tolerance={tolerance:g} of it the simplest plan wins (fewer "
-            f"pipeline stages, then fewer microbatches), the model's error being larger "
-            f"than that gain; pass tolerance=0 for the fastest")))
+            f"pipeline stages, then fewer microbatches, then fewer tensor-parallel "
+            f"blocks), the model's error being larger than that gain; pass tolerance=0 "
+            f"for the fastest")))
     if margin:
         plan = dataclasses.replace(plan, notes=(
             f"memory margin {margin:.0%}: searched within {format_bytes(int(usable))} of the "

@@ -1,0 +1,121 @@
+"""Plan stability: the same machine calibrated again and again, and the plan each profile
+gives, with and without `auto`'s tolerance.
+
+`--ranks` gloo processes (a `pxform.testing.World`) run `pxform.runtime.calibrate` and
+`pxform.tools.runtime_costs` `--runs` times in a row, as `benchmarks/accuracy.py` does once.
+After each calibration they plan the example GPT twice over (searched, and with 2 pipeline
+stages pinned, the microbatch count and schedule searched), once with `tolerance=0` (the
+fastest predicted plan) and once with the default tolerance (the simplest plan within 5 %
+of the fastest, `pxform.search.partition.simplicity`). The table counts the distinct plans
+each way took over the runs: one means the machine gives the same plan run after run, the
+issue's goal.
+
+    source .venv/bin/activate
+    python benchmarks/stability.py               # GPT "small", batch 16, 2 ranks, 6 runs
+    python benchmarks/stability.py --quick       # 2 runs, nothing written
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from collections import Counter
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import harness  # noqa: E402
+
+SIZES = (2**10, 2**14, 2**18, 2**20, 2**22)  # as accuracy.py calibrates
+
+
+def rank_main(config: str, batch_size: int, runs: int) -> dict[str, Any]:
+    """On every rank: `runs` calibrations, and per calibration the plans of each case."""
+    harness.add_paths()
+    import gpt
+    import torch
+
+    import pxform
+    from pxform.runtime.calibrate import calibrate
+    from pxform.search import Pin
+    from pxform.tools.runtime_costs import runtime_costs
+
+    world = torch.distributed.get_world_size()
+    cfg = gpt.GPT_CONFIGS[config]
+    params = gpt.init_params(cfg, dtype=torch.float32)
+    batch = gpt.make_batch(cfg, batch_size)
+
+    def gpt_loss(p: dict, b: dict) -> torch.Tensor:
+        return gpt.loss_fn(p, b, cfg)
+
+    out = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        hw = runtime_costs(calibrate(sizes=SIZES, repeats=15, name=f"cpu-x{world}"))
+        seconds = time.perf_counter() - start
+        row: dict[str, Any] = {"calibrate_s": seconds,
+                               "action_overhead_s": hw.action_overhead_s,
+                               "collective_overhead_s": hw.collective_overhead_s}
+        for case, pin in (("searched", None), ("2 stages", Pin(stages=2))):
+            for tolerance in (0.0, None):
+                kw = {} if tolerance is None else {"tolerance": tolerance}
+                plan = pxform.auto(gpt_loss, mesh=world, hardware=hw, plan=pin,
+                                   **kw).plan(params, batch)
+                row[f"{case}|{'default' if tolerance is None else 'fastest'}"] = {
+                    "config": plan.config_text(), "predicted_s": plan.step_time_s,
+                    "strategies": sorted({b.strategy for b in plan.blocks})}
+        out.append(row)
+    return {"runs": out}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--config", default="small", help="a key of gpt.GPT_CONFIGS")
+    p.add_argument("--batch", type=int, default=16, help="global sequences per step")
+    p.add_argument("--ranks", type=int, default=2)
+    p.add_argument("--runs", type=int, default=6, help="calibrations in a row")
+    p.add_argument("--quick", action="store_true", help="2 runs; writes nothing")
+    p.add_argument("--out", default=harness.RESULTS)
+    args = p.parse_args()
+    if args.quick:
+        args.runs = 2
+    harness.add_paths()
+    import stability  # this module by name, so that ranks can unpickle rank_main
+
+    from pxform.core.units import format_table
+    from pxform.tools.testing import World
+
+    with World(args.ranks, timeout=300 + 120 * args.runs) as world:
+        runs = world.run(stability.rank_main, args.config, args.batch, args.runs)[0]["runs"]
+    keys = [k for k in runs[0] if "|" in k]
+    head = ("case", "tolerance", "distinct plans", "plans taken (runs)", "predicted (min-max)")
+    table: list[tuple[str, ...]] = [head]
+    summary = {}
+    for key in keys:
+        case, how = key.split("|")
+        taken = Counter(f"{r[key]['config'].replace(' schedule=1f1b', '')} "
+                        f"[{', '.join(r[key]['strategies'])}]" for r in runs)
+        times = [r[key]["predicted_s"] * 1e3 for r in runs]
+        summary[key] = {"distinct": len(taken), "taken": dict(taken)}
+        table.append((case, "0" if how == "fastest" else "0.05 (default)", str(len(taken)),
+                      "; ".join(f"{plan} ({n})" for plan, n in taken.most_common()),
+                      f"{min(times):.1f}-{max(times):.1f} ms"))
+    print(f"GPT {args.config}, global batch {args.batch}, {args.ranks} gloo ranks, "
+          f"{args.runs} calibrations in a row "
+          f"({sum(r['calibrate_s'] for r in runs) / len(runs):.1f} s each)")
+    print("\n".join(format_table(table, align="lllrl", indent="  ")))
+    print("  action overhead per run: " + ", ".join(f"{r['action_overhead_s'] * 1e3:.2f} ms"
+                                                    for r in runs))
+    if args.quick:
+        return
+    path = harness.write_result("stability", {
+        "goal": "one plan over every calibration (the same machine, the same plan)",
+        "config": {"model": args.config, "global_batch": args.batch, "ranks": args.ranks,
+                   "runs": args.runs, "calibration_sizes": list(SIZES)},
+        "runs": runs, "summary": summary}, out_dir=args.out)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
