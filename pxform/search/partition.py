@@ -276,30 +276,42 @@ def search_configs(ctx: SearchContext, configs: Sequence[Config], objective: str
         bounds = {c: memory_lower_bound(ctx, c) for c in configs}
     order = sorted(configs, key=lambda c: (bounds[c], c.stages, c.outer, c.microbatches))
     bests: list[Candidate] = []
+    simplest: Candidate | None = None  # the simplest within `tolerance` of `best` so far
     for n, config in enumerate(order):
-        if best is not None and (bounds[config] >= best.step_time * slack
-                                 if objective == "time"
+        beat = math.inf
+        if best is not None:
+            beat = best.step_time
+            # a configuration that cannot beat the fastest may still be a simpler tie
+            if simplest is not None and _config_order(config) < _config_order(simplest.config):
+                beat *= slack
+        if best is not None and (bounds[config] >= beat if objective == "time"
                                  else bounds[config] > best.peak_memory):
             if progress is not None:
                 progress(n + 1, len(configs))
             continue
-        cand, extra = evaluate(ctx, config, objective,
-                               best.step_time * slack if best is not None else math.inf)
+        cand, extra = evaluate(ctx, config, objective, beat)
         found.extend(extra)
         if cand is not None:
             bests.append(cand)
             if best is None or _key(cand, objective) < _key(best, objective):
                 best = cand
+            fastest = best.step_time
+            simplest = min((c for c in bests if c.step_time <= fastest * slack),
+                           key=simplicity)
         if progress is not None:
             progress(n + 1, len(configs))
         if first_fit and best is not None:
             break
     seen = {id(c) for c in found}
     found.extend(c for c in bests if id(c) not in seen)
-    if best is not None and slack > 1.0:
-        fastest = best.step_time
-        best = min((c for c in bests if c.step_time <= fastest * slack), key=simplicity)
+    if slack > 1.0 and simplest is not None:
+        best = simplest
     return best, found, time.perf_counter() - start
+
+
+def _config_order(config: Config) -> tuple[int, int, int]:
+    """`simplicity`'s order as far as a configuration alone tells it."""
+    return (config.stages, config.microbatches, config.inner)
 
 
 def pareto(cands: Sequence[Candidate]) -> list[Candidate]:
