@@ -87,6 +87,8 @@ def test_near_ties_take_the_simplest_plan():
     assert "pp=4 outer=1 inner=1 microbatches=32 schedule=zb at" in note
     assert "tolerance=0.05" in note and "pass tolerance=0 for the fastest" in note
     assert not any(n.startswith("taken over") for n in fastest.notes)
+    assert "why this plan: the simplest near-tie of the fastest" in simple.explain()
+    assert "why this plan: the fastest within the budget" in fastest.explain()
     why = simple.explain().split("why this plan:")[1]
     assert "\n*  " + simple.config_text() in why
     with pytest.raises(pxform.PxformError, match=r"tolerance=1; give a fraction of the "

@@ -474,22 +474,23 @@ def auto(fn: Any = None, *, mesh: Any, memory_budget: Any = None, objective: str
     hw = get_hardware(hardware if hardware is not None else "h100-80gb")
     budget = hw.memory_bytes if memory_budget is None else \
         _budget(memory_budget, getattr(fn, "__name__", "fn"))
-    if isinstance(memory_margin, bool) or not isinstance(memory_margin, (int, float)) or \
-            not 0 <= memory_margin < 1:
-        raise PxformError(
-            f"pxform.auto({getattr(fn, '__name__', 'fn')}): memory_margin={memory_margin!r}; "
-            f"give a fraction of memory_budget in [0, 1).\n  Fix: e.g. memory_margin=0.05 "
-            f"plans within 95 % of the budget; 0 plans to all of it.")
-    if isinstance(tolerance, bool) or not isinstance(tolerance, (int, float)) or \
-            not 0 <= tolerance < 1:
-        raise PxformError(
-            f"pxform.auto({getattr(fn, '__name__', 'fn')}): tolerance={tolerance!r}; give a "
-            f"fraction of the fastest plan's step in [0, 1).\n  Fix: e.g. tolerance=0.05 "
-            f"takes the simplest plan within 5 % of the fastest; 0 takes the fastest.")
+    name = getattr(fn, "__name__", "fn")
+    _fraction(memory_margin, "memory_margin", "memory_budget", name,
+              "memory_margin=0.05 plans within 95 % of the budget; 0 plans to all of it")
+    _fraction(tolerance, "tolerance", "the fastest plan's step", name,
+              "tolerance=0.05 takes the simplest plan within 5 % of the fastest; 0 takes "
+              "the fastest")
     return Auto(fn, devices, budget, objective, hw, batch_range, nums, batch_dim, plan,
                 optimizer, progress, allow_fallback=allow_fallback,
                 precision=precision_arg(precision, "auto"), sync_batch_norm=sync_batch_norm,
                 memory_margin=memory_margin, tolerance=tolerance)
+
+
+def _fraction(value: Any, arg: str, of: str, name: str, example: str) -> None:
+    """Refuse `arg=value` unless it is a number in [0, 1) (a fraction of `of`)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
+        raise PxformError(f"pxform.auto({name}): {arg}={value!r}; give a fraction of {of} in "
+                          f"[0, 1).\n  Fix: e.g. {example}.")
 
 
 def _budget(value: Any, name: str) -> int:

@@ -257,16 +257,8 @@ def _timed_median(run: Callable[[], object], device: torch.device, repeats: int
     """(median seconds, relative interquartile range) of `repeats` runs after one."""
     run()
     _sync(device)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        run()
-        _sync(device)
-        times.append(time.perf_counter() - start)
-    times.sort()
-    med = statistics.median(times)
-    q1, q3 = times[len(times) // 4], times[(3 * len(times)) // 4]
-    return med, (q3 - q1) / med if med > 0 else 0.0
+    times = [_timed_once(run, device) for _ in range(repeats)]
+    return statistics.median(times), _spread(times)
 
 
 Case = tuple[float, Callable[..., torch.Tensor], tuple[tuple[int, ...], ...]]

@@ -364,10 +364,7 @@ def tensor_strategies(a: Analysis, block: BlockInfo, axis: str, size: int, level
                 bad, t = _tensor_step(a, k, s, st, cache, sc, dtype, model)
                 if t is None:
                     continue
-                # only what is read later or leaves the block: the rest is never looked
-                # up again, and keeping it made each step quadratic in the block's ops
-                layouts = {n: lay for n, lay in st.layouts.items()
-                           if last.get(n, -1) > k or n in crossing}
+                layouts = dict(st.layouts)
                 for v, lay in zip(op.outputs, s.outputs):
                     layouts[v.name] = lay
                 params = dict(st.params)
@@ -384,12 +381,13 @@ def tensor_strategies(a: Analysis, block: BlockInfo, axis: str, size: int, level
                             t += cache.time(v, have, want, sc)
                             t += cache.time(v, gradient_layout(want), gradient_layout(have),
                                             sc)
-                state = _State((st.key[0] + bad, st.key[1] + t), layouts, params, done,
-                               (*st.picks, s))
                 live = tuple(sorted((n, lay) for n, lay in layouts.items()
                                     if last.get(n, -1) > k or n in crossing))
-                if len(live) < len(layouts):  # this op's outputs nothing reads
-                    layouts = dict(live)
+                # the state keeps only what is read later or leaves the block: the rest is
+                # never looked up again, and keeping it made each step quadratic in the
+                # block's ops
+                state = _State((st.key[0] + bad, st.key[1] + t), dict(live), params, done,
+                               (*st.picks, s))
                 sig = (live, tuple(sorted(params.items())))
                 old = grown.get(sig)
                 if old is None or state.key < old.key:

@@ -176,7 +176,13 @@ class SearchContext:
 
     def cache(self, config: Config) -> RelayoutCache:
         mesh = config.stage_mesh
-        axes = {a: v for a, v in self.axes(config).items() if a in mesh.names}
+        return self.relayout_cache(mesh, {a: v for a, v in self.axes(config).items()
+                                          if a in mesh.names})
+
+    def relayout_cache(self, mesh: AbstractMesh, axes: dict[str, tuple[int, int]]
+                       ) -> RelayoutCache:
+        """The re-layouts on `mesh` with `axes` (size, link level), one cache per pair:
+        shared by every configuration, block kind and beam search on that mesh."""
         key = mesh, tuple(sorted(axes.items()))
         if key not in self.relayouts:
             self.relayouts[key] = RelayoutCache(self.model, axes, mesh)
@@ -195,14 +201,10 @@ class SearchContext:
         key = (kind, config.inner, level, sequence_parallel)
         if key not in self.tensor:
             block = first_block(a, kind)
-            mesh = AbstractMesh({INNER: config.inner})
-            axes = {INNER: (config.inner, level)}
-            ckey = mesh, tuple(sorted(axes.items()))
-            if ckey not in self.relayouts:  # (shared by every kind, with and without sp)
-                self.relayouts[ckey] = RelayoutCache(self.model, axes, mesh)
+            cache = self.relayout_cache(AbstractMesh({INNER: config.inner}),
+                                        {INNER: (config.inner, level)})
             self.tensor[key] = tensor_strategies(a, block, INNER, config.inner, level,
-                                                 self.model, 1.0, sequence_parallel,
-                                                 self.relayouts[ckey])
+                                                 self.model, 1.0, sequence_parallel, cache)
         return self.tensor[key]
 
     def table_key(self, options: tuple[Option, ...]) -> int:

@@ -3,9 +3,10 @@
 A plan is complete: lowering it needs only the traced graph and the plan (no cost model,
 no search, no re-analysis; `pxform.lower.plan`). It holds the pipeline degree, the stage
 mesh (`outer` x `inner`, see `pxform.search.space`), microbatches and schedule; per block
-its ops (a range of the graph's ops), stage, axis roles, recompute flag and every op's
-strategy (`BlockPlan.ops`); the storage spec of every parameter and the layout of every
-batch input, as `P` values; and a fingerprint of the graph it was made for. Per block kind
+its ops (a range of the graph's ops), stage, axis roles, recompute flag, whether ZeRO-3
+reshards after forward, and every op's strategy (`BlockPlan.ops`); the storage spec of
+every parameter and the layout of every batch input, as `P` values; and a fingerprint of
+the graph it was made for. Per block kind
 that uses the tensor role, each op's tensor-axis choice is also kept, so that a plan pins a
 new search (`pxform.search.pin_of`). Predictions (step time, memory per stage, the
 time/memory frontier) come with it so that `explain()` can show them and a later run can
@@ -264,14 +265,22 @@ class Plan:
                 lines.append(f"  ... {len(split) - len(shown)} more (explain(per_block=True))")
         if self.frontier_points:
             # why it won: the time-memory frontier the search found, fastest first
-            lines.append("")
-            lines.append(f"why this plan: the {'fastest' if self.objective == 'time' else 'best'}"
-                         f" within the budget of the time-memory frontier the search found:")
-            rows = [("", "configuration", "strategies", "step", "peak memory")]
             text = self.config_text()
             same = [p for p in self.frontier_points if text.startswith(p.config)]
             chosen = min(same, key=lambda p: abs(p.time_s - self.step_time_s), default=None)
-            for pt in sorted(self.frontier_points, key=lambda p: p.time_s)[:8]:
+            fastest = sorted(self.frontier_points, key=lambda p: p.time_s)
+            why = "fastest" if self.objective == "time" else "best"
+            if self.objective == "time" and chosen is not None and \
+                    fastest[0].time_s < chosen.time_s:
+                why = "simplest near-tie of the fastest (its note says which)"
+            lines.append("")
+            lines.append(f"why this plan: the {why} within the budget of the time-memory "
+                         f"frontier the search found:")
+            rows = [("", "configuration", "strategies", "step", "peak memory")]
+            listed = fastest[:8]
+            if chosen is not None and all(p is not chosen for p in listed):
+                listed.append(chosen)
+            for pt in listed:
                 mark = "*" if pt is chosen else ""
                 rows.append((mark, pt.config, pt.strategies, f"{pt.time_s:.4g} s",
                              format_bytes(int(pt.memory_bytes))))
