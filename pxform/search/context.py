@@ -107,6 +107,9 @@ WalkKey = tuple[int, int, int, Roles, float]
 # (configuration, per block (kind, table key), in flight, borrowed bytes, microbatches
 # awaiting W): a stage
 StageKey = tuple[Config, tuple[tuple[int, int], ...], int, float, int]
+StagePoint = tuple[Point, float, float]
+"""A stage's frontier point, the stage's peak bytes with it (workspace and borrowed
+parameters included), and the workspace alone (`stages.stage_frontier`)."""
 
 
 @dataclass
@@ -138,7 +141,7 @@ class SearchContext:
     packed_rates: dict[tuple[Config, str], float] = field(default_factory=dict)
     tables: dict[Config, list[OptionTable] | None] = field(default_factory=dict)
     groups: dict[Config, list[list[OptionTable]]] = field(default_factory=dict)
-    frontiers: dict[StageKey, list[tuple[Point, float]]] = field(default_factory=dict)
+    frontiers: dict[StageKey, list[StagePoint]] = field(default_factory=dict)
     table_keys: dict[tuple[Option, ...], int] = field(default_factory=dict)
     # per configuration, each schedule's best step time (inf: nothing fits; None: its
     # bound could not beat the best so far, so it was not assembled)

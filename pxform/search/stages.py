@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from pxform.cost.model import backward_extra
-from pxform.search.context import OptionCost, OptionTable, SearchContext
+from pxform.search.context import OptionCost, OptionTable, SearchContext, StagePoint
 from pxform.search.frontier import Point, chain_frontier
 from pxform.search.options import transition
 from pxform.search.pipelines import ONE_F_ONE_B, ScheduleChoice
@@ -95,10 +95,10 @@ def _borrowed_shares(ctx: SearchContext, idx: list[int]) -> tuple[tuple[int, flo
 
 def stage_frontier(ctx: SearchContext, config: Config, idx: list[int],
                    tables: Sequence[OptionTable], flight: int, waits: int = 0
-                   ) -> list[tuple[Point, float]]:
+                   ) -> list[StagePoint]:
     """The stage's frontier points within the budget, each with its peak memory including
-    the workspace. `waits`: microbatches whose weight-op output gradients the stage keeps
-    for zero-bubble W actions (`pipelines.awaiting`)."""
+    the workspace, and that workspace (`_extra`). `waits`: microbatches whose weight-op
+    output gradients the stage keeps for zero-bubble W actions (`pipelines.awaiting`)."""
     a = ctx.analysis
     m = config.microbatches
     times = [np.array([c.step_time(m) for c in tables[k].costs]) for k in idx]
@@ -134,7 +134,7 @@ def stage_frontier(ctx: SearchContext, config: Config, idx: list[int],
             ws = _extra(tables, idx, pt.choices, flight, mm)
             worst = max(worst, ws)
             if pt.memory + ws <= budget:
-                out.append((pt, pt.memory + ws + held))
+                out.append((pt, pt.memory + ws + held, ws))
         if out or worst == workspace:
             return out
         workspace = worst
@@ -176,14 +176,14 @@ def _least_extra(tables: Sequence[OptionTable], idx: list[int], flight: int, m: 
 
 
 def assemble(ctx: SearchContext, config: Config, part: tuple[int, ...],
-             stage_points: list[tuple[list[int], list[tuple[Point, float]]]],
+             stage_points: list[tuple[list[int], list[StagePoint]]],
              tables: Sequence[OptionTable], flights: list[int], limit: float,
              objective: str, schedule: ScheduleChoice = ONE_F_ONE_B,
              waits: Sequence[int] | None = None) -> Candidate | None:
     """A pipeline plan: per stage the frontier point that is best under `limit` (per
     rank, over its stages together, when a rank runs several), priced by `schedule`."""
     m = config.microbatches
-    picked = _pick(ctx, config, stage_points, tables, flights, limit, objective)
+    picked = _pick(config, stage_points, limit, objective)
     if picked is None:
         return None
     chosen: list[Option | None] = [None] * len(part)
@@ -261,10 +261,8 @@ def assemble(ctx: SearchContext, config: Config, part: tuple[int, ...],
                      tuple(block_mem), ctx.global_batch, schedule)
 
 
-def _pick(ctx: SearchContext, config: Config,
-          stage_points: list[tuple[list[int], list[tuple[Point, float]]]],
-          tables: Sequence[OptionTable], flights: list[int], limit: float, objective: str
-          ) -> list[tuple[Point, float]] | None:
+def _pick(config: Config, stage_points: list[tuple[list[int], list[StagePoint]]],
+          limit: float, objective: str) -> list[tuple[Point, float]] | None:
     """Per stage, its frontier point and the peak memory of its rank. One stage per rank:
     its best point within `limit`. Several (interleaved): the rank's stages share `limit`,
     their workspaces do not add (one backward runs at a time): from each stage's best
@@ -280,21 +278,19 @@ def _pick(ctx: SearchContext, config: Config,
             fit = [x for x in pts if x[1] <= limit]
             if not fit:
                 return None
-            out.append(min(fit, key=key))
+            pt, mem, _ = min(fit, key=key)
+            out.append((pt, mem))
         return out
-    m = config.microbatches
     picked: list[tuple[Point, float] | None] = [None] * n
     for r in range(p):
         mine = list(range(r, n, p))
-        # per stage its points best first, each with (memory less workspace, workspace)
-        ranked = []
+        # per stage its points best first, each with its workspace (`_extra`)
+        ranked: list[list[StagePoint]] = []
         for s in mine:
-            idx, pts = stage_points[s]
-            fit = sorted((x for x in pts if x[1] <= limit), key=key)
+            fit = sorted((x for x in stage_points[s][1] if x[1] <= limit), key=key)
             if not fit:
                 return None
-            ranked.append([(pt, mem, _extra(tables, idx, pt.choices, flights[s], m))
-                           for pt, mem in fit])
+            ranked.append(fit)
         at = [0] * len(mine)
         while _rank_memory(ranked, at) > limit:
             step = None
@@ -316,8 +312,9 @@ def _pick(ctx: SearchContext, config: Config,
     return [x for x in picked if x is not None]
 
 
-def _rank_memory(ranked: list[list[tuple[Point, float, float]]], at: list[int]) -> float:
-    """A rank's peak over its stages' chosen points: their bytes, one workspace."""
+def _rank_memory(ranked: list[list[StagePoint]], at: list[int]) -> float:
+    """A rank's peak over its stages' chosen points: their bytes, one workspace (a stage's
+    point memory includes its own workspace)."""
     here = [ranked[j][at[j]] for j in range(len(ranked))]
     return sum(mem - ws for _, mem, ws in here) + max(ws for _, _, ws in here)
 
