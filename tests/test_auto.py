@@ -105,16 +105,23 @@ def test_pipeline_of_tensor_parallel_stages_on_4_ranks(world4):
     assert r["config"].startswith("pp=2 outer=1 inner=2 microbatches=4")
 
 
-@pytest.mark.parametrize("schedule", [ScheduleChoice("zb"), ScheduleChoice("interleaved", 2)],
-                         ids=["zero-bubble", "interleaved"])
+@pytest.mark.parametrize("schedule", [ScheduleChoice("zb"), ScheduleChoice("interleaved", 2),
+                                      ScheduleChoice("shifted")],
+                         ids=["zero-bubble", "interleaved", "shifted"])
 def test_searched_schedules_run_as_planned_on_2_ranks(world2, schedule):
-    """A plan under zero-bubble or interleaved runs that schedule (W actions; two chunks
-    per rank, stage s on rank s % 2) and matches the single-process reference."""
-    r = _check(world2.run(W.run_plan, W.pin(2, 1, 1, 4, None, schedule=schedule)))
+    """A plan under zero-bubble, interleaved or shifted runs that schedule (W actions; two
+    chunks per rank, stage s on rank s % 2; an early recompute R on stage 0 only) and
+    matches the single-process reference."""
+    results = world2.run(W.run_plan, W.pin(2, 1, 1, 4, None, schedule=schedule))
+    r = _check(results)
     assert r["config"].endswith(f"schedule={schedule.text()}"), r["config"]
     kinds = {kind for _, kind in r["actions"]}
     if schedule.split:
         assert "W" in kinds and max(r["stage_of_block"]) == 1
+    elif schedule.name == "shifted":
+        assert max(r["stage_of_block"]) == 1
+        last = {kind for _, kind in results[1]["actions"]}
+        assert "R" in kinds and "R" not in last, (kinds, last)
     else:
         assert "W" not in kinds and r["stage_of_block"] == [0, 1, 2, 3]
         assert {s for s, _ in r["actions"]} == {0, 2}  # rank 0 runs stages 0 and 2
@@ -179,8 +186,9 @@ def test_what_training_loops_rely_on(world2, stages):
     ("pp2 m4 zb", W.pin(2, 1, 1, 4, None, schedule=ScheduleChoice("zb")), 0.10),
     ("pp2 m4 interleaved", W.pin(2, 1, 1, 4, None,
                                  schedule=ScheduleChoice("interleaved", 2)), 0.10),
+    ("pp2 m4 shifted", W.pin(2, 1, 1, 4, None, schedule=ScheduleChoice("shifted")), 0.05),
 ], ids=["dp", "zero3", "zero3-kept", "dp+recompute", "tp", "sp", "pp2-m2", "pp2-m8", "pp2-m4-zb",
-        "pp2-m4-interleaved"])
+        "pp2-m4-interleaved", "pp2-m4-shifted"])
 def test_predicted_memory_matches_the_meter(world2, name, the_pin, limit):
     errors = world2.run(W.run_memory_accuracy, the_pin)
     worst = max((e for rank in errors for e in rank), key=abs)

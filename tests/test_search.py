@@ -746,6 +746,67 @@ def test_1f1b_is_kept_where_memory_is_tight():
     assert plan.peak_memory_bytes <= budget
 
 
+def test_shifted_schedule_is_chosen_where_recompute_is_needed():
+    """Merak's shifted schedule recomputes every stage but the last whole, early (its R
+    runs while the rank waits for the gradient): such a stage keeps its inputs per
+    microbatch in flight and one microbatch's activations. With room, 1F1B wins (no
+    recompute); under a budget that makes 1F1B recompute blocks, the shifted
+    schedule is faster than 1F1B's recompute and the search takes it. (Five blocks on four
+    ranks: too few to interleave.)"""
+    args = mlp_args(d=1024, layers=4, batch=4096)
+    one_f_one_b = plan_schedule(residual_mlp, args, schedule=ScheduleChoice())
+    shifted = plan_schedule(residual_mlp, args, schedule=ScheduleChoice("shifted"))
+    assert not any(b.recompute for b in one_f_one_b.blocks + shifted.blocks)
+    assert [s.in_flight for s in shifted.stage_plans] == [1, 1, 1, 1]
+    assert shifted.peak_memory_bytes < 0.85 * one_f_one_b.peak_memory_bytes
+    # (room for 1F1B but not for zero-bubble's graphs kept to W)
+    roomy = plan_schedule(residual_mlp, args, budget=int(1.001 * one_f_one_b.peak_memory_bytes))
+    assert roomy.schedule == "1f1b" and roomy.step_time_s < shifted.step_time_s
+    budget = int(0.9 * one_f_one_b.peak_memory_bytes)
+    tight = plan_schedule(residual_mlp, args, budget=budget)
+    assert tight.schedule == "shifted", tight.config_text()
+    assert tight.peak_memory_bytes <= budget
+    assert not any(b.recompute for b in tight.blocks)  # the stages recompute, not blocks
+    times = dict(tight.schedule_times)
+    assert times["shifted"] == pytest.approx(tight.step_time_s)
+    assert times["1f1b"] > tight.step_time_s  # 1F1B had to recompute blocks to fit
+    assert "stages 0-2 of 4 recompute their whole forward" in tight.explain()
+    # its step is the simulator's, R actions included
+    from pxform.schedules import Costs, shifted_critical_path, simulate
+    sim = simulate(shifted_critical_path(4, 4), Costs(
+        forward=[s.forward_s for s in tight.stage_plans],
+        backward=[s.backward_s for s in tight.stage_plans]))
+    assert tight.step_time_s == pytest.approx(sim.step_time + 0.0, rel=1e-3)
+    # a block pinned to recompute rules the shifted schedule out
+    redo = (Option((), True),) * len(tight.blocks)
+    assert plan_schedule(residual_mlp, args, block_options=redo).schedule != "shifted"
+
+
+@pytest.mark.parametrize("name", ["1f1b", "zb", "interleaved", "shifted"])
+@pytest.mark.parametrize("p, m", [(2, 4), (4, 8), (4, 16), (8, 32)])
+def test_closed_forms_equal_the_simulation_for_equal_stages(monkeypatch, name, p, m):
+    """Schedules too big to simulate per candidate are priced by closed forms
+    (`pipelines.TIMED_UP_TO`): with equal stages they give the simulated step and the
+    executor's held counts."""
+    from pxform.search import pipelines
+
+    choice = ScheduleChoice(name, 2 if name == "interleaved" else 1)
+    n = choice.num_stages(p)
+    fw, bw, wt = [1.0] * n, [2.0] * n, [0.8] * n
+    exact = (pipelines.step_time(choice, p, m, fw, bw, wt),
+             pipelines.in_flight(choice, p, m), pipelines.inputs_held(choice, p, m))
+    monkeypatch.setattr(pipelines, "TIMED_UP_TO", 0)
+    pipelines._compiled.cache_clear()
+    try:
+        closed = (pipelines.step_time(choice, p, m, fw, bw, wt),
+                  pipelines.in_flight(choice, p, m), pipelines.inputs_held(choice, p, m))
+    finally:
+        pipelines._compiled.cache_clear()
+    assert closed[0] == pytest.approx(exact[0], rel=0.02), (closed, exact)
+    if name != "interleaved":  # (interleaved's closed form spreads a rank's count evenly)
+        assert closed[1:] == exact[1:]
+
+
 # ---------------------------------------------------------------- sequence parallelism
 
 

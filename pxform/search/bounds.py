@@ -20,8 +20,8 @@ def lower_bound(ctx: SearchContext, config: Config,
     work T spread evenly over the p stages, and the least warm-up and drain of the
     `schedules` (default: every one tried), each's equal-stage closed form
     (`pipelines.bubble_bound`): 1F1B's `(m - 1) x max stage + sum of stages` per microbatch
-    is at least `T (m - 1 + p) / (p m)`. `tables`: per block, the options to bound
-    (default: all)."""
+    is at least `T (m - 1 + p) / (p m)`; the shifted schedule's work has its recompute.
+    `tables`: per block, the options to bound (default: all)."""
     if tables is None:
         tables = block_tables(ctx, config)
         if tables is None:
@@ -35,7 +35,11 @@ def lower_bound(ctx: SearchContext, config: Config,
     # the weight gradients' largest share of any option's work: ZB's least bubble
     share = max((c.weight / (c.forward + c.backward) for t in tables for c in t.costs
                  if c.forward + c.backward > 0), default=0.0)
-    return total * min(bubble_bound(c, p, m, share) for c in schedules) / p
+    # the shifted schedule recomputes the forward of all stages but the last: of about
+    # (p - 1) / p of the blocks, with stages of equal work
+    redo = (p - 1) / p * m * sum(min(c.forward for c in t.costs) for t in tables)
+    return min(bubble_bound(c, p, m, share) * (total + (redo if c.name == "shifted" else 0.0))
+               for c in schedules) / p
 
 
 def memory_lower_bound(ctx: SearchContext, config: Config) -> float:

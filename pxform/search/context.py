@@ -105,8 +105,8 @@ class BlockLayouts:
 # (kind, outer, inner, roles, scale): a block kind's walk at a microbatch scale
 WalkKey = tuple[int, int, int, Roles, float]
 # (configuration, per block (kind, table key), in flight, borrowed bytes, microbatches
-# awaiting W): a stage
-StageKey = tuple[Config, tuple[tuple[int, int], ...], int, float, int]
+# awaiting W, bytes of inputs kept for a whole-stage recompute): a stage
+StageKey = tuple[Config, tuple[tuple[int, int], ...], int, float, int, float]
 StagePoint = tuple[Point, float, float]
 """A stage's frontier point, the stage's peak bytes with it (workspace and borrowed
 parameters included), and the workspace alone (`stages.stage_frontier`)."""

@@ -19,9 +19,16 @@ from pxform.passes.cuts import balance
 from pxform.search.bounds import lower_bound, memory_lower_bound
 from pxform.search.context import OptionTable, SearchContext
 from pxform.search.options import block_tables
-from pxform.search.pipelines import ONE_F_ONE_B, ScheduleChoice, awaiting, choices, in_flight
+from pxform.search.pipelines import (
+    ONE_F_ONE_B,
+    ScheduleChoice,
+    awaiting,
+    choices,
+    in_flight,
+    inputs_held,
+)
 from pxform.search.space import Config
-from pxform.search.stages import Candidate, assemble, borrowed, stage_frontier
+from pxform.search.stages import Candidate, assemble, borrowed, boundary_bytes, stage_frontier
 
 SCHEDULE_GAIN = 0.01
 """A schedule other than 1F1B is chosen only when it is predicted this much faster than the
@@ -106,6 +113,8 @@ def _evaluate(ctx: SearchContext, config: Config, objective: str,
     offered = choices(config, len(ctx.analysis.blocks), ctx.pin.schedule)
     priced = ctx.schedules.setdefault(config, {})
     for choice in offered:
+        if choice.name == "shifted" and _without_recompute(ctx, tables) is None:
+            continue  # a block pinned to recompute: its stages cannot recompute whole
         if objective == "time" and len(offered) > 1:
             beat = min(incumbent, best.step_time if best is not None else math.inf)
             if lower_bound(ctx, config, tables, (choice,)) >= beat:
@@ -137,6 +146,14 @@ def _evaluate_schedule(ctx: SearchContext, config: Config, objective: str,
     n = choice.num_stages(p)  # stages, virtual ones counted
     flights = list(in_flight(choice, p, m))
     waits = awaiting(choice, p, m)
+    inputs = inputs_held(choice, p, m)
+    plain: Sequence[OptionTable] = tables
+    if any(inputs):
+        # a stage that recomputes itself whole runs its blocks without their own recompute
+        without = _without_recompute(ctx, tables)
+        if without is None:
+            return None, []  # a block is pinned to recompute
+        plain = without
     fastest = [min(c.step_time(m) for c in t.costs) for t in tables]
     if ctx.pin.block_stage is not None:
         if max(ctx.pin.block_stage, default=0) >= n:
@@ -164,18 +181,24 @@ def _evaluate_schedule(ctx: SearchContext, config: Config, objective: str,
             continue
         tried.add(part)
         stage_points = []
+        used = list(tables)  # per block, its stage's table (`_without_recompute`)
         failed = None
         for s in range(n):
             idx = [k for k in range(len(blocks)) if part[k] == s]
             if not idx:  # (a cut that left a stage nothing: not a pipeline of n stages)
                 failed = -1
                 break
+            mine = plain if inputs[s] else tables
+            for k in idx:
+                used[k] = mine[k]
+            # the inputs it keeps for its recompute: the previous stage's boundary values
+            kept = inputs[s] * boundary_bytes(ctx, config, idx[0] - 1) if idx[0] > 0 else 0.0
             # stages with the same kinds, options and flight have the same frontier
-            key = (config, tuple((a.blocks[k].kind, tables[k].key) for k in idx),
-                   flights[s], borrowed(ctx, idx, tables) if p > 1 else 0.0, waits[s])
+            key = (config, tuple((a.blocks[k].kind, mine[k].key) for k in idx),
+                   flights[s], borrowed(ctx, idx, tables) if p > 1 else 0.0, waits[s], kept)
             pts = ctx.frontiers.get(key)
             if pts is None:
-                pts = stage_frontier(ctx, config, idx, tables, flights[s], waits[s])
+                pts = stage_frontier(ctx, config, idx, mine, flights[s], waits[s], kept)
                 ctx.frontiers[key] = pts
             if not pts:
                 failed = s
@@ -189,7 +212,7 @@ def _evaluate_schedule(ctx: SearchContext, config: Config, objective: str,
                     moves += 1
             continue
         for level in FRONTIER_LEVELS:
-            cand = assemble(ctx, config, part, stage_points, tables, flights,
+            cand = assemble(ctx, config, part, stage_points, used, flights,
                             level * ctx.budget, objective if level == 1.0 else "time",
                             choice, waits)
             if cand is None:
@@ -201,13 +224,34 @@ def _evaluate_schedule(ctx: SearchContext, config: Config, objective: str,
         if n > 1 and best is not None and moves < n and ctx.pin.block_stage is None \
                 and not a.marked:
             top = best
+            # (a stage that recomputes itself runs its forward twice)
             worst = max(range(n), key=lambda s: top.stages[s].memory if objective == "memory"
-                        else top.stages[s].time)
+                        else top.stages[s].time + (m * top.stages[s].forward
+                                                   if choice.recomputes(s, p) else 0.0))
             moved = _shift(part, worst, n)
             if moved is not None and moved not in tried:
                 partitions.append(moved)
                 moves += 1
     return best, extra
+
+
+def _without_recompute(ctx: SearchContext, tables: Sequence[OptionTable]
+                       ) -> list[OptionTable] | None:
+    """Per block, its table without the options that recompute it (None: a block has
+    only those)."""
+    out: list[OptionTable] = []
+    made: dict[int, OptionTable] = {}
+    for t in tables:
+        hit = made.get(id(t))
+        if hit is None:
+            kept = [(o, c) for o, c in zip(t.options, t.costs) if not o.recompute]
+            if not kept:
+                return None
+            opts = tuple(o for o, _ in kept)
+            hit = made[id(t)] = OptionTable(ctx.table_key(opts), opts,
+                                            tuple(c for _, c in kept))
+        out.append(hit)
+    return out
 
 
 def _key(c: Candidate, objective: str) -> tuple[float, float]:

@@ -7,6 +7,11 @@ For a pipeline of `p` ranks and `m` microbatches the search tries:
                   (`OptionCost.weight`) that fill the drain
     interleaved   `v = 2` chunks per rank (`2p` stages, stage s on rank s % p): the warm-up
                   and drain shrink about v times, for twice the actions and transfers
+    shifted       Merak's shifted critical path with stage-aware recompute: every stage
+                  but the last recomputes itself whole (an early R action before each B),
+                  so it keeps only its inputs per microbatch in flight and one
+                  microbatch's activations; the last stage keeps its activations, and
+                  stage p-2 runs one forward more before its first backward
 
 Each is timed by the schedule simulator's own rules (`pxform.schedules.Timer`, compiled
 once per schedule shape), and holds activations as the executor does
@@ -14,18 +19,20 @@ once per schedule shape), and holds activations as the executor does
 so its stages hold up to `p` microbatches where 1F1B's stage s holds `p - s`, and stage s
 keeps the output gradients of its weight ops for up to `s + 1` microbatches between their B
 and W (`awaiting`, `OptionCost.weight_out`); interleaved
-ranks hold more microbatches of smaller chunks. The memory model reads those counts, so
-the search trades the smaller bubble against the memory it costs.
+ranks hold more microbatches of smaller chunks; a stage that recomputes itself (shifted)
+holds one microbatch's activations and its inputs for those in flight (`inputs_held`).
+The memory model reads those counts, so the search trades the smaller bubble against the
+memory it costs.
 
 Schedules with more than `TIMED_UP_TO` (stage, microbatch) pairs are priced by closed
 forms that equal the simulation when stages are equal (module functions below), so a
-1,024-GPU search does not simulate 100,000 actions per candidate. Merak's shifted schedule
-is not searched: its stage-level recompute is not one of the per-block options the memory
-model prices (`pxform.pipeline(..., schedule="shifted")` runs it when asked).
+1,024-GPU search does not simulate 100,000 actions per candidate. A stage the shifted
+schedule recomputes whole takes only its blocks' options without recompute (recomputing a
+block inside a recomputed stage would run it three times).
 
 Example:
     >>> [c.text() for c in choices(Config(2, 1, 1, 4), num_blocks=8)]
-    ['1f1b', 'zb', 'interleaved(virtual_stages=2)']
+    ['1f1b', 'zb', 'interleaved(virtual_stages=2)', 'shifted']
 """
 
 from __future__ import annotations
@@ -38,11 +45,11 @@ from typing import Any
 
 from pxform.cost.model import one_f_one_b_in_flight, one_f_one_b_time
 from pxform.schedules import NAMES as GENERATORS
-from pxform.schedules import Timer, awaiting_weights, held
+from pxform.schedules import Timer, awaiting_weights, held, most_between
 from pxform.search.plan import schedule_text
 from pxform.search.space import Config
 
-NAMES = ("1f1b", "zb", "interleaved")
+NAMES = ("1f1b", "zb", "interleaved", "shifted")
 """The schedules the search chooses between (`pxform.schedules.NAMES` has all that run)."""
 
 TIMED_UP_TO = 2048
@@ -74,6 +81,11 @@ class ScheduleChoice:
     def num_stages(self, ranks: int) -> int:
         return ranks * self.virtual_stages
 
+    def recomputes(self, stage: int, ranks: int) -> bool:
+        """Whether `stage` recomputes its whole forward before each backward (R actions:
+        the shifted schedule's stages but the last)."""
+        return self.name == "shifted" and stage < ranks - 1
+
 
 ONE_F_ONE_B = ScheduleChoice()
 
@@ -89,21 +101,25 @@ def choices(config: Config, num_blocks: int, pinned: ScheduleChoice | None = Non
     out = [ONE_F_ONE_B, ScheduleChoice("zb")]
     if 2 * config.stages <= num_blocks:
         out.append(ScheduleChoice("interleaved", 2))
+    out.append(ScheduleChoice("shifted"))
     return tuple(out)
 
 
 @functools.lru_cache(maxsize=256)
 def _compiled(choice: ScheduleChoice, p: int, m: int
-              ) -> tuple[Timer | None, tuple[int, ...], tuple[int, ...]]:
+              ) -> tuple[Timer | None, tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
     if p * m * choice.virtual_stages > TIMED_UP_TO:
         waits = tuple(min(s + 1, m) for s in range(p)) if choice.split else \
             (0,) * choice.num_stages(p)
-        return None, _held_closed(choice, p, m), waits
+        return None, _held_closed(choice, p, m), waits, _inputs_closed(choice, p, m)
     # the generator's schedule, not `resolve`'s validated one: the generators are tested
     # valid for every size (tests/test_schedules.py), validating each size the search
     # prices took a sixth of its time on GPT-3 175B, and the Timer still refuses a deadlock
     schedule = GENERATORS[choice.name](p, m, **dict(choice.options))
-    return Timer(schedule), held(schedule), awaiting_weights(schedule)
+    # a recomputed stage keeps a microbatch's inputs from its F to its B
+    inputs = tuple(n if choice.recomputes(s, p) else 0
+                   for s, n in enumerate(most_between(schedule, "F", "B")))
+    return Timer(schedule), held(schedule), awaiting_weights(schedule), inputs
 
 
 def in_flight(choice: ScheduleChoice, p: int, m: int) -> tuple[int, ...]:
@@ -129,9 +145,28 @@ def awaiting(choice: ScheduleChoice, p: int, m: int) -> tuple[int, ...]:
     return _compiled(choice, p, m)[2]
 
 
+def inputs_held(choice: ScheduleChoice, p: int, m: int) -> tuple[int, ...]:
+    """Per stage: the most microbatches whose stage inputs it keeps for a recompute to
+    come (0 for a stage that keeps its activations instead; `in_flight` counts those).
+
+    Example:
+        >>> inputs_held(ScheduleChoice("shifted"), 4, 8), in_flight(ScheduleChoice("shifted"), 4, 8)
+        ((4, 3, 3, 0), (1, 1, 1, 1))
+    """
+    return _compiled(choice, p, m)[3]
+
+
+def _inputs_closed(choice: ScheduleChoice, p: int, m: int) -> tuple[int, ...]:
+    # 1F1B's p - s in flight, one more on stage p-2 (its extra forward before the first B)
+    return tuple(min(p - s + (s == p - 2), m) if choice.recomputes(s, p) else 0
+                 for s in range(choice.num_stages(p)))
+
+
 def _held_closed(choice: ScheduleChoice, p: int, m: int) -> tuple[int, ...]:
     if choice.name == "zb":  # every rank keeps p graphs: p - r to its B, r more to its W
         return (min(p, m),) * p
+    if choice.name == "shifted":  # one recomputed microbatch; the last stage's B is at once
+        return (1,) * p
     if choice.name == "interleaved":
         # rank r warms up with 2(p - r - 1) + (v - 1)p forwards (Megatron's count) and
         # peaks one forward later; its chunks share that evenly
@@ -167,13 +202,23 @@ def step_time(choice: ScheduleChoice, p: int, m: int, forward: Sequence[float],
         ranks = [sum(per[r::p]) for r in range(p)]
         # uniform chunks c: (m v + p - 1) c, the idle share (p - 1) / (v m + p - 1)
         return m * max(ranks) + (p - 1) * sum(per) / (p * v)
+    if choice.name == "shifted":
+        # m x the slowest stage, its recompute counted, and Merak's (p - 2)(F + B) idle
+        # time; a backward longer than two forwards waits that much more (the simulation
+        # with equal stages: tests/test_search.py)
+        busy = [x + (f if choice.recomputes(s, p) else 0.0)
+                for s, (x, f) in enumerate(zip(per, forward))]
+        f_mean, b_mean = sum(forward) / p, sum(backward) / p
+        return m * max(busy) + max(p - 2, 0) * sum(per) / p + max(0.0, b_mean - 2 * f_mean)
     return one_f_one_b_time(forward, backward, m)
 
 
 def bubble_bound(choice: ScheduleChoice, p: int, m: int, weight_share: float) -> float:
     """The step over the work spread evenly over the ranks, for equal stages: 1F1B's
     `(m + p - 1) / m`; ZB-H1's `1 + (p - 1)(1 - 2 s) / m` with `s` the weight gradients'
-    share of a stage's work (`weight_share`); interleaved's `1 + (p - 1) / (v m)`
+    share of a stage's work (`weight_share`); interleaved's `1 + (p - 1) / (v m)`; the
+    shifted schedule's `1 + (p - 2) / (2 m)` over its work with the recompute (its idle
+    time `(p - 2)(F + B)` is at least half of `p - 2` stages' `F + R + B` as R = F)
     (`bounds.lower_bound` uses it: no plan of the schedule beats it by much).
 
     Example:
@@ -184,4 +229,6 @@ def bubble_bound(choice: ScheduleChoice, p: int, m: int, weight_share: float) ->
         return 1.0
     if choice.split:
         return 1.0 + (p - 1) * max(0.0, 1.0 - 2.0 * weight_share) / m
+    if choice.name == "shifted":
+        return 1.0 + max(p - 2, 0) / (2 * m)
     return 1.0 + (p - 1) / (choice.virtual_stages * m)

@@ -337,7 +337,7 @@ def _make_plan(c: Candidate, ctx: SearchContext, found: Sequence[Candidate], sec
                     batch[v.name] = _spec(canonical(ctx, v.name, v.type.rank,
                                                          c.options[b.index]))
     step = _simulated_step(c, hw.step_overhead_s)
-    notes = _reshard_notes(c, ctx)
+    notes = _reshard_notes(c, ctx) + _recompute_notes(c)
     # the frontier, and the chosen plan where a faster one dominates it (a simpler plan
     # taken within `tolerance`): explain() and the CLI mark it among the points
     shown = pareto(found)
@@ -379,6 +379,19 @@ def _reshard_notes(c: Candidate, ctx: SearchContext) -> tuple[str, ...]:
             f"{saved:.4g} s of backward all-gathers saved per step for "
             f"{format_bytes(int(held))} held per device; the others free them after forward "
             f"and gather them again (reshard after forward, the default)",)
+
+
+def _recompute_notes(c: Candidate) -> tuple[str, ...]:
+    """Which stages recompute themselves whole under the shifted schedule."""
+    p = c.config.stages
+    redone = [s.stage for s in c.stages if c.schedule.recomputes(s.stage, p)]
+    if not redone:
+        return ()
+    which = f"stage {redone[0]}" if len(redone) == 1 else f"stages {redone[0]}-{redone[-1]}"
+    return (f"{which} of {p} recompute their whole forward once before each backward "
+            f"(Merak's shifted schedule, stage-aware recompute: the recompute runs while the "
+            f"rank waits for the gradient): each keeps its inputs for the microbatches in "
+            f"flight and one microbatch's activations; stage {p - 1} keeps its activations",)
 
 
 def _config_text(c: Candidate) -> str:

@@ -94,11 +94,13 @@ def _borrowed_shares(ctx: SearchContext, idx: list[int]) -> tuple[tuple[int, flo
 
 
 def stage_frontier(ctx: SearchContext, config: Config, idx: list[int],
-                   tables: Sequence[OptionTable], flight: int, waits: int = 0
-                   ) -> list[StagePoint]:
+                   tables: Sequence[OptionTable], flight: int, waits: int = 0,
+                   inputs: float = 0.0) -> list[StagePoint]:
     """The stage's frontier points within the budget, each with its peak memory including
     the workspace, and that workspace (`_extra`). `waits`: microbatches whose weight-op
-    output gradients the stage keeps for zero-bubble W actions (`pipelines.awaiting`)."""
+    output gradients the stage keeps for zero-bubble W actions (`pipelines.awaiting`);
+    `inputs`: bytes of stage inputs it keeps for a recompute of the whole stage
+    (`pipelines.inputs_held`)."""
     a = ctx.analysis
     m = config.microbatches
     times = [np.array([c.step_time(m) for c in tables[k].costs]) for k in idx]
@@ -117,7 +119,7 @@ def stage_frontier(ctx: SearchContext, config: Config, idx: list[int],
                     mat[r, c] = m * transition(ctx, a.blocks[idx[j - 1]], config, s, s2)
             ctx.matrices[key] = mat
         trans_time.append(mat)
-    held = borrowed(ctx, idx, tables) if config.stages > 1 else 0.0
+    held = (borrowed(ctx, idx, tables) if config.stages > 1 else 0.0) + inputs
     budget = ctx.budget - held
     workspace = _least_extra(tables, idx, flight, mm)
     for _ in range(3):
@@ -329,13 +331,18 @@ def _p2p(ctx: SearchContext, config: Config, idx: list[int]) -> float:
     return t
 
 
-def _p2p_time(ctx: SearchContext, config: Config, idx: list[int]) -> float:
+def boundary_bytes(ctx: SearchContext, config: Config, k: int) -> float:
+    """Bytes per device of one microbatch's values that block `k` hands to later blocks
+    (what a stage ending with it sends on)."""
     a = ctx.analysis
-    last = a.blocks[idx[-1]]
     vals = a.values()
     scale = (ctx.global_batch // config.microbatches) / a.traced_batch
     data = config.outer * config.inner
-    sent = sum(vals[n].type.nbytes * scale / data for n in last.crossing)
+    return sum(vals[n].type.nbytes * scale / data for n in a.blocks[k].crossing)
+
+
+def _p2p_time(ctx: SearchContext, config: Config, idx: list[int]) -> float:
+    sent = boundary_bytes(ctx, config, idx[-1])
     hw = ctx.hardware
     level = hw.level(2 * config.outer * config.inner)
     return hw.comm_time("p2p", sent, 2, level) if sent else 0.0
