@@ -4,7 +4,8 @@
 machine with `pxform.runtime.calibrate` (matmul FLOP/s, gloo collectives), then, for each case,
 plan the example GPT with `pxform.auto` against that profile (searched, or pinned to one
 strategy: data parallel, ZeRO-3, tensor parallel with and without sequence parallelism
-between blocks, pipelines under 1F1B, zero-bubble and interleaved schedules, recompute),
+between blocks, pipelines under 1F1B, zero-bubble, interleaved and shifted schedules,
+recompute),
 lay the parameters out per the plan, take one AdamW step (so Adam's state exists), and run
 `pxform.measure` (median of `--steps` timed `value_and_grad` calls per rank after
 `--warmup`; peak memory metered by `pxform.MemoryMeter` plus the optimizer's state). The
@@ -67,6 +68,8 @@ def cases(ranks: int, num_blocks: int) -> list[tuple[str, Any]]:
                                    schedule=ScheduleChoice("zb"))),
         (f"pp{n} m{4 * n} interleaved", Pin(stages=n, microbatches=4 * n,
                                             schedule=ScheduleChoice("interleaved", 2))),
+        (f"pp{n} m{4 * n} shifted", Pin(stages=n, microbatches=4 * n,
+                                        schedule=ScheduleChoice("shifted"))),
     ]
     if ranks >= 4:
         out += [
