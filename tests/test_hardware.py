@@ -37,7 +37,7 @@ def measured(**kw) -> Hardware:
                 op_curves=(OpCurve("gelu", ((1e3, 1e-6, 3e-6), (1e6, 1e-3, 2e-3)), 0.05),),
                 overlap_slowdown=1.8, step_overhead_s=1e-3, param_overhead_s=2e-5,
                 action_overhead_s=4e-4, collective_overhead_s=3e-4,
-                param_action_overhead_s=1e-5)
+                param_action_overhead_s=1e-5, op_time_scale=1.2)
     args.update(kw)
     return Hardware(**args)  # type: ignore[arg-type]
 
@@ -245,6 +245,8 @@ def write(tmp_path, content) -> str:
      r"overlap_slowdown must be 0 \(not measured\) or >= 1, got 0.5"),
     (lambda d: d.update(action_overhead_s=-1.0),
      r"action_overhead_s must be a number >= 0 \(seconds\), got -1.0"),
+    (lambda d: d.update(op_time_scale=0),
+     r"op_time_scale must be a number > 0 \(1: not measured\), got 0"),
 ])
 def test_load_of_a_bad_profile_names_the_file_the_key_and_the_fix(tmp_path, change, message):
     d = measured().to_json()
@@ -456,6 +458,12 @@ def test_op_curves_price_ops_by_class():
     f, b = model.op_times(1e3, torch.float32, 1e9, "norm")  # no curve: roofline
     assert f == model.compute_time(1e3, torch.float32, 1e9) and b == BACKWARD_RATIO * f
     assert model.op_times(0.0, torch.float32, 1e9, "view") == (1e-6, BACKWARD_RATIO * 1e-6)
+    # a measured op time scale multiplies every op's time, curve, roofline and view alike
+    scaled = CostModel(replace(hw, op_time_scale=1.25))
+    for args in [(1e9, torch.float32, 0.0, "matmul"), (1e3, torch.float32, 1e9, "norm"),
+                 (0.0, torch.float32, 1e9, "view")]:
+        assert scaled.op_times(*args) == pytest.approx(
+            tuple(1.25 * t for t in model.op_times(*args)))
     # a profile's measured overlap replaces the default constant
     assert CostModel(replace(hw, overlap_slowdown=1.9)).overlap_slowdown == 1.9
     assert CostModel(hw).overlap_slowdown == 1.3
@@ -491,20 +499,25 @@ def measure_runtime_costs() -> tuple[float, ...]:
 
     hw = runtime_costs(calibrate(sizes=SIZES, repeats=1))
     return (hw.param_overhead_s, hw.step_overhead_s, hw.action_overhead_s,
-            hw.collective_overhead_s, hw.param_action_overhead_s, hw.weight_op_overhead_s)
+            hw.collective_overhead_s, hw.param_action_overhead_s, hw.weight_op_overhead_s,
+            hw.op_time_scale)
 
 
 def test_runtime_costs_are_measured_on_real_programs(world):
     """`pxform.tools.runtime_costs` times data-parallel steps over 4 and 64 parameters, a
     2-stage pipeline at 2 and 8 microbatches, a tensor-parallel chain at 2 and 10
-    layers and a zero-bubble pipeline's W actions over 1 and 16 weight ops: every rank
+    layers, a zero-bubble pipeline's W actions over 1 and 16 weight ops, and a reference
+    transformer step against the op model (`op_time_scale`): every rank
     gets rank 0's numbers, each positive and below the step times they come from (a hook
     and a gradient per parameter, a pipeline action, a collective's wrapping, autograd
     asked per weight op: microseconds to a millisecond here, not seconds)."""
     results = world.run(measure_runtime_costs)
     assert results[0] == results[1]
-    per_param, per_step, per_action, per_collective, per_param_action, per_weight_op = \
-        results[0]
+    per_param, per_step, per_action, per_collective, per_param_action, per_weight_op, \
+        scale = results[0]
+    # a reference transformer step against its ops timed alone: measured, not the default
+    # 1 (its ops run somewhat slower in a step; not several times)
+    assert scale != 1.0 and 0.5 < scale < 3.0
     # two autograd calls per weight op: tens of microseconds at least on this CPU
     assert 1e-6 < per_weight_op < 5e-3
     # the differences of small timings may come out at 0 (clamped) on a loaded machine

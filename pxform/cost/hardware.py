@@ -334,6 +334,11 @@ class Hardware:
             measured).
         weight_op_overhead_s: the same, per weight op of a zero-bubble W action (the
             executor's autograd calls for that op's weight gradient, one op at a time).
+        op_time_scale: a factor on every op's time (`CostModel.op_times`): a reference
+            training step's measured time over the time the op model gives it
+            (`pxform.tools.runtime_costs`). Ops timed alone in chains run faster than in a
+            training step, where their inputs come cold from memory, the allocator
+            churns and autograd's engine walks a larger graph; 1: not measured.
         source: where the numbers come from.
 
     Example:
@@ -363,6 +368,7 @@ class Hardware:
     collective_overhead_s: float = 0.0
     param_action_overhead_s: float = 0.0
     weight_op_overhead_s: float = 0.0
+    op_time_scale: float = 1.0
 
     def __post_init__(self) -> None:
         what = f"Hardware {self.name!r}"
@@ -404,6 +410,9 @@ class Hardware:
                                                       or self.overlap_slowdown >= 1):
             raise ValueError(f"{what}: overlap_slowdown must be 0 (not measured) or >= 1, "
                              f"got {self.overlap_slowdown!r}")
+        if not _number(self.op_time_scale) or self.op_time_scale <= 0:
+            raise ValueError(f"{what}: op_time_scale must be a number > 0 (1: not measured), "
+                             f"got {self.op_time_scale!r}")
         for key in _FIXED_COSTS:
             value = getattr(self, key)
             if not _number(value) or value < 0:
@@ -575,6 +584,7 @@ class Hardware:
                            "spread": c.spread} for c in self.op_curves],
             "overlap_slowdown": self.overlap_slowdown,
             **{key: getattr(self, key) for key in _FIXED_COSTS},
+            "op_time_scale": self.op_time_scale,
             "source": self.source,
         }
 
@@ -645,7 +655,7 @@ def _from_json(d: Any, where: str) -> Hardware:
     known = {"format", "name", "devices_per_node", "memory_bytes", "peak_flops",
              "efficiency", "links", "comm_tables", "compute_flops", "source",
              "memory_bandwidth", "op_overhead_s", "op_curves", "overlap_slowdown",
-             *_FIXED_COSTS}
+             "op_time_scale", *_FIXED_COSTS}
     for key in d:
         if key not in known:
             raise bad(key, f"is not a profile key (known: {', '.join(sorted(known))})")
@@ -681,6 +691,7 @@ def _from_json(d: Any, where: str) -> Hardware:
     overhead = get("op_overhead_s", "a number", 0.0, required=False)
     curves_json = get("op_curves", "a list", [], required=False)
     overlap = get("overlap_slowdown", "a number", 0.0, required=False)
+    scale = get("op_time_scale", "a number", 1.0, required=False)
     fixed = {key: float(get(key, "a number", 0.0, required=False))
              for key in _FIXED_COSTS}
 
@@ -732,7 +743,8 @@ def _from_json(d: Any, where: str) -> Hardware:
                         comm_tables=tuple(tables), compute_flops=tuple(compute.items()),
                         source=source, memory_bandwidth=float(bandwidth),
                         op_overhead_s=float(overhead), op_curves=tuple(curves),
-                        overlap_slowdown=float(overlap), **fixed)
+                        overlap_slowdown=float(overlap), op_time_scale=float(scale),
+                        **fixed)
     except ValueError as e:
         raise ValueError(f"Hardware.load: {where}: {e}; {_FIX}") from None
 

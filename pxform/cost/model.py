@@ -165,7 +165,9 @@ class CostModel:
         the op's size: FLOPs for matmuls and attention (scaled by the dtype's rate against
         float32's, the curve's), bytes otherwise. Without one, the roofline
         (`compute_time`) forward and `BACKWARD_RATIO` times it backward. A view costs the
-        per-op host time only (`Hardware.op_overhead_s`), forward and backward.
+        per-op host time only (`Hardware.op_overhead_s`), forward and backward. Each is
+        multiplied by `Hardware.op_time_scale` (what ops cost in a training step over
+        what they cost alone; 1 unless measured).
 
         Example:
             >>> model = CostModel(hardware("a100-80gb"))
@@ -173,6 +175,12 @@ class CostModel:
             >>> b == 2 * f
             True
         """
+        f, b = self._op_times(flops, dtype, nbytes, kind)
+        scale = self.hardware.op_time_scale
+        return f * scale, b * scale
+
+    def _op_times(self, flops: float, dtype: torch.dtype, nbytes: float, kind: str
+                  ) -> tuple[float, float]:
         host = self.hardware.op_overhead_s
         if kind == "view":
             return host, BACKWARD_RATIO * host

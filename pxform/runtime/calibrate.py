@@ -738,4 +738,7 @@ def summary(hw: Hardware) -> str:
                      f"{hw.param_action_overhead_s * 1e6:.3g} us per parameter and "
                      f"pipeline action, {hw.weight_op_overhead_s * 1e6:.3g} us per weight op "
                      f"of a zero-bubble W")
+    if hw.op_time_scale != 1.0:
+        lines.append(f"  op time scale: {hw.op_time_scale:.3f} (a reference training step "
+                     f"over its ops timed alone)")
     return "\n".join(lines)

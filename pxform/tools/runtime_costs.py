@@ -32,6 +32,15 @@ world and returns the profile with them set:
   what the cost model already charges per parameter and action and for the op's weight
   gradient.
 
+* `op_time_scale`, a factor on every op's time: a reference training step (a 2-layer
+  transformer language model: embedding, layer norms, attention, a GELU MLP, the
+  cross-entropy; `_reference`) run under `pxform.value_and_grad` on every rank at once,
+  its median time over the time the cost model gives its ops on one device. The op
+  curves are timed on ops alone, in chains; in a step the same ops run slower (their
+  inputs come cold from memory, the allocator churns, autograd's engine walks a bigger
+  graph, and copies, fills and sums run that no traced op stands for). This is measured
+  first, and the fixed costs below are taken against the model with it.
+
 Each difference is the median of `repeats` paired differences, the short and the long
 program timed alternately, each call after a barrier (a drift in the machine's load falls
 on both sides); every rank times, rank 0's numbers are kept (every rank gets them).
@@ -56,7 +65,9 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
+from pxform.core.mesh import abstract_mesh
 from pxform.core.spec import P
 from pxform.cost.hardware import Hardware
 from pxform.cost.model import CostModel
@@ -64,6 +75,7 @@ from pxform.frontend.boundary import stage_boundary
 from pxform.runtime import world
 from pxform.runtime.mesh import Mesh
 from pxform.runtime.pipeline import recording
+from pxform.transforms.auto import auto
 from pxform.transforms.grad import value_and_grad
 from pxform.transforms.pipeline import pipeline
 from pxform.transforms.shard import shard
@@ -83,6 +95,9 @@ def runtime_costs(hw: Hardware, repeats: int = 9) -> Hardware:
     """
     n = world.size() if world.initialized() else 1
     gen = torch.Generator().manual_seed(0)
+    scale = _op_time_scale(hw, gen, repeats)
+    scale = world.gather_objects(scale)[0] if n > 1 else scale
+    hw = dataclasses.replace(hw, op_time_scale=scale)
 
     per_collective = 0.0
     if n >= 2:
@@ -193,6 +208,52 @@ def runtime_costs(hw: Hardware, repeats: int = 9) -> Hardware:
     return dataclasses.replace(hw, param_overhead_s=kept[0], step_overhead_s=kept[1],
                                action_overhead_s=kept[2], collective_overhead_s=kept[3],
                                param_action_overhead_s=kept[4], weight_op_overhead_s=kept[5])
+
+
+def _reference(params: dict[str, Any], tokens: torch.Tensor) -> torch.Tensor:
+    """A small transformer language model's loss (`_op_time_scale`'s reference step)."""
+    h = params["embedding"][tokens]
+    for layer in params["layers"]:
+        x = F.layer_norm(h, h.shape[-1:], layer["norm1"])
+        b, s, d = x.shape
+        q, k, v = (t.reshape(b, s, _HEADS, d // _HEADS).transpose(1, 2)
+                   for t in F.linear(x, layer["qkv"]).split(d, dim=-1))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        h = h + F.linear(y.transpose(1, 2).reshape(b, s, d), layer["proj"])
+        x = F.layer_norm(h, h.shape[-1:], layer["norm2"])
+        h = h + F.linear(F.gelu(F.linear(x, layer["up"]), approximate="tanh"), layer["down"])
+    logits = F.linear(F.layer_norm(h, h.shape[-1:]), params["embedding"])
+    return F.cross_entropy(logits.flatten(0, 1), tokens.flatten())
+
+
+_HEADS = 4
+_REFERENCE = (2, 96, 512, 8, 64)  # layers, width, vocabulary, sequences, tokens
+
+
+def _op_time_scale(hw: Hardware, gen: torch.Generator, repeats: int) -> float:
+    """The reference step's median seconds (every rank at once, as in training) over the
+    cost model's seconds for its ops on one device (module doc)."""
+    layers, d, vocab, rows, seq = _REFERENCE
+
+    def weight(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen) / shape[-1] ** 0.5
+
+    params = {"embedding": weight(vocab, d),
+              "layers": [{"norm1": torch.ones(d), "norm2": torch.ones(d),
+                          "qkv": weight(3 * d, d), "proj": weight(d, d),
+                          "up": weight(4 * d, d), "down": weight(d, 4 * d)}
+                         for _ in range(layers)]}
+    tokens = torch.randint(0, vocab, (rows, seq), generator=gen)
+    step = value_and_grad(_reference)
+    for _ in range(2):
+        step(params, tokens)
+    measured = statistics.median(_timed(lambda: step(params, tokens)) for _ in range(repeats))
+    # the model's time for the same ops: one device, no fixed costs, no scale yet
+    bare = dataclasses.replace(hw, op_time_scale=1.0, step_overhead_s=0.0,
+                               param_overhead_s=0.0)
+    predicted = auto(_reference, mesh=abstract_mesh(1), hardware=bare,
+                     memory_margin=0.0).plan(params, tokens).step_time_s
+    return measured / predicted if predicted > 0 else 1.0
 
 
 def _weight_action(call: Callable[[], Any], repeats: int) -> float:
