@@ -37,7 +37,8 @@ def measured(**kw) -> Hardware:
                 op_curves=(OpCurve("gelu", ((1e3, 1e-6, 3e-6), (1e6, 1e-3, 2e-3)), 0.05),),
                 overlap_slowdown=1.8, step_overhead_s=1e-3, param_overhead_s=2e-5,
                 action_overhead_s=4e-4, collective_overhead_s=3e-4,
-                param_action_overhead_s=1e-5, op_time_scale=1.2)
+                param_action_overhead_s=1e-5, op_time_scale=1.2,
+                op_step_overhead_s=5e-6)
     args.update(kw)
     return Hardware(**args)  # type: ignore[arg-type]
 
@@ -458,12 +459,13 @@ def test_op_curves_price_ops_by_class():
     f, b = model.op_times(1e3, torch.float32, 1e9, "norm")  # no curve: roofline
     assert f == model.compute_time(1e3, torch.float32, 1e9) and b == BACKWARD_RATIO * f
     assert model.op_times(0.0, torch.float32, 1e9, "view") == (1e-6, BACKWARD_RATIO * 1e-6)
-    # a measured op time scale multiplies every op's time, curve, roofline and view alike
-    scaled = CostModel(replace(hw, op_time_scale=1.25))
+    # a measured op time scale multiplies every op's time, curve, roofline and view alike,
+    # and the time per op in a step adds a third forward, two thirds backward
+    scaled = CostModel(replace(hw, op_time_scale=1.25, op_step_overhead_s=3e-6))
     for args in [(1e9, torch.float32, 0.0, "matmul"), (1e3, torch.float32, 1e9, "norm"),
                  (0.0, torch.float32, 1e9, "view")]:
-        assert scaled.op_times(*args) == pytest.approx(
-            tuple(1.25 * t for t in model.op_times(*args)))
+        f, b = model.op_times(*args)
+        assert scaled.op_times(*args) == pytest.approx((1.25 * f + 1e-6, 1.25 * b + 2e-6))
     # a profile's measured overlap replaces the default constant
     assert CostModel(replace(hw, overlap_slowdown=1.9)).overlap_slowdown == 1.9
     assert CostModel(hw).overlap_slowdown == 1.3
@@ -500,7 +502,7 @@ def measure_runtime_costs() -> tuple[float, ...]:
     hw = runtime_costs(calibrate(sizes=SIZES, repeats=1))
     return (hw.param_overhead_s, hw.step_overhead_s, hw.action_overhead_s,
             hw.collective_overhead_s, hw.param_action_overhead_s, hw.weight_op_overhead_s,
-            hw.op_time_scale)
+            hw.op_time_scale, hw.op_step_overhead_s)
 
 
 def test_runtime_costs_are_measured_on_real_programs(world):
@@ -514,10 +516,12 @@ def test_runtime_costs_are_measured_on_real_programs(world):
     results = world.run(measure_runtime_costs)
     assert results[0] == results[1]
     per_param, per_step, per_action, per_collective, per_param_action, per_weight_op, \
-        scale = results[0]
-    # a reference transformer step against its ops timed alone: measured, not the default
-    # 1 (its ops run somewhat slower in a step; not several times)
+        scale, per_op = results[0]
+    # a reference transformer step at two sizes against its ops timed alone: measured,
+    # not the defaults (its ops run somewhat slower in a step, not several times; and
+    # microseconds more per op, not milliseconds)
     assert scale != 1.0 and 0.5 < scale < 3.0
+    assert 0 <= per_op < 1e-3
     # two autograd calls per weight op: tens of microseconds at least on this CPU
     assert 1e-6 < per_weight_op < 5e-3
     # the differences of small timings may come out at 0 (clamped) on a loaded machine

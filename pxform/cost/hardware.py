@@ -195,7 +195,8 @@ def _power_law(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
 
 
 _FIXED_COSTS = ("step_overhead_s", "param_overhead_s", "action_overhead_s",
-                "collective_overhead_s", "param_action_overhead_s", "weight_op_overhead_s")
+                "collective_overhead_s", "param_action_overhead_s", "weight_op_overhead_s",
+                "op_step_overhead_s")
 """The runtime's own fixed costs a profile may carry (`Hardware`)."""
 
 OP_CLASSES = ("matmul", "attention", "gelu", "gelu_tanh", "silu", "softmax",
@@ -339,6 +340,10 @@ class Hardware:
             (`pxform.tools.runtime_costs`). Ops timed alone in chains run faster than in a
             training step, where their inputs come cold from memory, the allocator
             churns and autograd's engine walks a larger graph; 1: not measured.
+        op_step_overhead_s: seconds every op costs in a training step on top of that,
+            forward and backward together (a third forward, two thirds backward): the
+            same reference step at two batch sizes separates the part that grows with
+            the work (`op_time_scale`) from the part per op; 0: not measured.
         source: where the numbers come from.
 
     Example:
@@ -369,6 +374,7 @@ class Hardware:
     param_action_overhead_s: float = 0.0
     weight_op_overhead_s: float = 0.0
     op_time_scale: float = 1.0
+    op_step_overhead_s: float = 0.0
 
     def __post_init__(self) -> None:
         what = f"Hardware {self.name!r}"

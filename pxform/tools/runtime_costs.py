@@ -32,10 +32,12 @@ world and returns the profile with them set:
   what the cost model already charges per parameter and action and for the op's weight
   gradient.
 
-* `op_time_scale`, a factor on every op's time: a reference training step (a 2-layer
-  transformer language model: embedding, layer norms, attention, a GELU MLP, the
-  cross-entropy; `_reference`) run under `pxform.value_and_grad` on every rank at once,
-  its median time over the time the cost model gives its ops on one device. The op
+* `op_time_scale` and `op_step_overhead_s`, a factor on every op's time and a time per
+  op: a reference training step (a 2-layer transformer language model: embedding, layer
+  norms, attention, a GELU MLP, the cross-entropy; `_reference`) run under
+  `pxform.value_and_grad` on every rank at once at 1 and at 8 sequences, its median
+  times fitted as the factor times what the cost model gives its ops on one device, plus
+  the time per op (the same ops at both sizes). The op
   curves are timed on ops alone, in chains; in a step the same ops run slower (their
   inputs come cold from memory, the allocator churns, autograd's engine walks a bigger
   graph, and copies, fills and sums run that no traced op stands for). This is measured
@@ -59,6 +61,7 @@ Example (every rank):
 from __future__ import annotations
 
 import dataclasses
+import functools
 import statistics
 import time
 from collections.abc import Callable
@@ -95,9 +98,9 @@ def runtime_costs(hw: Hardware, repeats: int = 9) -> Hardware:
     """
     n = world.size() if world.initialized() else 1
     gen = torch.Generator().manual_seed(0)
-    scale = _op_time_scale(hw, gen, repeats)
-    scale = world.gather_objects(scale)[0] if n > 1 else scale
-    hw = dataclasses.replace(hw, op_time_scale=scale)
+    fit = _op_time_scale(hw, gen, repeats)
+    scale, per_op = world.gather_objects(fit)[0] if n > 1 else fit
+    hw = dataclasses.replace(hw, op_time_scale=scale, op_step_overhead_s=per_op)
 
     per_collective = 0.0
     if n >= 2:
@@ -227,13 +230,17 @@ def _reference(params: dict[str, Any], tokens: torch.Tensor) -> torch.Tensor:
 
 
 _HEADS = 4
-_REFERENCE = (2, 96, 512, 8, 64)  # layers, width, vocabulary, sequences, tokens
+_REFERENCE = (2, 96, 512, 64)  # layers, width, vocabulary, tokens per sequence
+_ROWS = (1, 8)  # sequences: the reference step at two sizes
 
 
-def _op_time_scale(hw: Hardware, gen: torch.Generator, repeats: int) -> float:
-    """The reference step's median seconds (every rank at once, as in training) over the
-    cost model's seconds for its ops on one device (module doc)."""
-    layers, d, vocab, rows, seq = _REFERENCE
+def _op_time_scale(hw: Hardware, gen: torch.Generator, repeats: int
+                   ) -> tuple[float, float]:
+    """(`op_time_scale`, `op_step_overhead_s`): the reference step (every rank at once,
+    as in training) at two batch sizes, its median seconds `t` against the cost model's
+    seconds `c` for its ops on one device, fitted as `t = scale x c + ops x per_op` (the
+    same ops at both sizes); `(t / c, 0)` for the larger when the fit is not positive."""
+    layers, d, vocab, seq = _REFERENCE
 
     def weight(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=gen) / shape[-1] ** 0.5
@@ -243,17 +250,28 @@ def _op_time_scale(hw: Hardware, gen: torch.Generator, repeats: int) -> float:
                           "qkv": weight(3 * d, d), "proj": weight(d, d),
                           "up": weight(4 * d, d), "down": weight(d, 4 * d)}
                          for _ in range(layers)]}
-    tokens = torch.randint(0, vocab, (rows, seq), generator=gen)
+    # the model's time for the same ops: one device, no fixed costs, no fit yet
+    bare = dataclasses.replace(hw, op_time_scale=1.0, op_step_overhead_s=0.0,
+                               step_overhead_s=0.0, param_overhead_s=0.0)
     step = value_and_grad(_reference)
-    for _ in range(2):
-        step(params, tokens)
-    measured = statistics.median(_timed(lambda: step(params, tokens)) for _ in range(repeats))
-    # the model's time for the same ops: one device, no fixed costs, no scale yet
-    bare = dataclasses.replace(hw, op_time_scale=1.0, step_overhead_s=0.0,
-                               param_overhead_s=0.0)
-    predicted = auto(_reference, mesh=abstract_mesh(1), hardware=bare,
-                     memory_margin=0.0).plan(params, tokens).step_time_s
-    return measured / predicted if predicted > 0 else 1.0
+    points = []
+    for rows in _ROWS:
+        tokens = torch.randint(0, vocab, (rows, seq), generator=gen)
+        for _ in range(2):
+            step(params, tokens)
+        measured = statistics.median(_timed(functools.partial(step, params, tokens))
+                                     for _ in range(repeats))
+        plan = auto(_reference, mesh=abstract_mesh(1), hardware=bare,
+                    memory_margin=0.0).plan(params, tokens)
+        points.append((measured, plan.step_time_s, sum(b.stop - b.start for b in plan.blocks)))
+    (t_small, c_small, ops), (t_large, c_large, _) = points
+    if c_large <= c_small or c_small <= 0:
+        return 1.0, 0.0
+    scale = (t_large - t_small) / (c_large - c_small)
+    per_op = (t_small - scale * c_small) / ops
+    if scale <= 0 or per_op < 0:
+        return max(t_large / c_large, 1e-3), 0.0
+    return scale, per_op
 
 
 def _weight_action(call: Callable[[], Any], repeats: int) -> float:
