@@ -54,81 +54,69 @@ def chain_frontier(times: Sequence[np.ndarray], mems: Sequence[np.ndarray],
     n = len(times)
     if n == 0:
         return [Point(0.0, 0.0, ())]
-    # per block, per option: (time, mem, parent option, parent index) arrays
-    layers: list[list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]] = []
-    first = []
-    for s in range(len(times[0])):
-        t = np.array([times[0][s]], dtype=float)
-        m = np.array([mems[0][s]], dtype=float)
-        keep = m <= limit
-        first.append((t[keep], m[keep], np.zeros(keep.sum(), dtype=np.int64),
-                      np.zeros(keep.sum(), dtype=np.int64)))
-    layers.append(first)
+    # per block, every kept plan of blocks 0..k in one set of flat arrays, grouped by the
+    # block's option and by memory within it: (time, memory, option, index of the plan
+    # of block k-1 it extends). The search prunes thousands of small frontiers; one
+    # array operation per block over all its options, instead of one per option, is
+    # what keeps that cheap.
+    t = np.asarray(times[0], dtype=float)
+    m = np.asarray(mems[0], dtype=float)
+    ok = m <= limit
+    s = np.flatnonzero(ok)
+    layers = [(t[ok], m[ok], s, np.zeros(len(s), dtype=np.int64))]
     for k in range(1, n):
-        prev = layers[-1]
+        t_prev, m_prev, s_prev, _ = layers[-1]
+        if len(t_prev) == 0:
+            return []
+        tk = np.asarray(times[k], dtype=float)
+        mk = np.asarray(mems[k], dtype=float)
+        # [option of block k, plan of block k-1]
+        t_all = tk[:, None] + t_prev[None, :]
+        m_all = mk[:, None] + m_prev[None, :]
         tt = trans_time[k] if trans_time is not None else None
         tm = trans_mem[k] if trans_mem is not None else None
-        # every kept plan of block k-1, whatever its option, in one set of arrays
-        t_prev = np.concatenate([x[0] for x in prev])
-        m_prev = np.concatenate([x[1] for x in prev])
-        s_prev = np.concatenate([np.full(len(x[0]), s, dtype=np.int64)
-                                 for s, x in enumerate(prev)])
-        i_prev = np.concatenate([np.arange(len(x[0]), dtype=np.int64) for x in prev])
-        cur = []
-        for s2 in range(len(times[k])):
-            if len(t_prev) == 0:
-                cur.append(_empty())
-                continue
-            t_all = t_prev + times[k][s2]
-            m_all = m_prev + mems[k][s2]
-            if tt is not None:
-                t_all = t_all + tt[s_prev, s2]
-            if tm is not None:
-                m_all = m_all + tm[s_prev, s2]
-            cur.append(_prune(t_all, m_all, s_prev, i_prev, limit, quantum))
-        layers.append(cur)
-    # merge the end options
-    ends = []
-    for s, (t, m, _, _) in enumerate(layers[-1]):
-        ends.append((t, m, np.full(len(t), s, dtype=np.int64), np.arange(len(t))))
-    if not any(len(e[0]) for e in ends):
+        if tt is not None:
+            t_all = t_all + tt[s_prev, :].T
+        if tm is not None:
+            m_all = m_all + tm[s_prev, :].T
+        layers.append(_prune_rows(t_all, m_all, limit, quantum))
+    # merge the end options: one frontier over every plan of the last block
+    t_end, m_end, _, _ = layers[-1]
+    if len(t_end) == 0:
         return []
-    t, m, s_end, i_end = (np.concatenate([e[j] for e in ends]) for j in range(4))
-    t, m, s_end, i_end = _prune(t, m, s_end, i_end, limit, quantum)
+    _, _, _, at = _prune_rows(t_end[None, :], m_end[None, :], limit, quantum)
     out = []
-    for tv, mv, s, i in zip(t, m, s_end, i_end):
-        choices = [int(s)]
-        for k in range(n - 1, 0, -1):
-            _, _, parents, where = layers[k][int(s)]
-            s, i = parents[i], where[i]
-            choices.append(int(s))
-        out.append(Point(float(tv), float(mv), tuple(reversed(choices))))
+    for i in at:
+        point = (float(t_end[i]), float(m_end[i]))
+        choices = []
+        for _, _, opt, parent in reversed(layers):
+            choices.append(int(opt[i]))
+            i = parent[i]
+        out.append(Point(*point, tuple(reversed(choices))))
     return out
 
 
-def _empty() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    z = np.zeros(0)
-    return z, z, np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
-
-
-def _prune(t: np.ndarray, m: np.ndarray, p: np.ndarray, i: np.ndarray, limit: float,
-           quantum: float = 0.0) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Keep the points no other point beats in both time and memory (ties: the first);
-    with `quantum`, only the fastest point of each memory bucket of that width."""
+def _prune_rows(t: np.ndarray, m: np.ndarray, limit: float, quantum: float = 0.0
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Per row of `t` and `m` (an option of the block; columns: the plans it extends),
+    the points no other point of the row beats in both time and memory (ties: the first
+    column), by memory; with `quantum`, only the fastest point of each memory bucket of
+    that width. Returns them flat, row by row: (time, memory, row, column)."""
     ok = m <= limit
-    t, m, p, i = t[ok], m[ok], p[ok], i[ok]
-    if len(t) <= 1:
-        return t, m, p, i
-    order = np.lexsort((t, m))  # by memory, then time
-    t, m, p, i = t[order], m[order], p[order], i[order]
-    best = np.minimum.accumulate(t)
-    keep = np.ones(len(t), dtype=bool)
-    keep[1:] = t[1:] < best[:-1]
-    t, m, p, i = t[keep], m[keep], p[keep], i[keep]
+    # points over the limit sort last in their row, where they beat nothing
+    order = np.lexsort((t, np.where(ok, m, math.inf)), axis=-1)
+    t = np.take_along_axis(t, order, axis=-1)
+    m = np.take_along_axis(m, order, axis=-1)
+    keep = np.take_along_axis(ok, order, axis=-1)
+    best = np.minimum.accumulate(t, axis=-1)
+    keep[:, 1:] &= t[:, 1:] < best[:, :-1]
+    row, pos = np.nonzero(keep)
+    col = order[row, pos]
+    t, m = t[row, pos], m[row, pos]
     if quantum > 0 and len(t) > 1:
         # times fall as memory rises: the last point of a bucket is its fastest
         bucket = np.floor(m / quantum)
         last = np.ones(len(t), dtype=bool)
-        last[:-1] = bucket[1:] != bucket[:-1]
-        t, m, p, i = t[last], m[last], p[last], i[last]
-    return t, m, p, i
+        last[:-1] = (bucket[1:] != bucket[:-1]) | (row[1:] != row[:-1])
+        t, m, row, col = t[last], m[last], row[last], col[last]
+    return t, m, row, col
