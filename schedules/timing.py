@@ -125,17 +125,44 @@ def held(schedule: Schedule) -> tuple[int, ...]:
         >>> held(one_f_one_b(4, 8)), held(zero_bubble(4, 8))
         ((4, 3, 2, 1), (4, 4, 4, 4))
     """
+    return tuple(h for h, _, _ in _at_peak(schedule))
+
+
+def sent_at_peak(schedule: Schedule) -> tuple[tuple[int, int], ...]:
+    """For a valid schedule, per stage: how many of its `F` and of its `B` actions have
+    run at the moment `held` counts (its rank's peak). The executor waits for its sends
+    only at the end of the step, and a send keeps its tensor until then: each `F` leaves
+    the stage's boundary outputs behind, each `B` the gradients of its boundary inputs, on
+    top of the activations `held` counts.
+
+    Example:
+        >>> from pxform.schedules import one_f_one_b
+        >>> sent_at_peak(one_f_one_b(2, 8))   # stage 0 peaks before its B6
+        ((8, 6), (8, 7))
+    """
+    return tuple((f, b) for _, f, b in _at_peak(schedule))
+
+
+def _at_peak(schedule: Schedule) -> list[tuple[int, int, int]]:
+    """Per stage: (microbatches held, F run, B run) at its rank's peak (`held`)."""
     shape = shape_of(schedule)
-    out = [0] * shape.stages
+    out = [(0, 0, 0)] * shape.stages
     for rank, row in schedule.items():
         acts = [a for a in row if a is not None and a.is_compute]
         redone = {(a.stage, a.microbatch) for a in acts if a.kind == "R"}
-        count = {s: 0 for s in range(shape.stages) if shape.rank_of(s) == rank}
+        mine = [s for s in range(shape.stages) if shape.rank_of(s) == rank]
+        count = {s: 0 for s in mine}
+        forwards = dict(count)
+        backwards = dict(count)
         best = -1
-        at: dict[int, int] = dict(count)
+        at = {s: (0, 0, 0) for s in mine}
         for a in acts:
             key = (a.stage, a.microbatch)
             split = a.stage in shape.weight_stages
+            if a.kind == "F":
+                forwards[a.stage] += 1
+            elif a.kind == "B":
+                backwards[a.stage] += 1
             if not shape.trainable(a.stage):
                 continue  # a forward-only stage frees its activations as its F ends
             if (a.kind == "F" and key not in redone) or a.kind == "R":
@@ -144,10 +171,11 @@ def held(schedule: Schedule) -> tuple[int, ...]:
                 count[a.stage] -= 1
             total = sum(count.values())
             if total >= best:
-                best, at = total, dict(count)
+                best = total
+                at = {s: (count[s], forwards[s], backwards[s]) for s in mine}
         for s, c in at.items():
             out[s] = c
-    return tuple(out)
+    return out
 
 
 def awaiting_weights(schedule: Schedule) -> tuple[int, ...]:
@@ -189,4 +217,4 @@ def most_between(schedule: Schedule, first: str, then: str) -> tuple[int, ...]:
     return tuple(out)
 
 
-__all__ = ["Timer", "awaiting_weights", "held", "most_between"]
+__all__ = ["Timer", "awaiting_weights", "held", "most_between", "sent_at_peak"]

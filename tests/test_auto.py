@@ -169,9 +169,11 @@ def test_what_training_loops_rely_on(world2, stages):
 # goal (the model before the meter check was off by +14 % to +32 % on the first three and
 # short on the pipeline's last stage, which holds the tied embedding too); tensor
 # parallelism still misses runtime buffers the model does not count (-9 %), so it is held
-# to 15 % here, to catch a change for the worse. Zero-bubble (-4 to -8 %: its graphs kept
-# from F to W, and the weight ops' output gradients from B to W) and interleaved (-1 to
-# -8 %) are held to 10 %.
+# to 15 % here, to catch a change for the worse. Pipelines under every schedule are held to
+# 5 %: before the model counted the tensors the executor's sends keep to the end of the
+# step (each F's boundary outputs, each B's input gradients), the received output
+# gradient and, under zero-bubble, the weight ops' outputs kept from F to W that no op
+# saves, 1F1B with 8 microbatches was -5 %, zero-bubble -9 % and interleaved -11 %.
 @pytest.mark.slow
 @pytest.mark.parametrize("name, the_pin, limit", [
     ("dp", W.pin(1, 2, 1, 1, (("outer", "dp"),), (False,) * 6), 0.05),
@@ -183,12 +185,15 @@ def test_what_training_loops_rely_on(world2, stages):
     ("sp", W.pin(1, 1, 2, 1, (("inner", "sp"),), (False,) * 6), 0.15),
     ("pp2 m2", W.pin(2, 1, 1, 2, None, schedule=ScheduleChoice()), 0.05),
     ("pp2 m8", W.pin(2, 1, 1, 8, None, schedule=ScheduleChoice()), 0.05),
-    ("pp2 m4 zb", W.pin(2, 1, 1, 4, None, schedule=ScheduleChoice("zb")), 0.10),
+    ("pp2 m4 zb", W.pin(2, 1, 1, 4, None, schedule=ScheduleChoice("zb")), 0.05),
+    ("pp2 m8 zb", W.pin(2, 1, 1, 8, None, schedule=ScheduleChoice("zb")), 0.05),
     ("pp2 m4 interleaved", W.pin(2, 1, 1, 4, None,
-                                 schedule=ScheduleChoice("interleaved", 2)), 0.10),
+                                 schedule=ScheduleChoice("interleaved", 2)), 0.05),
+    ("pp2 m8 interleaved", W.pin(2, 1, 1, 8, None,
+                                 schedule=ScheduleChoice("interleaved", 2)), 0.05),
     ("pp2 m4 shifted", W.pin(2, 1, 1, 4, None, schedule=ScheduleChoice("shifted")), 0.05),
 ], ids=["dp", "zero3", "zero3-kept", "dp+recompute", "tp", "sp", "pp2-m2", "pp2-m8", "pp2-m4-zb",
-        "pp2-m4-interleaved", "pp2-m4-shifted"])
+        "pp2-m8-zb", "pp2-m4-interleaved", "pp2-m8-interleaved", "pp2-m4-shifted"])
 def test_predicted_memory_matches_the_meter(world2, name, the_pin, limit):
     errors = world2.run(W.run_memory_accuracy, the_pin)
     worst = max((e for rank in errors for e in rank), key=abs)

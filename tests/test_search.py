@@ -522,9 +522,12 @@ def test_saved_bytes_are_attributed_to_the_tensor_saved():
     assert [str(op.target) for op in graph.ops] == ["aten.linear.default",
                                                     "aten.relu.default", "aten.sum.default"]
     assert [v.name for v in graph.ops[0].inputs] == ["x", "w"]
+    # (the linear's output is saved by no op, relu's by relu: `outputs_saved`, what a
+    # zero-bubble stage keeping weight-op outputs for its W adds)
     assert saved[0] == SavedBytes(inputs=(16 * 4 * 4, 0), outputs=(0,), other=0,
-                                  stored=("w",))
-    assert saved[1] == SavedBytes(inputs=(0,), outputs=(16 * 8 * 4,), other=0)
+                                  stored=("w",), outputs_saved=(False,))
+    assert saved[1] == SavedBytes(inputs=(0,), outputs=(16 * 8 * 4,), other=0,
+                                  outputs_saved=(True,))
     assert saved[2].total == 0
 
 
@@ -794,17 +797,24 @@ def test_closed_forms_equal_the_simulation_for_equal_stages(monkeypatch, name, p
     n = choice.num_stages(p)
     fw, bw, wt = [1.0] * n, [2.0] * n, [0.8] * n
     exact = (pipelines.step_time(choice, p, m, fw, bw, wt),
-             pipelines.in_flight(choice, p, m), pipelines.inputs_held(choice, p, m))
+             pipelines.in_flight(choice, p, m), pipelines.inputs_held(choice, p, m),
+             pipelines.sent(choice, p, m))
     monkeypatch.setattr(pipelines, "TIMED_UP_TO", 0)
     pipelines._compiled.cache_clear()
     try:
         closed = (pipelines.step_time(choice, p, m, fw, bw, wt),
-                  pipelines.in_flight(choice, p, m), pipelines.inputs_held(choice, p, m))
+                  pipelines.in_flight(choice, p, m), pipelines.inputs_held(choice, p, m),
+                  pipelines.sent(choice, p, m))
     finally:
         pipelines._compiled.cache_clear()
     assert closed[0] == pytest.approx(exact[0], rel=0.02), (closed, exact)
     if name != "interleaved":  # (interleaved's closed form spreads a rank's count evenly)
         assert closed[1:] == exact[1:]
+    else:  # every F sent; the B counts follow the held ones, a few apart per rank
+        assert [f for f, _ in closed[3]] == [f for f, _ in exact[3]] == [m] * n
+        ranks = [(sum(b for _, b in closed[3][r::p]), sum(b for _, b in exact[3][r::p]))
+                 for r in range(p)]
+        assert all(abs(c - e) <= p for c, e in ranks), ranks
 
 
 # ---------------------------------------------------------------- sequence parallelism

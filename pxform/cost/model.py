@@ -30,6 +30,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -273,6 +274,10 @@ class SavedBytes:
     # values stored anyway (`skip`: parameters) that the op saves, or a view of: not
     # counted, but a ZeRO-3 program that keeps gathered parameters keeps these whole
     stored: tuple[str, ...] = ()
+    # per op output, whether an op of the range (this one or a later one) saves its
+    # storage or a view of it: what a zero-bubble stage keeping the output for its W
+    # adds beyond the saved bytes is the outputs saved by none (empty: not known)
+    outputs_saved: tuple[bool, ...] = ()
 
     @property
     def total(self) -> int:
@@ -323,10 +328,13 @@ def saved_bytes_per_op(graph: Graph, start: int, stop: int, skip: set[str]
     pending: list[tuple[int, int]] = []  # (storage id, bytes) saved by the running op
     stored: dict[str, None] = {}  # skipped values the running op saves, in order
     saved: list[SavedBytes] = []
+    packed: set[int] = set()  # every storage any op saved (ids of `made`'s storages)
+    made: list[tuple[object | None, ...]] = []  # per op its outputs' storages (kept alive)
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         storage = t.untyped_storage()
         key = id(storage)
+        packed.add(key)
         if key in skipped:
             stored[skipped[key]] = None
         elif key not in seen:
@@ -351,12 +359,17 @@ def saved_bytes_per_op(graph: Graph, start: int, stop: int, skip: set[str]
             else:
                 other += nbytes
         saved.append(SavedBytes(tuple(by_in), tuple(by_out), other, tuple(stored)))
+        made.append(tuple(r.untyped_storage() if isinstance(r, torch.Tensor) else None
+                          for r in results[:len(op.outputs)]))
         pending.clear()
         stored.clear()
 
     with mode, torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         run_graph(sub, tensors, on_op=on_op)
-    return saved
+    # a later op may save an output (or a view of it): known only once the range has run
+    return [dataclasses.replace(s, outputs_saved=tuple(st is not None and id(st) in packed
+                                                       for st in outs))
+            for s, outs in zip(saved, made)]
 
 
 def peak_bytes(state: float, grads: float, activations: float, in_flight: int,

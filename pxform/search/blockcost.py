@@ -117,6 +117,9 @@ class WalkCost:
     gathered_saved_bytes: float = 0.0  # of the parameters they make whole, those the
                                        # block's ops save for backward: what a microbatch
                                        # keeps without reshard after forward
+    weight_held_bytes: float = 0.0  # of `weight_out_bytes`' outputs, those no op saves:
+                                    # a zero-bubble stage keeps them from F to W (the
+                                    # roots its W asks autograd from), beyond the saved
 
 
 def _floating(v: Value) -> bool:
@@ -167,7 +170,7 @@ def walk(a: Analysis, block: BlockInfo, strats: list[Strategy], outside: Mapping
     layouts: dict[str, Layout] = {}
     done: set[tuple[str, Layout]] = set()
     fwd_compute = fwd_comm = bwd_comm = grad_comm = saved = transient = gathered = 0.0
-    redo = bwd_compute = weight_compute = weight_out = weight_ops = 0.0
+    redo = bwd_compute = weight_compute = weight_out = weight_ops = weight_held = 0.0
     # values made from parameters alone (a transposed or cast weight): weights too
     weights = set(a.params) | set(a.param_casts)
     classes = a.op_classes or ("elementwise",) * len(a.graph.ops)
@@ -197,6 +200,12 @@ def walk(a: Analysis, block: BlockInfo, strats: list[Strategy], outside: Mapping
             weight_ops += 1
             weight_out += sum(v.type.nbytes * sc * _local_fraction(v, lay, cache)
                               for v, lay in zip(op.outputs, s.outputs) if _floating(v))
+            # zero-bubble's W asks autograd from the op's outputs: the stage keeps them
+            # from F to W, also those no op saves
+            kept_anyway = a.op_saved[k].outputs_saved or (True,) * len(op.outputs)
+            weight_held += sum(v.type.nbytes * sc * _local_fraction(v, lay, cache)
+                               for v, lay, kept in zip(op.outputs, s.outputs, kept_anyway)
+                               if _floating(v) and not kept)
         # each saved tensor at its own layout's local size; the op's intermediates as its
         # split (`ways`)
         kept_by = a.op_saved[k]
@@ -299,7 +308,8 @@ def walk(a: Analysis, block: BlockInfo, strats: list[Strategy], outside: Mapping
     return WalkCost(fwd_compute, fwd_comm, bwd_comm, grad_comm, saved, kept, pbytes, gbytes,
                     transient, packed, packed_sent.get("outer", 0.0),
                     packed_sent.get("inner", 0.0), redo + gathered, bwd_compute,
-                    weight_compute, weight_out, gather_time, weight_ops, gathered_saved)
+                    weight_compute, weight_out, gather_time, weight_ops, gathered_saved,
+                    weight_held)
 
 
 # ---------------------------------------------------------------- tensor-axis beam search

@@ -63,6 +63,8 @@ class OptionCost:
     weight: float = 0.0  # of `backward`, the weight gradients (a zero-bubble W action)
     weight_out: float = 0.0  # gradients zero-bubble's B keeps for its W, per microbatch
     weight_ops: int = 0  # ops with a weight gradient: a W asks autograd for each apart
+    weight_held: float = 0.0  # outputs of those ops no op saves: zero-bubble keeps them
+                              # from F to W, per microbatch held (`WalkCost`)
 
     def step_time(self, m: int) -> float:
         return m * (self.forward + self.backward) + self.step_extra
@@ -72,6 +74,15 @@ class OptionCost:
         (`pxform.cost.model.peak_bytes`)."""
         act = self.kept if recompute else self.saved
         return peak_bytes(self.params - self.grads, self.grads, act, in_flight, microbatches)
+
+    def split_memory(self, in_flight: int, waits: int) -> float:
+        """The bytes a zero-bubble stage's split backward adds to the block (`waits` > 0:
+        it has W actions): its weight ops' output gradients for the `waits` microbatches
+        between their B and W, and those outputs no op saves for the `in_flight`
+        microbatches whose graphs it keeps to their W (`pxform.runtime.pipeline`)."""
+        if not waits:
+            return 0.0
+        return waits * self.weight_out + in_flight * self.weight_held
 
     def workspace(self, recompute: bool) -> float:
         """Bytes alive only while this block's backward runs
@@ -105,8 +116,9 @@ class BlockLayouts:
 # (kind, outer, inner, roles, scale): a block kind's walk at a microbatch scale
 WalkKey = tuple[int, int, int, Roles, float]
 # (configuration, per block (kind, table key), in flight, borrowed bytes, microbatches
-# awaiting W, bytes of inputs kept for a whole-stage recompute): a stage
-StageKey = tuple[Config, tuple[tuple[int, int], ...], int, float, int, float]
+# awaiting W, bytes its transfers and a whole-stage recompute keep, bytes they add while
+# a backward runs (`stages.transfer_bytes`)): a stage
+StageKey = tuple[Config, tuple[tuple[int, int], ...], int, float, int, float, float]
 StagePoint = tuple[Point, float, float]
 """A stage's frontier point, the stage's peak bytes with it (workspace and borrowed
 parameters included), and the workspace alone (`stages.stage_frontier`)."""

@@ -114,7 +114,8 @@ def _fields(w: WalkCost) -> tuple[float, ...]:
     return (w.fwd_compute, w.fwd_comm, w.bwd_comm, w.grad_comm, w.saved_bytes, w.kept_bytes,
             w.param_bytes, w.grad_bytes, w.transient_bytes, w.packed_bytes, w.packed_outer,
             w.packed_inner, w.redo_bytes, w.bwd_compute, w.weight_compute,
-            w.weight_out_bytes, w.gather_s, w.weight_ops, w.gathered_saved_bytes)
+            w.weight_out_bytes, w.gather_s, w.weight_ops, w.gathered_saved_bytes,
+            w.weight_held_bytes)
 
 
 def _walk_at(ctx: SearchContext, block: BlockInfo, config: Config, option: Option,
@@ -175,7 +176,7 @@ def option_cost(ctx: SearchContext, block: BlockInfo, config: Config, option: Op
     return OptionCost(f, b, extra, saved, w.kept_bytes, w.param_bytes, w.grad_bytes,
                       w.transient_bytes, w.packed_bytes, w.redo_bytes, w.packed_outer,
                       w.packed_inner, w.weight_compute, w.weight_out_bytes,
-                      round(w.weight_ops))
+                      round(w.weight_ops), w.weight_held_bytes)
 
 
 

@@ -26,9 +26,10 @@ from pxform.search.pipelines import (
     choices,
     in_flight,
     inputs_held,
+    sent,
 )
 from pxform.search.space import Config
-from pxform.search.stages import Candidate, assemble, borrowed, boundary_bytes, stage_frontier
+from pxform.search.stages import Candidate, assemble, borrowed, stage_frontier, transfer_bytes
 
 SCHEDULE_GAIN = 0.01
 """A schedule other than 1F1B is chosen only when it is predicted this much faster than the
@@ -147,6 +148,7 @@ def _evaluate_schedule(ctx: SearchContext, config: Config, objective: str,
     flights = list(in_flight(choice, p, m))
     waits = awaiting(choice, p, m)
     inputs = inputs_held(choice, p, m)
+    sends = sent(choice, p, m)
     plain: Sequence[OptionTable] = tables
     if any(inputs):
         # a stage that recomputes itself whole runs its blocks without their own recompute
@@ -191,14 +193,18 @@ def _evaluate_schedule(ctx: SearchContext, config: Config, objective: str,
             mine = plain if inputs[s] else tables
             for k in idx:
                 used[k] = mine[k]
-            # the inputs it keeps for its recompute: the previous stage's boundary values
-            kept = inputs[s] * boundary_bytes(ctx, config, idx[0] - 1) if idx[0] > 0 else 0.0
+            # the inputs it keeps for its recompute, and the tensors its sends keep
+            kept, received = transfer_bytes(ctx, config, idx, s == n - 1, inputs[s],
+                                            sends[s], choice.recomputes(s, p)) \
+                if n > 1 else (0.0, 0.0)
             # stages with the same kinds, options and flight have the same frontier
             key = (config, tuple((a.blocks[k].kind, mine[k].key) for k in idx),
-                   flights[s], borrowed(ctx, idx, tables) if p > 1 else 0.0, waits[s], kept)
+                   flights[s], borrowed(ctx, idx, tables) if p > 1 else 0.0, waits[s], kept,
+                   received)
             pts = ctx.frontiers.get(key)
             if pts is None:
-                pts = stage_frontier(ctx, config, idx, mine, flights[s], waits[s], kept)
+                pts = stage_frontier(ctx, config, idx, mine, flights[s], waits[s], kept,
+                                     received)
                 ctx.frontiers[key] = pts
             if not pts:
                 failed = s

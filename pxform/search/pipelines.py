@@ -45,7 +45,7 @@ from typing import Any
 
 from pxform.cost.model import one_f_one_b_in_flight, one_f_one_b_time
 from pxform.schedules import NAMES as GENERATORS
-from pxform.schedules import Timer, awaiting_weights, held, most_between
+from pxform.schedules import Timer, awaiting_weights, held, most_between, sent_at_peak
 from pxform.search.plan import schedule_text
 from pxform.search.space import Config
 
@@ -107,11 +107,14 @@ def choices(config: Config, num_blocks: int, pinned: ScheduleChoice | None = Non
 
 @functools.lru_cache(maxsize=256)
 def _compiled(choice: ScheduleChoice, p: int, m: int
-              ) -> tuple[Timer | None, tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+              ) -> tuple[Timer | None, tuple[int, ...], tuple[int, ...], tuple[int, ...],
+                         tuple[tuple[int, int], ...]]:
     if p * m * choice.virtual_stages > TIMED_UP_TO:
         waits = tuple(min(s + 1, m) for s in range(p)) if choice.split else \
             (0,) * choice.num_stages(p)
-        return None, _held_closed(choice, p, m), waits, _inputs_closed(choice, p, m)
+        flights = _held_closed(choice, p, m)
+        return (None, flights, waits, _inputs_closed(choice, p, m),
+                _sent_closed(choice, p, m, flights))
     # the generator's schedule, not `resolve`'s validated one: the generators are tested
     # valid for every size (tests/test_schedules.py), validating each size the search
     # prices took a sixth of its time on GPT-3 175B, and the Timer still refuses a deadlock
@@ -119,7 +122,8 @@ def _compiled(choice: ScheduleChoice, p: int, m: int
     # a recomputed stage keeps a microbatch's inputs from its F to its B
     inputs = tuple(n if choice.recomputes(s, p) else 0
                    for s, n in enumerate(most_between(schedule, "F", "B")))
-    return Timer(schedule), held(schedule), awaiting_weights(schedule), inputs
+    return (Timer(schedule), held(schedule), awaiting_weights(schedule), inputs,
+            sent_at_peak(schedule))
 
 
 def in_flight(choice: ScheduleChoice, p: int, m: int) -> tuple[int, ...]:
@@ -154,6 +158,29 @@ def inputs_held(choice: ScheduleChoice, p: int, m: int) -> tuple[int, ...]:
         ((4, 3, 3, 0), (1, 1, 1, 1))
     """
     return _compiled(choice, p, m)[3]
+
+
+def sent(choice: ScheduleChoice, p: int, m: int) -> tuple[tuple[int, int], ...]:
+    """Per stage (virtual stages counted): how many microbatches' boundary outputs (its
+    F actions run) and boundary input gradients (its B actions run) it has sent at its
+    rank's peak (`pxform.schedules.sent_at_peak`). The executor waits for its sends only
+    at the end of the step, so each keeps its tensor alive until then.
+
+    Example:
+        >>> sent(ONE_F_ONE_B, 2, 8), sent(ScheduleChoice("zb"), 2, 8)
+        (((8, 6), (8, 7)), ((8, 7), (8, 8)))
+    """
+    return _compiled(choice, p, m)[4]
+
+
+def _sent_closed(choice: ScheduleChoice, p: int, m: int, flights: Sequence[int]
+                 ) -> tuple[tuple[int, int], ...]:
+    # every F has run at the peak (the latest moment of the most held), and every B but
+    # those still held; zero-bubble's stage s peaks with p - s - 1 B actions to come
+    # (the simulation for equal sizes: tests/test_search.py)
+    if choice.split:
+        return tuple((m, max(0, min(m, m - p + s + 1))) for s in range(p))
+    return tuple((m, max(0, m - f)) for f in flights)
 
 
 def _inputs_closed(choice: ScheduleChoice, p: int, m: int) -> tuple[int, ...]:

@@ -95,17 +95,18 @@ def _borrowed_shares(ctx: SearchContext, idx: list[int]) -> tuple[tuple[int, flo
 
 def stage_frontier(ctx: SearchContext, config: Config, idx: list[int],
                    tables: Sequence[OptionTable], flight: int, waits: int = 0,
-                   inputs: float = 0.0) -> list[StagePoint]:
+                   inputs: float = 0.0, during_backward: float = 0.0) -> list[StagePoint]:
     """The stage's frontier points within the budget, each with its peak memory including
     the workspace, and that workspace (`_extra`). `waits`: microbatches whose weight-op
     output gradients the stage keeps for zero-bubble W actions (`pipelines.awaiting`);
-    `inputs`: bytes of stage inputs it keeps for a recompute of the whole stage
-    (`pipelines.inputs_held`)."""
+    `inputs`: bytes its transfers and a recompute of the whole stage keep at its peak,
+    `during_backward`: bytes they add while a backward runs, on top of its workspace
+    (`transfer_bytes`)."""
     a = ctx.analysis
     m = config.microbatches
     times = [np.array([c.step_time(m) for c in tables[k].costs]) for k in idx]
     mm = memory_microbatches(m, flight, waits)
-    mems = [np.array([c.memory(flight, o.recompute, mm) + waits * c.weight_out
+    mems = [np.array([c.memory(flight, o.recompute, mm) + c.split_memory(flight, waits)
                       for c, o in zip(tables[k].costs, tables[k].options)]) for k in idx]
     trans_time: list[np.ndarray | None] = [None]
     for j in range(1, len(idx)):
@@ -121,7 +122,7 @@ def stage_frontier(ctx: SearchContext, config: Config, idx: list[int],
         trans_time.append(mat)
     held = (borrowed(ctx, idx, tables) if config.stages > 1 else 0.0) + inputs
     budget = ctx.budget - held
-    workspace = _least_extra(tables, idx, flight, mm)
+    workspace = _least_extra(tables, idx, flight, mm) + during_backward
     for _ in range(3):
         limit = budget - workspace
         if limit <= 0:
@@ -133,7 +134,7 @@ def stage_frontier(ctx: SearchContext, config: Config, idx: list[int],
         out = []
         worst = workspace
         for pt in pts:
-            ws = _extra(tables, idx, pt.choices, flight, mm)
+            ws = _extra(tables, idx, pt.choices, flight, mm) + during_backward
             worst = max(worst, ws)
             if pt.memory + ws <= budget:
                 out.append((pt, pt.memory + ws + held, ws))
@@ -206,7 +207,7 @@ def assemble(ctx: SearchContext, config: Config, part: tuple[int, ...],
             wait = waits[s] if waits else 0
             block_mem[k] = oc.memory(flights[s], o.recompute,
                                      memory_microbatches(m, flights[s], wait)) + \
-                wait * oc.weight_out
+                oc.split_memory(flights[s], wait)
             f += oc.forward
             b += oc.backward
             w += oc.weight
@@ -331,14 +332,40 @@ def _p2p(ctx: SearchContext, config: Config, idx: list[int]) -> float:
     return t
 
 
-def boundary_bytes(ctx: SearchContext, config: Config, k: int) -> float:
+def boundary_bytes(ctx: SearchContext, config: Config, k: int,
+                   floating: bool = False) -> float:
     """Bytes per device of one microbatch's values that block `k` hands to later blocks
-    (what a stage ending with it sends on)."""
+    (what a stage ending with it sends on); with `floating`, of those that have a
+    gradient (what the next stage sends back)."""
     a = ctx.analysis
     vals = a.values()
     scale = (ctx.global_batch // config.microbatches) / a.traced_batch
     data = config.outer * config.inner
-    return sum(vals[n].type.nbytes * scale / data for n in a.blocks[k].crossing)
+    return sum(vals[n].type.nbytes * scale / data for n in a.blocks[k].crossing
+               if not floating or vals[n].type.dtype.is_floating_point)
+
+
+def transfer_bytes(ctx: SearchContext, config: Config, idx: Sequence[int], last: bool,
+                   inputs: int, sent: tuple[int, int], recomputes: bool) -> tuple[float, float]:
+    """Bytes a pipeline stage (blocks `idx`; `last`: the pipeline's last stage) holds for
+    its transfers and recompute, as `pxform.runtime.pipeline` runs it: (held at its peak,
+    alive only while a backward runs).
+
+    Held: the stage inputs it keeps for a whole-stage recompute (`inputs` microbatches,
+    `pipelines.inputs_held`), and every tensor it has sent (`sent`: its F and B run by its
+    peak, `pipelines.sent`): the executor waits for its sends only at the end of the step,
+    and a send keeps its tensor until then, so each F leaves its boundary outputs behind
+    (past its backward, which frees the rest of its activations) and each B the gradients
+    of its boundary inputs. A stage that recomputes itself makes its outputs again (R):
+    the sent ones stay beside them, one microbatch's (`held` is 1 there).
+    While a backward runs: the gradients of its boundary outputs, received for it."""
+    out = 0.0 if last else boundary_bytes(ctx, config, idx[-1])
+    inp = boundary_bytes(ctx, config, idx[0] - 1) if idx[0] > 0 else 0.0
+    grad_in = boundary_bytes(ctx, config, idx[0] - 1, floating=True) if idx[0] > 0 else 0.0
+    grad_out = 0.0 if last else boundary_bytes(ctx, config, idx[-1], floating=True)
+    forwards, backwards = sent
+    held = inputs * inp + forwards * out + backwards * grad_in + (out if recomputes else 0.0)
+    return held, grad_out
 
 
 def _p2p_time(ctx: SearchContext, config: Config, idx: list[int]) -> float:
