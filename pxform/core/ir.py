@@ -190,6 +190,13 @@ class Op:
     module: str = ""
     source: str = ""
     grad: bool = True
+    # `inputs`, computed once: the search and the lowering ask for it ~100 times per op
+    _inputs: tuple[Value, ...] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        vals = [v for a in self.args for v in iter_values(a)]
+        vals += [v for _, a in self.kwargs for v in iter_values(a)]
+        object.__setattr__(self, "_inputs", tuple(vals))
 
     @property
     def name(self) -> str:
@@ -199,9 +206,7 @@ class Op:
     @property
     def inputs(self) -> tuple[Value, ...]:
         """Tensor inputs in argument order (positional, then keyword)."""
-        vals = [v for a in self.args for v in iter_values(a)]
-        vals += [v for _, a in self.kwargs for v in iter_values(a)]
-        return tuple(vals)
+        return self._inputs
 
     def kwarg(self, key: str, default: Any = None) -> Any:
         for k, v in self.kwargs:

@@ -58,6 +58,7 @@ def register_rule(*targets: Any, replace: bool = False) -> Callable[[Rule], Rule
                 raise RuleError(f"register_rule: {target} already has a rule; pass "
                                 f"replace=True to override it")
             _RULES[target] = rule
+        _INFOS.clear()  # ops seen before may take the new rule
         return rule
 
     return deco
@@ -100,6 +101,7 @@ def register_family(matches: Callable[[Any], bool], rule: Rule) -> None:
         ...                 pointwise_info)
     """
     _FAMILIES.append((matches, rule))
+    _INFOS.clear()
 
 
 def _rule_for(target: Any) -> Rule | None:
@@ -114,12 +116,30 @@ def has_rule(target: Any) -> bool:
     return _rule_for(target) is not None
 
 
+_INFOS: dict[int, tuple[Op, OpInfo]] = {}
+"""`rule_info`'s results by the op's identity (the entry holds the op, so the identity
+stays its own): planning asks about each op a dozen times, and a rule rebuilds its
+signature on every call. Emptied when rules change and when it grows past `_INFOS_MAX`."""
+_INFOS_MAX = 1 << 16
+
+
 def rule_info(op: Op) -> OpInfo:
     """The `OpInfo` of `op`.
 
     Raises:
         UnsupportedOpError: the op has no rule and was not traced with the fallback.
     """
+    hit = _INFOS.get(id(op))
+    if hit is not None and hit[0] is op:
+        return hit[1]
+    info = _rule_info(op)
+    if len(_INFOS) >= _INFOS_MAX:
+        _INFOS.clear()
+    _INFOS[id(op)] = (op, info)
+    return info
+
+
+def _rule_info(op: Op) -> OpInfo:
     if op.tag(FALLBACK_TAG):
         return fallback_info(op)
     rule = _rule_for(op.target)

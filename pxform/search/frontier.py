@@ -105,9 +105,8 @@ def _prune_rows(t: np.ndarray, m: np.ndarray, limit: float, quantum: float = 0.0
     ok = m <= limit
     # points over the limit sort last in their row, where they beat nothing
     order = np.lexsort((t, np.where(ok, m, math.inf)), axis=-1)
-    t = np.take_along_axis(t, order, axis=-1)
-    m = np.take_along_axis(m, order, axis=-1)
-    keep = np.take_along_axis(ok, order, axis=-1)
+    rows = np.arange(len(t))[:, None]
+    t, m, keep = t[rows, order], m[rows, order], ok[rows, order]
     best = np.minimum.accumulate(t, axis=-1)
     keep[:, 1:] &= t[:, 1:] < best[:, :-1]
     row, pos = np.nonzero(keep)
