@@ -18,6 +18,7 @@ out.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from dataclasses import dataclass
@@ -77,6 +78,7 @@ def strategies(op: Op | Signature, mesh: AbstractMesh) -> list[Strategy]:
     return out
 
 
+@functools.lru_cache(maxsize=1 << 15)  # the search asks for the same few again and again
 def build_strategy(sig: Signature, mesh: AbstractMesh, combo: tuple) -> Strategy | None:
     """The strategy making choice `combo[i]` on mesh axis `i` (`REPLICATE`, `("split",
     label)` or `("partial", group)`); None when a split does not divide its dim."""
