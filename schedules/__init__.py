@@ -16,6 +16,7 @@ schedule and reports deadlocks with a step-by-rank grid; `simulate` times it aga
     nf1b                      nnScaler's nF1B: `forwards` sweeps, the last one trained
     NAMES, resolve            a name, callable, text, CSV or dict -> a validated schedule
     add_communication         insert SF/RF/SB/RB
+    send_releases             per rank, after which receive each send has arrived
     validate, grid            check a schedule; print it as a marked grid
     simulate, Costs           time a schedule -> Timeline (events, bubble, peak activations)
     Timeline, Event           what simulate returns
@@ -39,7 +40,7 @@ Example:
 """
 
 from pxform.schedules.actions import COMM_KINDS, COMPUTE_KINDS, Action, Schedule
-from pxform.schedules.communication import add_communication
+from pxform.schedules.communication import add_communication, send_releases
 from pxform.schedules.gpipe import gpipe
 from pxform.schedules.interleaved import interleaved
 from pxform.schedules.multi_forward import nf1b
@@ -72,6 +73,7 @@ __all__ = [
     "held",
     "interleaved",
     "most_between",
+    "send_releases",
     "sent_at_peak",
     "nf1b",
     "one_f_one_b",

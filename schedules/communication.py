@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from pxform.core.errors import ScheduleError
 from pxform.schedules.actions import Action, Schedule
-from pxform.schedules.rules import receive_before, send_after
+from pxform.schedules.rules import Shape, receive_before, send_after
 from pxform.schedules.validate import check, message
 
 
@@ -40,7 +40,12 @@ def add_communication(schedule: Schedule) -> Schedule:
                             f"send/receive actions ({', '.join(comm[:4])}"
                             f"{', ...' if len(comm) > 4 else ''}); pass the compute-only "
                             f"schedule (rules.compute_only strips them)")
-    shape = check(schedule, "add_communication")
+    return with_transfers(schedule, check(schedule, "add_communication"))
+
+
+def with_transfers(schedule: Schedule, shape: Shape) -> Schedule:
+    """`add_communication` without validating `schedule` first (its `shape`): for the
+    search, which prices the generators' schedules (tested valid for every size)."""
     out: Schedule = {}
     for rank in sorted(schedule):
         row: list[Action | None] = []
@@ -100,3 +105,52 @@ def _receive_of(msg: tuple[str, int, int]) -> Action:
     if direction == "F":
         return Action(stage + 1, "RF", microbatch)
     return Action(stage - 1, "RB", microbatch)
+
+
+def send_releases(schedule: Schedule) -> dict[int, dict[Action, tuple[Action, ...]]]:
+    """Per rank, for a schedule with its transfers (`add_communication`): after which of
+    its receives each of its sends is known to have arrived, so that the executor may wait
+    for the send there, at once, instead of keeping its tensor to the end of the step.
+
+    A send to rank q has arrived once this rank has received a message that q sent after
+    q's receive of it: q runs its actions in order and waits for each receive before going
+    on. Waiting there never blocks, so it adds no deadlock. Sends no such receive follows
+    are not listed (they are waited for at the end of the step).
+
+    Example:
+        >>> from pxform.schedules import add_communication, one_f_one_b
+        >>> releases = send_releases(add_communication(one_f_one_b(2, 3)))
+        >>> releases[0][Action(0, "RB", 1)]   # rank 1 sent 1B1's gradient after 1RF1
+        (Action(stage=0, kind='SF', microbatch=1),)
+    """
+    num = len(schedule)
+    # per rank, the index of each message it sends and of each it receives
+    sent_at: dict[tuple[str, int, int], int] = {}
+    received_at: dict[tuple[str, int, int], int] = {}
+    for rank, row in schedule.items():
+        for k, a in enumerate(row):
+            m = message(a, num) if isinstance(a, Action) and a.is_comm else None
+            if m is not None:
+                (sent_at if a.kind in ("SF", "SB") else received_at)[m[2]] = k
+    out: dict[int, dict[Action, tuple[Action, ...]]] = {}
+    for rank in sorted(schedule):
+        waiting: dict[int, list[tuple[int, Action]]] = {}  # peer -> (its receive, send)
+        mine: dict[Action, tuple[Action, ...]] = {}
+        for a in schedule[rank]:
+            m = message(a, num) if isinstance(a, Action) and a.is_comm else None
+            if m is None:
+                continue
+            src, dst, msg = m
+            if a.kind in ("SF", "SB"):
+                if msg in received_at:
+                    waiting.setdefault(dst, []).append((received_at[msg], a))
+                continue
+            # a receive from `src`: the peer sent it at `sent_at[msg]`, past every one of
+            # its receives before that
+            queue = waiting.get(src, [])
+            done = tuple(send for at, send in queue if at < sent_at.get(msg, -1))
+            if done:
+                waiting[src] = [(at, send) for at, send in queue if send not in done]
+                mine[a] = done
+        out[rank] = mine
+    return out

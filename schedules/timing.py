@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 from pxform.core.errors import ScheduleError
 from pxform.schedules.actions import Action, Schedule
+from pxform.schedules.communication import send_releases, with_transfers
 from pxform.schedules.rules import execution_order, shape_of
 
 # what an action's duration is made of: forward, backward (+ weight when its stage has
@@ -129,52 +130,78 @@ def held(schedule: Schedule) -> tuple[int, ...]:
 
 
 def sent_at_peak(schedule: Schedule) -> tuple[tuple[int, int], ...]:
-    """For a valid schedule, per stage: how many of its `F` and of its `B` actions have
-    run at the moment `held` counts (its rank's peak). The executor waits for its sends
-    only at the end of the step, and a send keeps its tensor until then: each `F` leaves
-    the stage's boundary outputs behind, each `B` the gradients of its boundary inputs, on
-    top of the activations `held` counts.
+    """For a valid compute schedule, per stage, at the moment `held` counts (its rank's
+    peak): how many microbatches' boundary outputs it keeps (those between its `F` and the
+    end of their backward, and those sent but not yet known to have arrived), and how
+    many microbatches' boundary input gradients (sent, not yet known to have arrived).
+    The executor keeps a send's tensor until it waits for it: after the receive that shows
+    it arrived (`communication.send_releases`), else at the end of the step.
 
     Example:
         >>> from pxform.schedules import one_f_one_b
-        >>> sent_at_peak(one_f_one_b(2, 8))   # stage 0 peaks before its B6
-        ((8, 6), (8, 7))
+        >>> sent_at_peak(one_f_one_b(2, 8))
+        ((2, 0), (1, 1))
     """
     return tuple((f, b) for _, f, b in _at_peak(schedule))
 
 
 def _at_peak(schedule: Schedule) -> list[tuple[int, int, int]]:
-    """Per stage: (microbatches held, F run, B run) at its rank's peak (`held`)."""
+    """Per stage: (microbatches held, boundary outputs kept, input gradients kept) at its
+    rank's peak (`held`, `sent_at_peak`), walking each rank's actions with the transfers
+    the executor adds (`communication.with_transfers`)."""
     shape = shape_of(schedule)
+    comm = with_transfers(schedule, shape)
+    releases = send_releases(comm)
     out = [(0, 0, 0)] * shape.stages
-    for rank, row in schedule.items():
-        acts = [a for a in row if a is not None and a.is_compute]
+    for rank, row in comm.items():
+        acts = [a for a in row if a is not None]
         redone = {(a.stage, a.microbatch) for a in acts if a.kind == "R"}
         mine = [s for s in range(shape.stages) if shape.rank_of(s) == rank]
         count = {s: 0 for s in mine}
-        forwards = dict(count)
-        backwards = dict(count)
-        best = -1
+        outputs: dict[int, set[int]] = {s: set() for s in mine}  # in flight or sending
+        sending: dict[int, set[int]] = {s: set() for s in mine}  # outputs
+        freed: dict[int, set[int]] = {s: set() for s in mine}  # by the backward
+        grads: dict[int, set[int]] = {s: set() for s in mine}  # input gradients sending
+        best = (-1, -1)
         at = {s: (0, 0, 0) for s in mine}
         for a in acts:
-            key = (a.stage, a.microbatch)
-            split = a.stage in shape.weight_stages
+            s, i = a.stage, a.microbatch
+            if a.kind in ("RF", "RB"):
+                for sent in releases[rank].get(a, ()):
+                    t, j = sent.stage, sent.microbatch
+                    if sent.kind == "SB":
+                        grads[t].discard(j)
+                        continue
+                    sending[t].discard(j)
+                    if j in freed[t]:
+                        outputs[t].discard(j)
+                continue
+            if a.kind == "SF":
+                sending[s].add(i)
+                continue
+            if a.kind == "SB":
+                grads[s].add(i)
+                continue
+            split = s in shape.weight_stages
             if a.kind == "F":
-                forwards[a.stage] += 1
-            elif a.kind == "B":
-                backwards[a.stage] += 1
-            if not shape.trainable(a.stage):
+                outputs[s].add(i)
+            if not shape.trainable(s):
                 continue  # a forward-only stage frees its activations as its F ends
-            if (a.kind == "F" and key not in redone) or a.kind == "R":
-                count[a.stage] += 1
+            if (a.kind == "F" and (s, i) not in redone) or a.kind == "R":
+                count[s] += 1
             elif (a.kind == "B" and not split) or a.kind == "W":
-                count[a.stage] -= 1
-            total = sum(count.values())
+                count[s] -= 1
+                freed[s].add(i)
+                if i not in sending[s]:
+                    outputs[s].discard(i)
+            # the most activations; among those moments, the most transfers kept
+            total = (sum(count.values()),
+                     sum(len(outputs[t]) + len(grads[t]) for t in mine))
             if total >= best:
                 best = total
-                at = {s: (count[s], forwards[s], backwards[s]) for s in mine}
-        for s, c in at.items():
-            out[s] = c
+                at = {t: (count[t], len(outputs[t]), len(grads[t])) for t in mine}
+        for t, c in at.items():
+            out[t] = c
     return out
 
 

@@ -195,3 +195,31 @@ def class_token_auto():
                   optree.tree_leaves(ref_grads, none_is_leaf=True)) if a is not None)
     return {"stages": plan.stages, "loss_err": abs(float(value) - float(ref_loss)),
             "grad_err": err}
+
+
+def sends_released(schedule):
+    """The region's peak memory (`MemoryMeter`, above the tracked arguments) of a 2-stage
+    pipeline whose boundary values are wide, at 4 and at 16 microbatches of the same size:
+    the executor waits for each send once a receive shows it arrived, so the boundary
+    outputs and input gradients it keeps do not grow with the microbatch count."""
+    import pxform
+    from pxform.tools.memory import MemoryMeter
+
+    def loss(p, x):
+        h = pxform.stage_boundary(torch.tanh(x @ p["w0"]))
+        return (h @ p["w1"]).pow(2).mean()
+
+    g = torch.Generator().manual_seed(0)
+    params = {"w0": torch.randn(64, 4096, generator=g, dtype=torch.float64) / 8,
+              "w1": torch.randn(4096, 4, generator=g, dtype=torch.float64) / 64}
+    peaks = {}
+    for m in (4, 16):
+        x = torch.randn(2 * m, 64, generator=g, dtype=torch.float64)
+        step = pxform.value_and_grad(pxform.pipeline(loss, stages=2, microbatches=m,
+                                                     schedule=schedule))
+        step(params, x)  # lowered once, outside the region
+        with MemoryMeter() as meter:
+            meter.track(params, x)
+            step(params, x)
+        peaks[m] = meter.stats.peak_bytes - meter.stats.baseline_bytes
+    return {"peaks": peaks, "boundary": 2 * 4096 * 8}  # one microbatch's boundary value

@@ -255,3 +255,13 @@ def test_pipeline_times_data_parallel(world4, zero):
         assert "all_gather(dp" in text and "DTensor" in results[0]["dtensor"]
     else:
         assert "bwd: all_reduce(dp); all_reduce(mb)" in text
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("schedule", ["1f1b", "zb"])
+def test_sends_are_waited_for_once_they_arrived(world2, schedule):
+    """Kept to the end of the step, 16 microbatches' sends would hold 12 more boundary
+    values than 4 microbatches' on each rank; waited for once they arrived, a few."""
+    for r in world2.run(W.sends_released, schedule):
+        growth = r["peaks"][16] - r["peaks"][4]
+        assert growth < 3 * r["boundary"], (r, growth / r["boundary"])

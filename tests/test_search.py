@@ -810,11 +810,16 @@ def test_closed_forms_equal_the_simulation_for_equal_stages(monkeypatch, name, p
     assert closed[0] == pytest.approx(exact[0], rel=0.02), (closed, exact)
     if name != "interleaved":  # (interleaved's closed form spreads a rank's count evenly)
         assert closed[1:] == exact[1:]
-    else:  # every F sent; the B counts follow the held ones, a few apart per rank
-        assert [f for f, _ in closed[3]] == [f for f, _ in exact[3]] == [m] * n
-        ranks = [(sum(b for _, b in closed[3][r::p]), sum(b for _, b in exact[3][r::p]))
+    else:  # a rank's counts spread evenly over its chunks: per rank, at least the
+        # microbatches held (and their outputs kept), one more at most (the simulation
+        # peaks a forward earlier on some ranks), and at least the gradients still sending
+        held = [(sum(closed[1][r::p]), sum(exact[1][r::p])) for r in range(p)]
+        outputs = [(sum(f for f, _ in closed[3][r::p]), sum(f for f, _ in exact[3][r::p]))
+                   for r in range(p)]
+        grads = [(sum(b for _, b in closed[3][r::p]), sum(b for _, b in exact[3][r::p]))
                  for r in range(p)]
-        assert all(abs(c - e) <= p for c, e in ranks), ranks
+        assert all(e <= c <= e + 1 for c, e in held + outputs), (held, outputs)
+        assert all(e <= c <= e + 2 for c, e in grads), grads
 
 
 # ---------------------------------------------------------------- sequence parallelism

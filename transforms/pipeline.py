@@ -125,6 +125,15 @@ class Pipelined(Nested):
 
     # ---------------------------------------------------------------- schedule
 
+    def releases(self) -> dict[int, dict[Any, tuple[Any, ...]]]:
+        """Per pipeline rank, after which receive each of its sends is waited for
+        (`pxform.schedules.send_releases`)."""
+        if "releases" not in self._cache:
+            from pxform.schedules import send_releases
+
+            self._cache["releases"] = send_releases(self.actions())
+        return self._cache["releases"]
+
     def actions(self) -> dict[int, list[Any]]:
         """The validated schedule with its send/receive actions, per pipeline rank."""
         if "actions" not in self._cache:
@@ -359,7 +368,7 @@ class Pipelined(Nested):
             layouts or [Layout.replicated(t.dim()) for t in leaves], batch_dims, place, axes,
             mesh, sub, enclosing.bucket_mb if enclosing is not None else DEFAULT_BUCKET_MB,
             enclosing.reshard_after_forward if enclosing is not None else True,
-            trainable_leaves(traced, args))
+            trainable_leaves(traced, args), self.releases()[place.rank])
 
     def init(self, init_fn: Any, *init_args: Any, batch: tuple[Any, ...] | None = None
              ) -> Any:

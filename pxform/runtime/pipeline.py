@@ -11,8 +11,12 @@ of actions in order:
         and of each weight op's outputs (autograd computes only what is asked for)
     W   for each weight op, its weight gradient from the saved output gradients, then on
         into the parameters (zero-bubble: B's chain of input gradients is not recomputed)
-    SF/RF/SB/RB  send or receive activations or gradients with `batch_isend_irecv`; sends
-        are not waited for until the end of the step, receives are waited for at once
+    SF/RF/SB/RB  send or receive activations or gradients with `batch_isend_irecv`;
+        receives are waited for at once; a send is waited for after the receive that shows
+        it arrived (`pxform.schedules.send_releases`: the peer sent that message after
+        receiving it), else at the end of the step. A send keeps its tensor until waited
+        for: holding every microbatch's boundary values to the end would cost two whole
+        batches' worth of them
 
 Parameter gradients accumulate over microbatches (`GradAccumulator`): leaves sum them, and
 parameter collectives (DP's all-reduce, ZeRO-3's reduce-scatter) run once at the end.
@@ -24,7 +28,7 @@ import contextlib
 import contextvars
 import datetime
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -119,7 +123,8 @@ class PipelineResult:
 def run(program: PipelineProgram, actions: Sequence[Action | None], place: PipelineGroup,
         axes: AxisGroups, inputs: Sequence[torch.Tensor | None], batch_dims: dict[int, int],
         want_grad: Sequence[bool], bucket_bytes: int, split_weights: set[int],
-        reshard: Reshard = True) -> PipelineResult:
+        reshard: Reshard = True,
+        releases: Mapping[Action, Sequence[Action]] | None = None) -> PipelineResult:
     """Run this rank's `actions`.
 
     Args:
@@ -129,6 +134,8 @@ def run(program: PipelineProgram, actions: Sequence[Action | None], place: Pipel
         split_weights: stages whose schedule has W actions.
         reshard: free parameters gathered in forward (ZeRO-3) and gather them again for
             backward (`pxform.runtime.reshard`).
+        releases: after which receive each send is waited for (`pxform.schedules.
+            send_releases`, this rank's); the rest at the end of the step.
 
     Returns:
         The function's outputs (combined over microbatches, the same on every pipeline
@@ -172,7 +179,8 @@ def run(program: PipelineProgram, actions: Sequence[Action | None], place: Pipel
     early = {(a.stage, a.microbatch) for a in actions if a is not None and a.kind == "R"}
     slots: dict[tuple[int, int], _Slot] = {}
     finals: list[tuple[Any, ...]] = [() for _ in range(m)]
-    pending: list[Any] = []
+    pending: dict[Action, list[Any]] = {}  # sends in flight
+    releases = releases or {}
 
     def slot(s: int, i: int) -> _Slot:
         return slots.setdefault((s, i), _Slot())
@@ -304,7 +312,8 @@ def run(program: PipelineProgram, actions: Sequence[Action | None], place: Pipel
             recompute(s, i)
         elif a.kind == "SF":
             outs = slot(s, i).outputs[:len(stage(s).sends)]
-            pending += _send([o.detach() for o in outs], place, (s + 1) % place.size, a, tag)
+            pending[a] = _send([o.detach() for o in outs], place, (s + 1) % place.size, a,
+                               tag)
         elif a.kind == "RF":
             st = stage(s)
             slot(s, i).leaves = _recv([(st.local_shape(v), v.type.dtype) for v in st.receives],
@@ -315,7 +324,7 @@ def run(program: PipelineProgram, actions: Sequence[Action | None], place: Pipel
                      torch.zeros(st.local_shape(v), dtype=v.type.dtype, device=device)
                      for v, g in zip(st.receives, sl.input_grads)
                      if v.type.dtype.is_floating_point]
-            pending += _send(grads, place, (s - 1) % place.size, a, tag)
+            pending[a] = _send(grads, place, (s - 1) % place.size, a, tag)
             sl.input_grads = []  # the slot itself may still wait for its W
         elif a.kind == "RB":
             st = stage(s)
@@ -326,10 +335,14 @@ def run(program: PipelineProgram, actions: Sequence[Action | None], place: Pipel
                                      for v in st.sends]
         else:
             raise RuntimeError(f"pxform pipeline: unknown action {a}")
+        for done in releases.get(a, ()):  # arrived: waiting frees their tensors now
+            for work in pending.pop(done, ()):
+                _wait(work, place, f"sending {done}")
         if record is not None:
             record.append((a, started, time.time()))
-    for work in pending:  # sends still in flight
-        _wait(work, place, "a send")
+    for sent, works in pending.items():  # sends still in flight
+        for work in works:
+            _wait(work, place, f"sending {sent}")
     reduced = accumulator.finish()
     out_grads: dict[int, torch.Tensor] = {}
     for j, leaf in leaves.items():
@@ -487,7 +500,8 @@ def run_pipeline(program: PipelineProgram, out_tree: Any, actions: Sequence[Acti
                  arg_of: Sequence[int], leaves: Sequence[Any], layouts: Sequence[Layout],
                  batch_dims: dict[int, int], place: PipelineGroup, axes: AxisGroups,
                  mesh: Mesh | None, sub: AbstractMesh | None, bucket_mb: float,
-                 reshard: Reshard = True, trainable: Sequence[bool] | None = None
+                 reshard: Reshard = True, trainable: Sequence[bool] | None = None,
+                 releases: Mapping[Action, Sequence[Action]] | None = None
                  ) -> tuple[Any, Any]:
     """Run this pipeline rank's `actions` on its pieces of `args`, as `pxform.pipeline`
     does (`pxform.value_and_grad` semantics): the value, and with `grad_argnums` the
@@ -497,7 +511,7 @@ def run_pipeline(program: PipelineProgram, out_tree: Any, actions: Sequence[Acti
     sliced. Gradients of leaves read on several ranks (tied weights) are summed over the
     pipeline (`share_grads`); DTensor arguments and sharded layouts get DTensor gradients.
     `trainable` (per leaf) leaves out those it marks False (module buffers, frozen
-    parameters), as `run_spmd`.
+    parameters), as `run_spmd`. `releases`: when to wait for each send (`run`).
     """
     held = reads(program, place)
     full_axes = mesh_axes(mesh) if mesh is not None else AxisGroups({}, {}, {})
@@ -508,7 +522,7 @@ def run_pipeline(program: PipelineProgram, out_tree: Any, actions: Sequence[Acti
             for j, n in enumerate(arg_of)]
     with torch.set_grad_enabled(bool(grad_argnums) or torch.is_grad_enabled()):
         result = run(program, actions, place, axes, local, batch_dims, want,
-                     int(bucket_mb * 2**20), weight_stages, reshard)
+                     int(bucket_mb * 2**20), weight_stages, reshard, releases)
     grads = share_grads(program, place, result.grads, want, list(layouts), sub, list(leaves))
     values = [wrap_output(o, _without_mb(v), mesh) if mesh is not None else o
               for o, v in zip(result.outputs, program.outputs)]

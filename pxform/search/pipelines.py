@@ -161,26 +161,30 @@ def inputs_held(choice: ScheduleChoice, p: int, m: int) -> tuple[int, ...]:
 
 
 def sent(choice: ScheduleChoice, p: int, m: int) -> tuple[tuple[int, int], ...]:
-    """Per stage (virtual stages counted): how many microbatches' boundary outputs (its
-    F actions run) and boundary input gradients (its B actions run) it has sent at its
-    rank's peak (`pxform.schedules.sent_at_peak`). The executor waits for its sends only
-    at the end of the step, so each keeps its tensor alive until then.
+    """Per stage (virtual stages counted): how many microbatches' boundary outputs and
+    boundary input gradients it keeps at its rank's peak (`pxform.schedules.
+    sent_at_peak`): the outputs of those in flight, and what it sent that is not yet
+    known to have arrived (the executor waits for a send after the receive that shows
+    it arrived, `pxform.schedules.send_releases`).
 
     Example:
         >>> sent(ONE_F_ONE_B, 2, 8), sent(ScheduleChoice("zb"), 2, 8)
-        (((8, 6), (8, 7)), ((8, 7), (8, 8)))
+        (((2, 0), (1, 1)), ((2, 0), (2, 1)))
     """
     return _compiled(choice, p, m)[4]
 
 
 def _sent_closed(choice: ScheduleChoice, p: int, m: int, flights: Sequence[int]
                  ) -> tuple[tuple[int, int], ...]:
-    # every F has run at the peak (the latest moment of the most held), and every B but
-    # those still held; zero-bubble's stage s peaks with p - s - 1 B actions to come
-    # (the simulation for equal sizes: tests/test_search.py)
-    if choice.split:
-        return tuple((m, max(0, min(m, m - p + s + 1))) for s in range(p))
-    return tuple((m, max(0, m - f)) for f in flights)
+    # (the simulation for equal sizes: tests/test_search.py) the boundary outputs of the
+    # microbatches in flight, and one input gradient still sending; the shifted schedule's
+    # first stage keeps its early forwards' outputs, and its later stages send gradients
+    # that no receive from the stage before shows arrived
+    if choice.name == "shifted":
+        return tuple((min(max(p, 3), m), 0) if s == 0 else (1, min(max(p - s, 2), m - 1))
+                     for s in range(p))
+    grads = 2 if choice.virtual_stages > 1 else 1
+    return tuple((f, 0 if s == 0 else grads) for s, f in enumerate(flights))
 
 
 def _inputs_closed(choice: ScheduleChoice, p: int, m: int) -> tuple[int, ...]:
