@@ -56,7 +56,9 @@ def rank_main(config: str, batch_size: int, runs: int) -> dict[str, Any]:
         seconds = time.perf_counter() - start
         row: dict[str, Any] = {"calibrate_s": seconds,
                                "action_overhead_s": hw.action_overhead_s,
-                               "collective_overhead_s": hw.collective_overhead_s}
+                               "collective_overhead_s": hw.collective_overhead_s,
+                               "op_time_scale": hw.op_time_scale,
+                               "op_step_overhead_s": hw.op_step_overhead_s}
         for case, pin in (("searched", None), ("2 stages", Pin(stages=2))):
             for tolerance in (0.0, None):
                 kw = {} if tolerance is None else {"tolerance": tolerance}
@@ -107,6 +109,8 @@ def main() -> None:
     print("\n".join(format_table(table, align="lllrl", indent="  ")))
     print("  action overhead per run: " + ", ".join(f"{r['action_overhead_s'] * 1e3:.2f} ms"
                                                     for r in runs))
+    print("  op time scale, time per op: " + ", ".join(
+        f"{r['op_time_scale']:.2f} x, {r['op_step_overhead_s'] * 1e6:.0f} us" for r in runs))
     if args.quick:
         return
     path = harness.write_result("stability", {

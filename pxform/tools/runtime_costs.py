@@ -231,15 +231,18 @@ def _reference(params: dict[str, Any], tokens: torch.Tensor) -> torch.Tensor:
 
 _HEADS = 4
 _REFERENCE = (2, 96, 512, 64)  # layers, width, vocabulary, tokens per sequence
-_ROWS = (1, 8)  # sequences: the reference step at two sizes
+_ROWS = (1, 2, 4, 8)  # sequences: the reference step at these sizes
 
 
 def _op_time_scale(hw: Hardware, gen: torch.Generator, repeats: int
                    ) -> tuple[float, float]:
     """(`op_time_scale`, `op_step_overhead_s`): the reference step (every rank at once,
-    as in training) at two batch sizes, its median seconds `t` against the cost model's
-    seconds `c` for its ops on one device, fitted as `t = scale x c + ops x per_op` (the
-    same ops at both sizes); `(t / c, 0)` for the larger when the fit is not positive."""
+    as in training) at each size of `_ROWS`, its median seconds `t` against the cost
+    model's seconds `c` for its ops on one device, fitted by least squares as `t = scale x
+    c + ops x per_op` (the same ops at every size); with `per_op` 0 when the fit makes it
+    negative. The sizes are timed in turn within each repeat, so a drift in the machine's
+    load falls on all of them alike: two sizes timed one after the other gave fits that
+    moved the scale by a third between two calibrations."""
     layers, d, vocab, seq = _REFERENCE
 
     def weight(*shape: int) -> torch.Tensor:
@@ -254,24 +257,44 @@ def _op_time_scale(hw: Hardware, gen: torch.Generator, repeats: int
     bare = dataclasses.replace(hw, op_time_scale=1.0, op_step_overhead_s=0.0,
                                step_overhead_s=0.0, param_overhead_s=0.0)
     step = value_and_grad(_reference)
-    points = []
+    calls, modelled, ops = [], [], 0
     for rows in _ROWS:
         tokens = torch.randint(0, vocab, (rows, seq), generator=gen)
         for _ in range(2):
             step(params, tokens)
-        measured = statistics.median(_timed(functools.partial(step, params, tokens))
-                                     for _ in range(repeats))
+        calls.append(functools.partial(step, params, tokens))
         plan = auto(_reference, mesh=abstract_mesh(1), hardware=bare,
                     memory_margin=0.0).plan(params, tokens)
-        points.append((measured, plan.step_time_s, sum(b.stop - b.start for b in plan.blocks)))
-    (t_small, c_small, ops), (t_large, c_large, _) = points
-    if c_large <= c_small or c_small <= 0:
-        return 1.0, 0.0
-    scale = (t_large - t_small) / (c_large - c_small)
-    per_op = (t_small - scale * c_small) / ops
-    if scale <= 0 or per_op < 0:
-        return max(t_large / c_large, 1e-3), 0.0
-    return scale, per_op
+        modelled.append(plan.step_time_s)
+        ops = sum(b.stop - b.start for b in plan.blocks)
+    times: list[list[float]] = [[] for _ in _ROWS]
+    for _ in range(repeats):
+        for k, call in enumerate(calls):
+            times[k].append(_timed(call))
+    return _fit_scale([statistics.median(t) for t in times], modelled, ops)
+
+
+def _fit_scale(measured: list[float], modelled: list[float], ops: int
+               ) -> tuple[float, float]:
+    """Least squares `measured = scale x modelled + ops x per_op` over the sizes
+    (`_op_time_scale`); `per_op` held at 0 where it fits negative, `(1, 0)` without a
+    positive scale.
+
+    Example:
+        >>> _fit_scale([3.0, 5.0, 9.0], [1.0, 2.0, 4.0], 10)
+        (2.0, 0.1)
+    """
+    n = len(measured)
+    mean_c, mean_t = sum(modelled) / n, sum(measured) / n
+    spread = sum((c - mean_c) ** 2 for c in modelled)
+    scale = sum((c - mean_c) * (t - mean_t) for c, t in zip(modelled, measured)) / spread \
+        if spread > 0 else 0.0
+    per_op = (mean_t - scale * mean_c) / ops if ops else 0.0
+    if scale > 0 and per_op >= 0:
+        return scale, per_op
+    square = sum(c * c for c in modelled)  # through the origin: no time per op
+    scale = sum(c * t for c, t in zip(modelled, measured)) / square if square > 0 else 0.0
+    return (scale, 0.0) if scale > 0 else (1.0, 0.0)
 
 
 def _weight_action(call: Callable[[], Any], repeats: int) -> float:
