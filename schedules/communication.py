@@ -124,10 +124,10 @@ def send_releases(schedule: Schedule) -> dict[int, dict[Action, tuple[Action, ..
         (Action(stage=0, kind='SF', microbatch=1),)
     """
     num = len(schedule)
-    # per rank, the index of each message it sends and of each it receives
+    # the index of each message in the row of the rank that sends it and of the receiver
     sent_at: dict[tuple[str, int, int], int] = {}
     received_at: dict[tuple[str, int, int], int] = {}
-    for rank, row in schedule.items():
+    for row in schedule.values():
         for k, a in enumerate(row):
             m = message(a, num) if isinstance(a, Action) and a.is_comm else None
             if m is not None:
