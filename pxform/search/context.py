@@ -154,6 +154,7 @@ class SearchContext:
     tables: dict[Config, list[OptionTable] | None] = field(default_factory=dict)
     groups: dict[Config, list[list[OptionTable]]] = field(default_factory=dict)
     frontiers: dict[StageKey, list[StagePoint]] = field(default_factory=dict)
+    stage_sums: dict[tuple[Any, ...], Any] = field(default_factory=dict)  # `stages._stage_sums`
     table_keys: dict[tuple[Option, ...], int] = field(default_factory=dict)
     # per configuration, each schedule's best step time (inf: nothing fits; None: its
     # bound could not beat the best so far, so it was not assembled)

@@ -196,64 +196,23 @@ def assemble(ctx: SearchContext, config: Config, part: tuple[int, ...],
     stages = []
     fw, bw, wt = [], [], []
     for s, ((idx, _), (pt, mem)) in enumerate(zip(stage_points, picked)):
-        f = b = w = extra = pbytes = outer = inner = 0.0
-        weight_ops = 0
-        for k, c in zip(idx, pt.choices):
-            o = tables[k].options[c]
-            oc = tables[k].costs[c]
-            chosen[k] = o
-            chosen_cost[k] = oc
-            block_time[k] = oc.step_time(m)
-            wait = waits[s] if waits else 0
-            block_mem[k] = oc.memory(flights[s], o.recompute,
-                                     memory_microbatches(m, flights[s], wait)) + \
-                oc.split_memory(flights[s], wait)
-            f += oc.forward
-            b += oc.backward
-            w += oc.weight
-            weight_ops += oc.weight_ops
-            extra += oc.step_extra
-            pbytes += oc.params
-            outer += oc.packed_outer
-            inner += oc.packed_inner
-        # the stage's packed all-reduces priced whole (its buckets, the last one exposed)
-        # instead of as the blocks' shares (`SearchContext.packed_rate`)
-        axes = ctx.axes(config)
-        for axis, sent in ((OUTER, outer), (INNER, inner)):
-            if sent > 0:
-                extra += (ctx.model.bucketed_all_reduce(sent, axis, axes)
-                          - ctx.packed_rate(config, axis) * sent)
-        # the runtime's own host time (`pxform.tools.runtime_costs`): per parameter tensor
-        # per step, and per pipeline action (a zero-bubble W is one more, and asks
-        # autograd for each weight op's gradient apart)
-        hw = ctx.hardware
-        num_params = sum(len(ctx.analysis.blocks[k].params) for k in idx)
-        extra += hw.param_overhead_s * num_params
-        if config.stages > 1:
-            action = hw.action_overhead_s + hw.param_action_overhead_s * num_params
-            f += action
-            b += action
-            if schedule.split:
-                split = action + hw.weight_op_overhead_s * weight_ops
-                b += split
-                w += split
+        wait = waits[s] if waits else 0
+        sums = _stage_sums(ctx, config, idx, pt, tables, flights[s], wait, schedule.split)
+        for k, o, oc, t, bm in zip(idx, sums.options, sums.costs, sums.block_time,
+                                   sums.block_mem):
+            chosen[k], chosen_cost[k], block_time[k], block_mem[k] = o, oc, t, bm
+        pbytes = sums.param_bytes
         if config.stages > 1:  # the owner's chosen option, not the least the DP assumed
             exact = borrowed(ctx, idx, tables, chosen_cost)
             mem += exact - borrowed(ctx, idx, tables)
             pbytes += exact
             if mem > limit:
                 return None
-        # transitions are in the point's time; spread them over forward and backward
-        trans = (pt.time - sum(tables[k].costs[c].step_time(m)
-                               for k, c in zip(idx, pt.choices))) / m
-        p2p = _p2p(ctx, config, idx) if config.stages > 1 else 0.0
-        f += trans / 2 + p2p
-        b += trans / 2 + p2p
-        fw.append(f)
-        bw.append(b + extra / m)
-        wt.append(w)
-        stages.append(StageResult(s, tuple(idx), pt.time, f, b + extra / m, mem, flights[s],
-                                  pbytes, w))
+        fw.append(sums.forward)
+        bw.append(sums.backward)
+        wt.append(sums.weight)
+        stages.append(StageResult(s, tuple(idx), pt.time, sums.forward, sums.backward, mem,
+                                  flights[s], pbytes, sums.weight))
     if config.stages > 1:
         step = pipeline_step(schedule, config.stages, m, fw, bw, wt)
     else:
@@ -262,6 +221,83 @@ def assemble(ctx: SearchContext, config: Config, part: tuple[int, ...],
     return Candidate(config, tuple(o for o in chosen if o is not None), part, tuple(stages),
                      step, max(st.memory for st in stages), tuple(block_time),
                      tuple(block_mem), ctx.global_batch, schedule)
+
+
+@dataclass(frozen=True)
+class _StageSums:
+    """A stage's share of `assemble` that depends on its own blocks and point only."""
+
+    options: tuple[Option, ...]
+    costs: tuple[OptionCost, ...]
+    block_time: tuple[float, ...]
+    block_mem: tuple[float, ...]
+    forward: float   # per microbatch, its actions' and transfers' fixed costs in
+    backward: float  # (with the step's extra costs spread over the microbatches)
+    weight: float
+    param_bytes: float  # without parameters borrowed from other stages
+
+
+def _stage_sums(ctx: SearchContext, config: Config, idx: list[int], pt: Point,
+                tables: Sequence[OptionTable], flight: int, wait: int, split: bool
+                ) -> _StageSums:
+    """Per stage and frontier point, what `assemble` adds up, once: the search assembles
+    each partition at every level of `FRONTIER_LEVELS` (the frontier), and most stages
+    keep their point from one level to the next."""
+    a = ctx.analysis
+    key = (config, split, tuple(idx), tuple(tables[k].key for k in idx), pt, flight, wait)
+    hit = ctx.stage_sums.get(key)
+    if hit is not None:
+        return hit
+    m = config.microbatches
+    f = b = w = extra = pbytes = outer = inner = 0.0
+    weight_ops = 0
+    options, costs, times, mems = [], [], [], []
+    for k, c in zip(idx, pt.choices):
+        o = tables[k].options[c]
+        oc = tables[k].costs[c]
+        options.append(o)
+        costs.append(oc)
+        times.append(oc.step_time(m))
+        mems.append(oc.memory(flight, o.recompute, memory_microbatches(m, flight, wait))
+                    + oc.split_memory(flight, wait))
+        f += oc.forward
+        b += oc.backward
+        w += oc.weight
+        weight_ops += oc.weight_ops
+        extra += oc.step_extra
+        pbytes += oc.params
+        outer += oc.packed_outer
+        inner += oc.packed_inner
+    # the stage's packed all-reduces priced whole (its buckets, the last one exposed)
+    # instead of as the blocks' shares (`SearchContext.packed_rate`)
+    axes = ctx.axes(config)
+    for axis, sent in ((OUTER, outer), (INNER, inner)):
+        if sent > 0:
+            extra += (ctx.model.bucketed_all_reduce(sent, axis, axes)
+                      - ctx.packed_rate(config, axis) * sent)
+    # the runtime's own host time (`pxform.tools.runtime_costs`): per parameter tensor
+    # per step, and per pipeline action (a zero-bubble W is one more, and asks
+    # autograd for each weight op's gradient apart)
+    hw = ctx.hardware
+    num_params = sum(len(a.blocks[k].params) for k in idx)
+    extra += hw.param_overhead_s * num_params
+    if config.stages > 1:
+        action = hw.action_overhead_s + hw.param_action_overhead_s * num_params
+        f += action
+        b += action
+        if split:
+            weight_action = action + hw.weight_op_overhead_s * weight_ops
+            b += weight_action
+            w += weight_action
+    # transitions are in the point's time; spread them over forward and backward
+    trans = (pt.time - sum(times)) / m
+    p2p = _p2p(ctx, config, idx) if config.stages > 1 else 0.0
+    f += trans / 2 + p2p
+    b += trans / 2 + p2p
+    sums = _StageSums(tuple(options), tuple(costs), tuple(times), tuple(mems), f,
+                      b + extra / m, w, pbytes)
+    ctx.stage_sums[key] = sums
+    return sums
 
 
 def _pick(config: Config, stage_points: list[tuple[list[int], list[StagePoint]]],
