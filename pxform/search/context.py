@@ -8,6 +8,8 @@ keys), never by object identity.
 
 from __future__ import annotations
 
+import functools
+
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -155,6 +157,7 @@ class SearchContext:
     groups: dict[Config, list[list[OptionTable]]] = field(default_factory=dict)
     frontiers: dict[StageKey, list[StagePoint]] = field(default_factory=dict)
     stage_sums: dict[tuple[Any, ...], Any] = field(default_factory=dict)  # `stages._stage_sums`
+    boundaries: dict[tuple[Config, int, bool], float] = field(default_factory=dict)
     table_keys: dict[tuple[Option, ...], int] = field(default_factory=dict)
     # per configuration, each schedule's best step time (inf: nothing fits; None: its
     # bound could not beat the best so far, so it was not assembled)
@@ -170,6 +173,12 @@ class SearchContext:
         return {OUTER: (config.outer, hw.level(config.outer * config.inner)),
                 INNER: (config.inner, hw.level(config.inner))}
 
+    @functools.cached_property
+    def param_bytes(self) -> float:
+        """Bytes of every parameter, whole."""
+        vals = self.analysis.values()
+        return float(sum(vals[p].type.nbytes for p in self.analysis.params))
+
     def packed_rate(self, config: Config, axis: str) -> float:
         """Seconds per byte sent of the step's packed gradient all-reduce over `axis`
         (`CostModel.bucketed_all_reduce`), at the bytes of every parameter replicated
@@ -183,8 +192,7 @@ class SearchContext:
             if n <= 1:
                 rate = 0.0
             else:
-                vals = self.analysis.values()
-                whole = sum(vals[p].type.nbytes for p in self.analysis.params)
+                whole = self.param_bytes
                 sent = max(1.0, whole / config.stages * 2 * (n - 1) / n)
                 rate = self.model.bucketed_all_reduce(sent, axis, axes) / sent
             self.packed_rates[key] = rate

@@ -218,10 +218,7 @@ def step_time(choice: ScheduleChoice, p: int, m: int, forward: Sequence[float],
     """
     timer = _compiled(choice, p, m)[0]
     if timer is not None:
-        if choice.split:
-            return timer.step_time(forward, [b - w for b, w in zip(backward, weight)],
-                                   weight)
-        return timer.step_time(forward, backward)
+        return _timed(choice, p, m, tuple(forward), tuple(backward), tuple(weight))
     per = [f + b for f, b in zip(forward, backward)]
     if choice.name == "zb":
         # m x the slowest stage, and a warm-up/drain of (F + B - W) per further stage
@@ -242,6 +239,18 @@ def step_time(choice: ScheduleChoice, p: int, m: int, forward: Sequence[float],
         f_mean, b_mean = sum(forward) / p, sum(backward) / p
         return m * max(busy) + max(p - 2, 0) * sum(per) / p + max(0.0, b_mean - 2 * f_mean)
     return one_f_one_b_time(forward, backward, m)
+
+
+@functools.lru_cache(maxsize=4096)
+def _timed(choice: ScheduleChoice, p: int, m: int, forward: tuple[float, ...],
+           backward: tuple[float, ...], weight: tuple[float, ...]) -> float:
+    """`step_time` by the schedule's `Timer`, once per costs: the search prices the same
+    stages again at several memory levels of the frontier."""
+    timer = _compiled(choice, p, m)[0]
+    assert timer is not None
+    if choice.split:
+        return timer.step_time(forward, [b - w for b, w in zip(backward, weight)], weight)
+    return timer.step_time(forward, backward)
 
 
 def bubble_bound(choice: ScheduleChoice, p: int, m: int, weight_share: float) -> float:

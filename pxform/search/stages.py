@@ -373,12 +373,18 @@ def boundary_bytes(ctx: SearchContext, config: Config, k: int,
     """Bytes per device of one microbatch's values that block `k` hands to later blocks
     (what a stage ending with it sends on); with `floating`, of those that have a
     gradient (what the next stage sends back)."""
+    key = (config, k, floating)
+    hit = ctx.boundaries.get(key)
+    if hit is not None:
+        return hit
     a = ctx.analysis
     vals = a.values()
     scale = (ctx.global_batch // config.microbatches) / a.traced_batch
     data = config.outer * config.inner
-    return sum(vals[n].type.nbytes * scale / data for n in a.blocks[k].crossing
-               if not floating or vals[n].type.dtype.is_floating_point)
+    ctx.boundaries[key] = out = sum(vals[n].type.nbytes * scale / data
+                                    for n in a.blocks[k].crossing
+                                    if not floating or vals[n].type.dtype.is_floating_point)
+    return out
 
 
 def transfer_bytes(ctx: SearchContext, config: Config, idx: Sequence[int], last: bool,
