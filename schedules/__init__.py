@@ -24,8 +24,9 @@ schedule and reports deadlocks with a step-by-rank grid; `simulate` times it aga
                               activations each stage holds at its rank's peak
     awaiting_weights          per stage, the most microbatches between their B and W
     most_between              per stage, the most microbatches between two action kinds
-    sent_at_peak              per stage, its F and B run by its rank's peak (their sends
-                              stay to the step's end)
+    sent_at_peak              per stage, the boundary outputs and input gradients it keeps
+                              at its rank's peak (in flight, or sent and not yet arrived)
+    at_peak                   held and sent_at_peak in one walk
     plot                      draw a Timeline (needs matplotlib: pip install 'pxform[plot]')
     to_text, from_text        "rank 0: 0F0 0F1 - 0B0" lines
     to_csv, from_csv          one CSV row per rank
@@ -50,7 +51,14 @@ from pxform.schedules.resolve import NAMES, resolve
 from pxform.schedules.shifted_critical_path import shifted_critical_path
 from pxform.schedules.simulate import Costs, Event, Timeline, simulate
 from pxform.schedules.text import from_csv, from_text, to_csv, to_text
-from pxform.schedules.timing import Timer, awaiting_weights, held, most_between, sent_at_peak
+from pxform.schedules.timing import (
+    Timer,
+    at_peak,
+    awaiting_weights,
+    held,
+    most_between,
+    sent_at_peak,
+)
 from pxform.schedules.validate import grid, validate
 from pxform.schedules.zero_bubble import zero_bubble
 
@@ -64,6 +72,7 @@ __all__ = [
     "Schedule",
     "Timeline",
     "Timer",
+    "at_peak",
     "add_communication",
     "awaiting_weights",
     "from_csv",

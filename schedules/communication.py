@@ -15,6 +15,8 @@ post two ranks' messages in different orders on the two ends, receives move earl
 
 from __future__ import annotations
 
+import collections
+
 from pxform.core.errors import ScheduleError
 from pxform.schedules.actions import Action, Schedule
 from pxform.schedules.rules import Shape, receive_before, send_after
@@ -134,7 +136,9 @@ def send_releases(schedule: Schedule) -> dict[int, dict[Action, tuple[Action, ..
                 (sent_at if a.kind in ("SF", "SB") else received_at)[m[2]] = k
     out: dict[int, dict[Action, tuple[Action, ...]]] = {}
     for rank in sorted(schedule):
-        waiting: dict[int, list[tuple[int, Action]]] = {}  # peer -> (its receive, send)
+        # peer -> (its receive's index, our send), in our order, which is the order the
+        # peer receives them in (`in_sender_order`)
+        waiting: dict[int, collections.deque[tuple[int, Action]]] = {}
         mine: dict[Action, tuple[Action, ...]] = {}
         for a in schedule[rank]:
             m = message(a, num) if isinstance(a, Action) and a.is_comm else None
@@ -143,14 +147,16 @@ def send_releases(schedule: Schedule) -> dict[int, dict[Action, tuple[Action, ..
             src, dst, msg = m
             if a.kind in ("SF", "SB"):
                 if msg in received_at:
-                    waiting.setdefault(dst, []).append((received_at[msg], a))
+                    waiting.setdefault(dst, collections.deque()).append((received_at[msg], a))
                 continue
             # a receive from `src`: the peer sent it at `sent_at[msg]`, past every one of
             # its receives before that
-            queue = waiting.get(src, [])
-            done = tuple(send for at, send in queue if at < sent_at.get(msg, -1))
+            queue = waiting.get(src)
+            sent = sent_at.get(msg, -1)
+            done = []
+            while queue and queue[0][0] < sent:
+                done.append(queue.popleft()[1])
             if done:
-                waiting[src] = [(at, send) for at, send in queue if send not in done]
-                mine[a] = done
+                mine[a] = tuple(done)
         out[rank] = mine
     return out

@@ -126,7 +126,7 @@ def held(schedule: Schedule) -> tuple[int, ...]:
         >>> held(one_f_one_b(4, 8)), held(zero_bubble(4, 8))
         ((4, 3, 2, 1), (4, 4, 4, 4))
     """
-    return tuple(h for h, _, _ in _at_peak(schedule))
+    return tuple(h for h, _, _ in at_peak(schedule))
 
 
 def sent_at_peak(schedule: Schedule) -> tuple[tuple[int, int], ...]:
@@ -142,13 +142,19 @@ def sent_at_peak(schedule: Schedule) -> tuple[tuple[int, int], ...]:
         >>> sent_at_peak(one_f_one_b(2, 8))
         ((2, 0), (1, 1))
     """
-    return tuple((f, b) for _, f, b in _at_peak(schedule))
+    return tuple((f, b) for _, f, b in at_peak(schedule))
 
 
-def _at_peak(schedule: Schedule) -> list[tuple[int, int, int]]:
+def at_peak(schedule: Schedule) -> list[tuple[int, int, int]]:
     """Per stage: (microbatches held, boundary outputs kept, input gradients kept) at its
-    rank's peak (`held`, `sent_at_peak`), walking each rank's actions with the transfers
-    the executor adds (`communication.with_transfers`)."""
+    rank's peak (`held` and `sent_at_peak` in one walk), walking each rank's actions with
+    the transfers the executor adds (`communication.with_transfers`).
+
+    Example:
+        >>> from pxform.schedules import one_f_one_b
+        >>> at_peak(one_f_one_b(2, 8))
+        [(2, 2, 0), (1, 1, 1)]
+    """
     shape = shape_of(schedule)
     comm = with_transfers(schedule, shape)
     releases = send_releases(comm)
@@ -244,4 +250,4 @@ def most_between(schedule: Schedule, first: str, then: str) -> tuple[int, ...]:
     return tuple(out)
 
 
-__all__ = ["Timer", "awaiting_weights", "held", "most_between", "sent_at_peak"]
+__all__ = ["Timer", "at_peak", "awaiting_weights", "held", "most_between", "sent_at_peak"]

@@ -785,6 +785,30 @@ def test_shifted_schedule_is_chosen_where_recompute_is_needed():
     assert plan_schedule(residual_mlp, args, block_options=redo).schedule != "shifted"
 
 
+@pytest.mark.parametrize("name", ["1f1b", "zb", "shifted"])
+def test_closed_form_counts_equal_the_walk_of_the_schedule(name):
+    """The counts the search takes from closed forms (`pipelines.COUNTED`) are what the
+    executor's schedule holds: the walk of the generator's schedule with its transfers
+    (`schedules.at_peak`, `awaiting_weights`, `most_between`), at every size tried."""
+    from pxform import schedules
+    from pxform.search import pipelines
+
+    assert name in pipelines.COUNTED
+    choice = ScheduleChoice(name)
+    for p in (2, 3, 4, 5, 8, 12, 16):
+        for m in sorted({p, p + 1, 2 * p, 3 * p, 4 * p, 8 * p, 96}):
+            schedule = schedules.NAMES[name](p, m)
+            peak = schedules.at_peak(schedule)
+            walked = (tuple(h for h, _, _ in peak),
+                      schedules.awaiting_weights(schedule),
+                      tuple(n if choice.recomputes(s, p) else 0
+                            for s, n in enumerate(schedules.most_between(schedule, "F", "B"))),
+                      tuple((f, b) for _, f, b in peak))
+            counted = (pipelines.in_flight(choice, p, m), pipelines.awaiting(choice, p, m),
+                       pipelines.inputs_held(choice, p, m), pipelines.sent(choice, p, m))
+            assert counted == walked, (p, m)
+
+
 @pytest.mark.parametrize("name", ["1f1b", "zb", "interleaved", "shifted"])
 @pytest.mark.parametrize("p, m", [(2, 4), (4, 8), (4, 16), (8, 32)])
 def test_closed_forms_equal_the_simulation_for_equal_stages(monkeypatch, name, p, m):

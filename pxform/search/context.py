@@ -9,7 +9,6 @@ keys), never by object identity.
 from __future__ import annotations
 
 import functools
-
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any

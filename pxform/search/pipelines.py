@@ -45,12 +45,17 @@ from typing import Any
 
 from pxform.cost.model import one_f_one_b_in_flight, one_f_one_b_time
 from pxform.schedules import NAMES as GENERATORS
-from pxform.schedules import Timer, awaiting_weights, held, most_between, sent_at_peak
+from pxform.schedules import Timer, at_peak, awaiting_weights, most_between
 from pxform.search.plan import schedule_text
 from pxform.search.space import Config
 
 NAMES = ("1f1b", "zb", "interleaved", "shifted")
 """The schedules the search chooses between (`pxform.schedules.NAMES` has all that run)."""
+
+COUNTED = ("1f1b", "zb", "shifted")
+"""Schedules whose per-stage counts (`in_flight`, `awaiting`, `inputs_held`, `sent`) are
+taken from closed forms at every size (interleaved's spread a rank's count evenly over
+its chunks: those are walked while the schedule is timed)."""
 
 TIMED_UP_TO = 2048
 """Schedules with at most this many (stage, microbatch) pairs, virtual stages counted, are
@@ -119,11 +124,20 @@ def _compiled(choice: ScheduleChoice, p: int, m: int
     # valid for every size (tests/test_schedules.py), validating each size the search
     # prices took a sixth of its time on GPT-3 175B, and the Timer still refuses a deadlock
     schedule = GENERATORS[choice.name](p, m, **dict(choice.options))
+    if choice.name in COUNTED:
+        # the counts do not depend on the costs: their closed forms, equal to the walk of
+        # the schedule with its transfers (tests/test_search.py), which took a fifth of a
+        # first search of GPT-3 175B
+        flights = _held_closed(choice, p, m)
+        waits = tuple(min(s + 1, m) for s in range(p)) if choice.split else (0,) * p
+        return (Timer(schedule), flights, waits, _inputs_closed(choice, p, m),
+                _sent_closed(choice, p, m, flights))
     # a recomputed stage keeps a microbatch's inputs from its F to its B
     inputs = tuple(n if choice.recomputes(s, p) else 0
                    for s, n in enumerate(most_between(schedule, "F", "B")))
-    return (Timer(schedule), held(schedule), awaiting_weights(schedule), inputs,
-            sent_at_peak(schedule))
+    peak = at_peak(schedule)
+    return (Timer(schedule), tuple(h for h, _, _ in peak), awaiting_weights(schedule),
+            inputs, tuple((f, b) for _, f, b in peak))
 
 
 def in_flight(choice: ScheduleChoice, p: int, m: int) -> tuple[int, ...]:
