@@ -2,10 +2,14 @@
 
 `--ranks` processes (one torch thread each) train the example GPT as
 `pxform.pipeline(loss, stages=ranks, microbatches=M, schedule=S)` for each schedule (GPipe,
-1F1B, interleaved with 2 virtual stages per rank, ZB-H1). Every action's wall-clock start
+1F1B, interleaved with 2 virtual stages per rank, ZB-H1, Merak's shifted schedule with its
+early recompute). Every action's wall-clock start
 and end is recorded on every rank (`pxform.runtime.pipeline.recording`). From those:
 
-    costs      per stage, the median time of its F, B and W actions over the timed steps
+    costs      per stage, the mean time of its F, B, W and R actions over the timed steps,
+               F and B with the mean time of the sends after them and the lower quartile
+               of the receives before them (the executor's transfer actions hold their
+               rank too)
     predicted  `pxform.schedules.simulate(schedule, costs)`, a transfer costing the lower
                quartile of the measured receive times
     measured   the span of the actions of one step (first start to last end, all ranks),
@@ -33,7 +37,8 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import harness  # noqa: E402
 
-SCHEDULES = [("gpipe", {}), ("1f1b", {}), ("interleaved", {"virtual_stages": 2}), ("zb", {})]
+SCHEDULES = [("gpipe", {}), ("1f1b", {}), ("interleaved", {"virtual_stages": 2}), ("zb", {}),
+             ("shifted", {})]
 
 
 def rank_main(cfg_name: str, batch_size: int, microbatches: int, reps: int,
@@ -86,8 +91,7 @@ def analyse(name: str, options: dict[str, Any], per_rank: list[dict[str, Any]], 
             for text, s, e in data["events"][rep]:
                 a = Action.parse(text)
                 events.append(Event(rank, a, s, e))
-                if a.is_compute:
-                    durations.setdefault((a.stage, a.kind), []).append(e - s)
+                durations.setdefault((a.stage, a.kind), []).append(e - s)
         t0 = min(ev.start for ev in events)
         span = max(ev.end for ev in events) - t0
         busy = sum(ev.end - ev.start for ev in events if ev.action.is_compute)
@@ -103,17 +107,29 @@ def analyse(name: str, options: dict[str, Any], per_rank: list[dict[str, Any]], 
             schedules.plot(measured, picture, title=f"{name}: measured on gloo")
 
     def med(stage: int, kind: str) -> float:
+        # the mean, not the median: a step is a sum of actions, and their times skew
+        # long (the other rank's work on the shared cores and memory)
         got = durations.get((stage, kind))
-        return statistics.median(got) if got else 0.0
+        return statistics.fmean(got) if got else 0.0
+
+    def quartile(stage: int, kind: str) -> float:
+        got = sorted(durations.get((stage, kind), ()))
+        return got[len(got) // 4] if got else 0.0
 
     # a transfer's time: the lower quartile of receive times (a receive whose data was
     # already there costs the transfer's local part; slower ones also waited for the sender)
     recv = sorted(e - s for data in per_rank for rec in data["events"] for text, s, e in rec
                   if "RF" in text or "RB" in text)
     p2p = recv[len(recv) // 4] if recv else 0.0
-    costs = Costs(forward=[med(s, "F") for s in range(num_stages)],
-                  backward=[med(s, "B") for s in range(num_stages)],
-                  weight=[med(s, "W") for s in range(num_stages)], p2p=p2p)
+    # the executor's own transfer actions keep their rank busy too: a send's host time
+    # (median) after the action that made its tensor, and a receive's when its data is
+    # already there (the lower quartile) before the action that reads it
+    costs = Costs(forward=[med(s, "F") + med(s, "SF") + quartile(s, "RF")
+                           for s in range(num_stages)],
+                  backward=[med(s, "B") + med(s, "SB") + quartile(s, "RB")
+                            for s in range(num_stages)],
+                  weight=[med(s, "W") for s in range(num_stages)],
+                  recompute=[med(s, "R") for s in range(num_stages)], p2p=p2p)
     predicted = schedules.simulate(compute, costs)
     if picture:
         schedules.plot(predicted, picture.replace(".png", "-simulated.png"),
@@ -133,7 +149,7 @@ def analyse(name: str, options: dict[str, Any], per_rank: list[dict[str, Any]], 
 
 
 def main() -> None:
-    p = harness.parser(__doc__, batch=16, reps=7, steps=1, ranks=True)
+    p = harness.parser(__doc__, batch=16, reps=15, steps=1, ranks=True)
     p.add_argument("--microbatches", type=int, default=8)
     args = harness.parse(p)
     from pxform.tools.testing import World
