@@ -399,3 +399,64 @@ def test_coshard_pieces_are_pieces_of_each_ranks_shard():
         program = step.lower(params, batch)
         texts[v] = (program.collectives(), program.backward_collectives())
     assert texts["coshard_batch"] == texts["plain"]
+
+
+def test_recompute_stops_at_the_last_tensor_the_backward_saved():
+    """A recomputed residual MLP redoes its first linear and the GELU, not the second
+    linear nor the residual add: the second linear saves its input (the GELU's output)
+    and nothing after it is saved, so torch's checkpoint stops there. The search prices
+    a recompute that way (`WalkCost.redo_fwd`)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    def block(p, x):
+        return x + F.linear(F.gelu(F.linear(x, p["w1"])), p["w2"])
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.matmuls = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default):
+                self.matmuls += 1
+            return func(*args, **(kwargs or {}))
+
+    g = torch.Generator().manual_seed(0)
+    p = {"w1": torch.randn(32, 8, generator=g, dtype=torch.float64),
+         "w2": torch.randn(8, 32, generator=g, dtype=torch.float64)}
+    x = torch.randn(4, 8, generator=g, dtype=torch.float64)
+    counts = {}
+    for name, fn in (("plain", block), ("recomputed", pxform.recompute(block))):
+        step = pxform.value_and_grad(lambda p, x, fn=fn: fn(p, x).square().sum())
+        step(p, x)  # traced and lowered outside the count
+        with Count() as count:
+            step(p, x)
+        counts[name] = count.matmuls
+    # plain: 2 forward, 3 backward (both weight gradients, the GELU's input gradient; x
+    # takes none); recomputed: the first linear again, not the second (that would be 7)
+    assert counts == {"plain": 5, "recomputed": 6}, counts
+
+
+def test_the_search_prices_a_recompute_up_to_the_last_saved_tensor():
+    """The same stops in the cost model: recomputing every residual MLP block adds to
+    backward its first linear and GELU, about half the forward here (two equal linears),
+    not the whole forward."""
+    from test_search import mlp_args, residual_mlp
+
+    from pxform.search import Pin
+    from pxform.search.space import Option
+
+    params, x, y = mlp_args(layers=4)
+
+    def planned(pin):
+        return pxform.auto(residual_mlp, mesh=1, memory_budget="1TiB", hardware="a100-80gb",
+                           plan=pin).plan(params, x, y)
+
+    blocks = len(planned(Pin(stages=1)).blocks)
+    plans = {redo: planned(Pin(stages=1, outer=1, inner=1,
+                               block_options=(Option((), redo),) * blocks))
+             for redo in (False, True)}
+    plain, redone = plans[False].stage_plans[0], plans[True].stage_plans[0]
+    extra = redone.backward_s - plain.backward_s
+    assert plain.forward_s == pytest.approx(redone.forward_s)
+    assert 0.4 * plain.forward_s < extra < 0.7 * plain.forward_s, (extra, plain.forward_s)

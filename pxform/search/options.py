@@ -4,7 +4,8 @@ configuration, and the option tables blocks choose from (`block_tables`).
 Per block option, per microbatch (`blockcost.walk`):
 
     F = forward compute + forward re-layouts
-    B = 2 x forward compute + activation-gradient re-layouts (+ F when recomputed)
+    B = 2 x forward compute + activation-gradient re-layouts (+ the forward up to the last
+        op making a tensor the backward saved, when recomputed: `WalkCost.redo_fwd`)
     parameter-gradient reductions overlap B (`CostModel.overlap`): ZeRO-3's reduce-scatter
     every microbatch, data parallel's all-reduce once per step (gradients accumulate
     locally, as DDP's no_sync and Megatron do)
@@ -115,7 +116,7 @@ def _fields(w: WalkCost) -> tuple[float, ...]:
             w.param_bytes, w.grad_bytes, w.transient_bytes, w.packed_bytes, w.packed_outer,
             w.packed_inner, w.redo_bytes, w.bwd_compute, w.weight_compute,
             w.weight_out_bytes, w.gather_s, w.weight_ops, w.gathered_saved_bytes,
-            w.weight_held_bytes)
+            w.weight_held_bytes, w.redo_fwd)
 
 
 def _walk_at(ctx: SearchContext, block: BlockInfo, config: Config, option: Option,
@@ -155,7 +156,8 @@ def option_cost(ctx: SearchContext, block: BlockInfo, config: Config, option: Op
     w = walk_cost(ctx, block, config, option)
     model = ctx.model
     f = w.fwd_compute + w.fwd_comm
-    bc = w.bwd_compute + w.bwd_comm + (f if option.recompute else 0.0)
+    # recomputed: the forward again, as far as the backward needs it (`WalkCost.redo_fwd`)
+    bc = w.bwd_compute + w.bwd_comm + (w.redo_fwd if option.recompute else 0.0)
     saved = w.saved_bytes
     if not option.reshard:
         # ZeRO-3 keeping what forward gathered (`Option.reshard`): backward gathers
