@@ -507,7 +507,7 @@ def measure_runtime_costs() -> tuple[float, ...]:
 
 def test_runtime_costs_are_measured_on_real_programs(world):
     """`pxform.tools.runtime_costs` times data-parallel steps over 4 and 64 parameters, a
-    2-stage pipeline at 2 and 8 microbatches, a tensor-parallel chain at 2 and 10
+    2-stage pipeline at 2 and 8 microbatches, a tensor-parallel chain at 2 and 26
     layers, a zero-bubble pipeline's W actions over 1 and 16 weight ops, and a reference
     transformer step against the op model (`op_time_scale`): every rank
     gets rank 0's numbers, each positive and below the step times they come from (a hook

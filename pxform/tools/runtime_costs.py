@@ -8,7 +8,8 @@ world and returns the profile with them set:
 
 * `collective_overhead_s`, per collective the program runs: the conversion's autograd
   function, the functional collective's wrapping and waiting, copies into and out of
-  its buffers. A tensor-parallel chain of tiny matmuls at 2 and at 10 layers: the
+  its buffers. A tensor-parallel chain of tiny matmuls at 2 and at 26 layers (timed
+  3 x `repeats` times: a collective costs a fraction of a millisecond here): the
   difference, less the comm tables' times of the extra collectives, over their number
   (`program.collectives()` and `backward_collectives()` count them).
 * `param_overhead_s`, per parameter tensor per step: its local piece, its gradient hook
@@ -119,8 +120,10 @@ def runtime_costs(hw: Hardware, repeats: int = 9) -> Hardware:
             return (lambda: step(ws, x),
                     program.collectives() + program.backward_collectives())
 
-        (call_short, short), (call_long, long) = tp_step(2), tp_step(10)
-        _, longer = _paired(call_short, call_long, repeats)
+        # many collectives against few, and thrice the repeats: each is a fraction of a
+        # millisecond, and a loaded machine moved the figure by 2x between calibrations
+        (call_short, short), (call_long, long) = tp_step(2), tp_step(26)
+        _, longer = _paired(call_short, call_long, 3 * repeats)
         extra = list(long)
         for c in short:
             if c in extra:
