@@ -6,9 +6,11 @@ plan the example GPT with `pxform.auto` against that profile (searched, or pinne
 strategy: data parallel, ZeRO-3, tensor parallel with and without sequence parallelism
 between blocks, pipelines under 1F1B, zero-bubble, interleaved and shifted schedules,
 recompute),
-lay the parameters out per the plan, take one AdamW step (so Adam's state exists), and run
-`pxform.measure` (median of `--steps` timed `value_and_grad` calls per rank after
-`--warmup`; peak memory metered by `pxform.MemoryMeter` plus the optimizer's state). The
+lay the parameters out per the plan, take one AdamW step (so Adam's state exists); then, in
+`--rounds` rounds over all cases in turn (the machine drifts by 10-20 % over a run), run
+`pxform.measure` on each (`--steps` timed `value_and_grad` calls per rank after `--warmup`
+in the first round, one in later ones; the median over all rounds counts; peak memory
+metered by `pxform.MemoryMeter` plus the optimizer's state). The
 table gives `plan.report(measured)`'s errors: signed, relative to the measurement, for the
 step (the slowest rank) and for the rank whose memory prediction is furthest off.
 
@@ -81,8 +83,9 @@ def cases(ranks: int, num_blocks: int) -> list[tuple[str, Any]]:
 
 
 def rank_main(config: str, batch_size: int, steps: int, warmup: int, quick: bool,
-              sizes: tuple[int, ...]) -> dict[str, Any]:
-    """On every rank: calibrate, then plan, run and measure each case."""
+              sizes: tuple[int, ...], rounds: int = 3) -> dict[str, Any]:
+    """On every rank: calibrate, then plan and run each case, and measure them all in
+    `rounds` rounds of `steps` timed calls each."""
     harness.add_paths()
     import gpt
     import torch
@@ -107,7 +110,7 @@ def rank_main(config: str, batch_size: int, steps: int, warmup: int, quick: bool
     chosen = cases(world, blocks)
     if quick:
         chosen = chosen[:2]
-    rows = []
+    prepared = []
     for name, pin in chosen:
         step = pxform.auto(gpt_loss, mesh=world, hardware=hw, plan=pin)
         plan = step.plan(params, batch)
@@ -121,8 +124,18 @@ def rank_main(config: str, batch_size: int, steps: int, warmup: int, quick: bool
                 p.grad = g
         opt.step()
         opt.zero_grad(set_to_none=True)
-        measured = pxform.measure(step, dparams, batch, optimizer=opt, steps=steps,
-                                  warmup=warmup)
+        prepared.append((name, step, plan, dparams, opt))
+    # every case measured in each of `rounds` rounds, in turn: the machine drifts by 10-20 %
+    # over a run, and one case measured after another took the drift for a model error
+    # (the same plan measured 20 % apart as two cases)
+    per_case: list[list[Any]] = [[] for _ in prepared]
+    for r in range(rounds):
+        for k, (_, step, _, dparams, opt) in enumerate(prepared):
+            per_case[k].append(pxform.measure(step, dparams, batch, optimizer=opt,
+                                              steps=steps, warmup=warmup if r == 0 else 1))
+    rows = []
+    for (name, _, plan, _, _), got in zip(prepared, per_case):
+        measured = _merged(got)
         report = plan.report(measured)
         rows.append({"case": name, "config": plan.config_text(),
                      "strategies": sorted({b.strategy for b in plan.blocks}),
@@ -135,6 +148,18 @@ def rank_main(config: str, batch_size: int, steps: int, warmup: int, quick: bool
                      "text": str(report)})
     return {"rows": rows, "calibrate_s": calibrate_s, "hardware": hw.to_json(),
             "threads": torch.get_num_threads()}
+
+
+def _merged(rounds: list[Any]) -> Any:
+    """One `Measured` from a case's rounds: every round's timed steps per rank (their
+    median counts), the first round's memory (the meter reads the same every round)."""
+    import dataclasses
+
+    first = rounds[0]
+    ranks = tuple(dataclasses.replace(r, step_times_s=tuple(
+        t for m in rounds for t in m.ranks[k].step_times_s))
+        for k, r in enumerate(first.ranks))
+    return dataclasses.replace(first, ranks=ranks)
 
 
 def _leaves(tree: Any, none: bool = False) -> list[Any]:
@@ -150,7 +175,10 @@ def main() -> None:
     p.add_argument("--config", default="small", help="a key of gpt.GPT_CONFIGS")
     p.add_argument("--batch", type=int, default=16, help="global sequences per step")
     p.add_argument("--ranks", type=int, default=2)
-    p.add_argument("--steps", type=int, default=7, help="timed calls per case and rank")
+    p.add_argument("--steps", type=int, default=3,
+                   help="timed calls per case, rank and round")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="rounds over all cases (each measured once per round, in turn)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--quick", action="store_true", help="two cases, 2 steps; writes nothing")
     p.add_argument("--malloc", choices=("default", "pinned"), default="default",
@@ -158,7 +186,7 @@ def main() -> None:
     p.add_argument("--out", default=harness.RESULTS)
     args = p.parse_args()
     if args.quick:
-        args.steps, args.warmup = 2, 1
+        args.steps, args.warmup, args.rounds = 2, 1, 1
     harness.add_paths()
     import accuracy  # this module by name, so that ranks can unpickle rank_main
     import gpt
@@ -171,12 +199,13 @@ def main() -> None:
     malloc = harness.pin_malloc(args)
     with World(args.ranks) as world:
         per_rank = world.run(accuracy.rank_main, args.config, args.batch, args.steps,
-                             args.warmup, args.quick, sizes)
+                             args.warmup, args.quick, sizes, args.rounds)
     r0 = per_rank[0]
     print(f"GPT {args.config} ({cfg.num_params() / 1e6:.2f} M params), global batch "
           f"{args.batch} x {cfg.seq_len} tokens, float32, {args.ranks} gloo ranks x "
           f"{r0['threads']} thread; profile measured by pxform.runtime.calibrate in "
-          f"{r0['calibrate_s']:.1f} s; median of {args.steps} steps per case")
+          f"{r0['calibrate_s']:.1f} s; per case the median of {args.rounds} rounds x "
+          f"{args.steps} steps, the cases in turn each round")
     head = ("case", "plan", "time pred", "measured", "error", "memory error")
     table = [head] + [(r["case"], r["config"].replace(" schedule=1f1b", ""),
                        f"{r['predicted_time_s'] * 1e3:.1f} ms",
@@ -202,7 +231,8 @@ def main() -> None:
         "config": {"model": args.config, "params": cfg.num_params(), "global_batch":
                    args.batch, "seq_len": cfg.seq_len, "dtype": "float32",
                    "ranks": args.ranks, "backend": "gloo", "threads_per_rank": r0["threads"],
-                   "steps": args.steps, "warmup": args.warmup, "malloc_env": malloc},
+                   "steps": args.steps, "rounds": args.rounds, "warmup": args.warmup,
+                   "malloc_env": malloc},
         "calibrate_s": r0["calibrate_s"], "hardware": r0["hardware"], "cases": r0["rows"],
         "summary": {"time_within_goal": met_t, "memory_within_goal": met_m,
                     "cases": len(time_errors), "worst_abs_time_error": max(time_errors),
