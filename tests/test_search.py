@@ -824,13 +824,13 @@ def test_closed_forms_equal_the_simulation_for_equal_stages(monkeypatch, name, p
              pipelines.in_flight(choice, p, m), pipelines.inputs_held(choice, p, m),
              pipelines.sent(choice, p, m))
     monkeypatch.setattr(pipelines, "TIMED_UP_TO", 0)
-    pipelines._compiled.cache_clear()
+    pipelines._clear_caches()
     try:
         closed = (pipelines.step_time(choice, p, m, fw, bw, wt),
                   pipelines.in_flight(choice, p, m), pipelines.inputs_held(choice, p, m),
                   pipelines.sent(choice, p, m))
     finally:
-        pipelines._compiled.cache_clear()
+        pipelines._clear_caches()
     assert closed[0] == pytest.approx(exact[0], rel=0.02), (closed, exact)
     if name != "interleaved":  # (interleaved's closed form spreads a rank's count evenly)
         assert closed[1:] == exact[1:]

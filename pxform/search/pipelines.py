@@ -45,7 +45,7 @@ from typing import Any
 
 from pxform.cost.model import one_f_one_b_in_flight, one_f_one_b_time
 from pxform.schedules import NAMES as GENERATORS
-from pxform.schedules import Timer, at_peak, awaiting_weights, most_between
+from pxform.schedules import Schedule, Timer, at_peak, awaiting_weights, most_between
 from pxform.search.plan import schedule_text
 from pxform.search.space import Config
 
@@ -110,34 +110,52 @@ def choices(config: Config, num_blocks: int, pinned: ScheduleChoice | None = Non
     return tuple(out)
 
 
-@functools.lru_cache(maxsize=256)
-def _compiled(choice: ScheduleChoice, p: int, m: int
-              ) -> tuple[Timer | None, tuple[int, ...], tuple[int, ...], tuple[int, ...],
-                         tuple[tuple[int, int], ...]]:
-    if p * m * choice.virtual_stages > TIMED_UP_TO:
-        waits = tuple(min(s + 1, m) for s in range(p)) if choice.split else \
-            (0,) * choice.num_stages(p)
-        flights = _held_closed(choice, p, m)
-        return (None, flights, waits, _inputs_closed(choice, p, m),
-                _sent_closed(choice, p, m, flights))
+def _timed_up_to(choice: ScheduleChoice, p: int, m: int) -> bool:
+    return p * m * choice.virtual_stages <= TIMED_UP_TO
+
+
+def _schedule(choice: ScheduleChoice, p: int, m: int) -> Schedule:
     # the generator's schedule, not `resolve`'s validated one: the generators are tested
     # valid for every size (tests/test_schedules.py), validating each size the search
     # prices took a sixth of its time on GPT-3 175B, and the Timer still refuses a deadlock
-    schedule = GENERATORS[choice.name](p, m, **dict(choice.options))
-    if choice.name in COUNTED:
+    return GENERATORS[choice.name](p, m, **dict(choice.options))
+
+
+@functools.lru_cache(maxsize=256)
+def _timer(choice: ScheduleChoice, p: int, m: int) -> Timer | None:
+    """The schedule compiled for timing (None past `TIMED_UP_TO`: closed forms), made
+    when a plan is first priced under it: many schedules the search counts for memory
+    never get a plan that fits."""
+    return Timer(_schedule(choice, p, m)) if _timed_up_to(choice, p, m) else None
+
+
+@functools.lru_cache(maxsize=256)
+def _counts(choice: ScheduleChoice, p: int, m: int
+            ) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...],
+                       tuple[tuple[int, int], ...]]:
+    """(`in_flight`, `awaiting`, `inputs_held`, `sent`)."""
+    if choice.name in COUNTED or not _timed_up_to(choice, p, m):
         # the counts do not depend on the costs: their closed forms, equal to the walk of
-        # the schedule with its transfers (tests/test_search.py), which took a fifth of a
-        # first search of GPT-3 175B
+        # the schedule with its transfers for these schedules (tests/test_search.py),
+        # which took a fifth of a first search of GPT-3 175B
+        waits = tuple(min(s + 1, m) for s in range(p)) if choice.split else \
+            (0,) * choice.num_stages(p)
         flights = _held_closed(choice, p, m)
-        waits = tuple(min(s + 1, m) for s in range(p)) if choice.split else (0,) * p
-        return (Timer(schedule), flights, waits, _inputs_closed(choice, p, m),
+        return (flights, waits, _inputs_closed(choice, p, m),
                 _sent_closed(choice, p, m, flights))
+    schedule = _schedule(choice, p, m)
     # a recomputed stage keeps a microbatch's inputs from its F to its B
     inputs = tuple(n if choice.recomputes(s, p) else 0
                    for s, n in enumerate(most_between(schedule, "F", "B")))
     peak = at_peak(schedule)
-    return (Timer(schedule), tuple(h for h, _, _ in peak), awaiting_weights(schedule),
-            inputs, tuple((f, b) for _, f, b in peak))
+    return (tuple(h for h, _, _ in peak), awaiting_weights(schedule), inputs,
+            tuple((f, b) for _, f, b in peak))
+
+
+def _clear_caches() -> None:
+    """Forget every compiled schedule (tests that change `TIMED_UP_TO`)."""
+    for cached in (_timer, _counts, _timed):
+        cached.cache_clear()
 
 
 def in_flight(choice: ScheduleChoice, p: int, m: int) -> tuple[int, ...]:
@@ -148,7 +166,7 @@ def in_flight(choice: ScheduleChoice, p: int, m: int) -> tuple[int, ...]:
         >>> in_flight(ScheduleChoice("zb"), 4, 8)
         (4, 4, 4, 4)
     """
-    return _compiled(choice, p, m)[1]
+    return _counts(choice, p, m)[0]
 
 
 def awaiting(choice: ScheduleChoice, p: int, m: int) -> tuple[int, ...]:
@@ -160,7 +178,7 @@ def awaiting(choice: ScheduleChoice, p: int, m: int) -> tuple[int, ...]:
         >>> awaiting(ScheduleChoice("zb"), 4, 8), awaiting(ONE_F_ONE_B, 2, 4)
         ((1, 2, 3, 4), (0, 0))
     """
-    return _compiled(choice, p, m)[2]
+    return _counts(choice, p, m)[1]
 
 
 def inputs_held(choice: ScheduleChoice, p: int, m: int) -> tuple[int, ...]:
@@ -171,7 +189,7 @@ def inputs_held(choice: ScheduleChoice, p: int, m: int) -> tuple[int, ...]:
         >>> inputs_held(ScheduleChoice("shifted"), 4, 8), in_flight(ScheduleChoice("shifted"), 4, 8)
         ((4, 3, 3, 0), (1, 1, 1, 1))
     """
-    return _compiled(choice, p, m)[3]
+    return _counts(choice, p, m)[2]
 
 
 def sent(choice: ScheduleChoice, p: int, m: int) -> tuple[tuple[int, int], ...]:
@@ -185,7 +203,7 @@ def sent(choice: ScheduleChoice, p: int, m: int) -> tuple[tuple[int, int], ...]:
         >>> sent(ONE_F_ONE_B, 2, 8), sent(ScheduleChoice("zb"), 2, 8)
         (((2, 0), (1, 1)), ((2, 0), (2, 1)))
     """
-    return _compiled(choice, p, m)[4]
+    return _counts(choice, p, m)[3]
 
 
 def _sent_closed(choice: ScheduleChoice, p: int, m: int, flights: Sequence[int]
@@ -230,7 +248,7 @@ def step_time(choice: ScheduleChoice, p: int, m: int, forward: Sequence[float],
         >>> step_time(ScheduleChoice("zb"), 4, 8, [1.0] * 4, [2.0] * 4, [1.0] * 4)
         27.0
     """
-    timer = _compiled(choice, p, m)[0]
+    timer = _timer(choice, p, m)
     if timer is not None:
         return _timed(choice, p, m, tuple(forward), tuple(backward), tuple(weight))
     per = [f + b for f, b in zip(forward, backward)]
@@ -260,7 +278,7 @@ def _timed(choice: ScheduleChoice, p: int, m: int, forward: tuple[float, ...],
            backward: tuple[float, ...], weight: tuple[float, ...]) -> float:
     """`step_time` by the schedule's `Timer`, once per costs: the search prices the same
     stages again at several memory levels of the frontier."""
-    timer = _compiled(choice, p, m)[0]
+    timer = _timer(choice, p, m)
     assert timer is not None
     if choice.split:
         return timer.step_time(forward, [b - w for b, w in zip(backward, weight)], weight)
