@@ -394,13 +394,14 @@ def transfer_bytes(ctx: SearchContext, config: Config, idx: Sequence[int], last:
     alive only while a backward runs).
 
     Held: the stage inputs it keeps for a whole-stage recompute (`inputs` microbatches,
-    `pipelines.inputs_held`), and every tensor it has sent (`sent`: its F and B run by its
-    peak, `pipelines.sent`): the executor waits for its sends only at the end of the step,
-    and a send keeps its tensor until then, so each F leaves its boundary outputs behind
-    (past its backward, which frees the rest of its activations) and each B the gradients
-    of its boundary inputs. A stage that recomputes itself makes its outputs again (R):
-    the sent ones stay beside them, one microbatch's (`held` is 1 there).
-    While a backward runs: the gradients of its boundary outputs, received for it."""
+    `pipelines.inputs_held`), and its transfers at its peak (`sent`, `pipelines.sent`):
+    the boundary outputs of the microbatches in flight (kept for their backward) or sent
+    and not yet known to have arrived (a send keeps its tensor until the executor waits
+    for it, `pxform.schedules.send_releases`), and the gradients of its boundary inputs
+    sent and not yet known to have arrived. A stage that recomputes itself makes its
+    outputs again (R): the sent ones stay beside them, one microbatch's (`held` is 1
+    there). While a backward runs: the gradients of its boundary outputs, received for
+    it."""
     out = 0.0 if last else boundary_bytes(ctx, config, idx[-1])
     inp = boundary_bytes(ctx, config, idx[0] - 1) if idx[0] > 0 else 0.0
     grad_in = boundary_bytes(ctx, config, idx[0] - 1, floating=True) if idx[0] > 0 else 0.0
