@@ -38,7 +38,7 @@ def measured(**kw) -> Hardware:
                 overlap_slowdown=1.8, step_overhead_s=1e-3, param_overhead_s=2e-5,
                 action_overhead_s=4e-4, collective_overhead_s=3e-4,
                 param_action_overhead_s=1e-5, op_time_scale=1.2,
-                op_step_overhead_s=5e-6)
+                op_step_overhead_s=5e-6, op_action_overhead_s=7e-6)
     args.update(kw)
     return Hardware(**args)  # type: ignore[arg-type]
 
@@ -502,7 +502,7 @@ def measure_runtime_costs() -> tuple[float, ...]:
     hw = runtime_costs(calibrate(sizes=SIZES, repeats=1))
     return (hw.param_overhead_s, hw.step_overhead_s, hw.action_overhead_s,
             hw.collective_overhead_s, hw.param_action_overhead_s, hw.weight_op_overhead_s,
-            hw.op_time_scale, hw.op_step_overhead_s)
+            hw.op_time_scale, hw.op_step_overhead_s, hw.op_action_overhead_s)
 
 
 def test_runtime_costs_are_measured_on_real_programs(world):
@@ -516,12 +516,14 @@ def test_runtime_costs_are_measured_on_real_programs(world):
     results = world.run(measure_runtime_costs)
     assert results[0] == results[1]
     per_param, per_step, per_action, per_collective, per_param_action, per_weight_op, \
-        scale, per_op = results[0]
+        scale, per_op, per_op_action = results[0]
     # a reference transformer step at two sizes against its ops timed alone: measured,
     # not the defaults (its ops run somewhat slower in a step, not several times; and
     # microseconds more per op, not milliseconds)
     assert scale != 1.0 and 0.5 < scale < 3.0
     assert 0 <= per_op < 1e-3
+    # a stage's ops per pipeline action: microseconds each, not milliseconds
+    assert 0 <= per_op_action < 2e-4
     # two autograd calls per weight op: tens of microseconds at least on this CPU
     assert 1e-6 < per_weight_op < 5e-3
     # the differences of small timings may come out at 0 (clamped) on a loaded machine

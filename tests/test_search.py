@@ -691,6 +691,26 @@ def test_zero_bubble_pays_the_runtime_per_weight_op():
     assert one.step_time_s == one_paid.step_time_s
 
 
+def test_a_pipeline_action_pays_the_runtime_per_op_of_its_stage():
+    """The executor runs a stage's graph once per microbatch: a profile's
+    `op_action_overhead_s` (measured by `runtime_costs`) adds to each stage's F and B per
+    op of the stage, and nothing without a pipeline."""
+    from pxform.cost.hardware import hardware
+
+    args = mlp_args(d=1024, layers=4, batch=4096)
+    slow = dataclasses.replace(hardware("a100-80gb"), op_action_overhead_s=1e-3)
+    base, paid = (plan_schedule(residual_mlp, args, hardware=hw, schedule=ScheduleChoice())
+                  for hw in ("a100-80gb", slow))
+    for b, p in zip(base.stage_plans, paid.stage_plans):
+        ops = sum(base.blocks[k].stop - base.blocks[k].start for k in b.blocks)
+        assert p.forward_s - b.forward_s == pytest.approx(ops * 1e-3, rel=1e-6), (b, p)
+        assert p.backward_s - b.backward_s == pytest.approx(ops * 1e-3, rel=1e-6)
+    assert paid.step_time_s > base.step_time_s
+    one, one_paid = (pxform.auto(residual_mlp, mesh=4, memory_budget="80GiB", hardware=hw,
+                                 plan=Pin(stages=1)).plan(*args) for hw in ("a100-80gb", slow))
+    assert one.step_time_s == one_paid.step_time_s
+
+
 def test_zero_bubble_is_chosen_where_its_simulated_bubble_wins():
     """An MLP's weight gradients are a third of its work: ZB-H1's W actions fill most of
     1F1B's drain, and the search prices both through the schedule simulator."""

@@ -196,7 +196,7 @@ def _power_law(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
 
 _FIXED_COSTS = ("step_overhead_s", "param_overhead_s", "action_overhead_s",
                 "collective_overhead_s", "param_action_overhead_s", "weight_op_overhead_s",
-                "op_step_overhead_s")
+                "op_step_overhead_s", "op_action_overhead_s")
 """The runtime's own fixed costs a profile may carry (`Hardware`)."""
 
 OP_CLASSES = ("matmul", "attention", "gelu", "gelu_tanh", "silu", "softmax",
@@ -344,6 +344,10 @@ class Hardware:
             forward and backward together (a third forward, two thirds backward): the
             same reference step at two batch sizes separates the part that grows with
             the work (`op_time_scale`) from the part per op; 0: not measured.
+        op_action_overhead_s: seconds each op of a pipeline stage costs per pipeline
+            action on top of that (the executor runs a stage's graph once per microbatch,
+            building its autograd graph anew): a reference transformer's 2-stage pipeline
+            at 2 and 8 microbatches, against the model without it; 0: not measured.
         source: where the numbers come from.
 
     Example:
@@ -375,6 +379,7 @@ class Hardware:
     weight_op_overhead_s: float = 0.0
     op_time_scale: float = 1.0
     op_step_overhead_s: float = 0.0
+    op_action_overhead_s: float = 0.0
 
     def __post_init__(self) -> None:
         what = f"Hardware {self.name!r}"

@@ -736,8 +736,9 @@ def summary(hw: Hardware) -> str:
                      f"{hw.action_overhead_s * 1e6:.3g} us per pipeline action, "
                      f"{hw.collective_overhead_s * 1e6:.3g} us per collective, "
                      f"{hw.param_action_overhead_s * 1e6:.3g} us per parameter and "
-                     f"pipeline action, {hw.weight_op_overhead_s * 1e6:.3g} us per weight op "
-                     f"of a zero-bubble W")
+                     f"pipeline action, {hw.op_action_overhead_s * 1e6:.3g} us per stage op "
+                     f"and pipeline action, {hw.weight_op_overhead_s * 1e6:.3g} us per weight "
+                     f"op of a zero-bubble W")
     if hw.op_time_scale != 1.0:
         lines.append(f"  op time scale: {hw.op_time_scale:.3f} (a reference training step "
                      f"over its ops timed alone)")

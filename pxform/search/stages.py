@@ -276,13 +276,15 @@ def _stage_sums(ctx: SearchContext, config: Config, idx: list[int], pt: Point,
             extra += (ctx.model.bucketed_all_reduce(sent, axis, axes)
                       - ctx.packed_rate(config, axis) * sent)
     # the runtime's own host time (`pxform.tools.runtime_costs`): per parameter tensor
-    # per step, and per pipeline action (a zero-bubble W is one more, and asks
-    # autograd for each weight op's gradient apart)
+    # per step, and per pipeline action, with its parameters and ops (a zero-bubble W is
+    # one more, and asks autograd for each weight op's gradient apart)
     hw = ctx.hardware
     num_params = sum(len(a.blocks[k].params) for k in idx)
     extra += hw.param_overhead_s * num_params
     if config.stages > 1:
-        action = hw.action_overhead_s + hw.param_action_overhead_s * num_params
+        num_ops = sum(a.blocks[k].stop - a.blocks[k].start for k in idx)
+        action = (hw.action_overhead_s + hw.param_action_overhead_s * num_params
+                  + hw.op_action_overhead_s * num_ops)
         f += action
         b += action
         if split:

@@ -32,13 +32,20 @@ world and returns the profile with them set:
   (`pxform.runtime.pipeline.recording`): the difference of the median W over 15, less
   what the cost model already charges per parameter and action and for the op's weight
   gradient.
+* `op_action_overhead_s`, per op of a stage per pipeline action (the executor runs the
+  stage's graph once per microbatch and autograd builds and walks it anew each time,
+  beyond what a whole step per op costs): the reference transformer cut into 2 stages
+  after its first layer, a 1F1B pipeline at 2 and at 8 microbatches of the same batch;
+  the measured difference less the one the cost model predicts with the costs above,
+  over 2 x 6 actions x the stages' mean op count. Tiny stages (the action cost above)
+  do not show it: it grows with the ops a stage runs.
 
 * `op_time_scale` and `op_step_overhead_s`, a factor on every op's time and a time per
   op: a reference training step (a 2-layer transformer language model: embedding, layer
   norms, attention, a GELU MLP, the cross-entropy; `_reference`) run under
-  `pxform.value_and_grad` on every rank at once at 1 and at 8 sequences, its median
-  times fitted as the factor times what the cost model gives its ops on one device, plus
-  the time per op (the same ops at both sizes). The op
+  `pxform.value_and_grad` on every rank at once at 1, 2, 4 and 8 sequences, its median
+  times fitted (least squares) as the factor times what the cost model gives its ops on
+  one device, plus the time per op (the same ops at every size). The op
   curves are timed on ops alone, in chains; in a step the same ops run slower (their
   inputs come cold from memory, the allocator churns, autograd's engine walks a bigger
   graph, and copies, fills and sums run that no traced op stands for). This is measured
@@ -79,6 +86,9 @@ from pxform.frontend.boundary import stage_boundary
 from pxform.runtime import world
 from pxform.runtime.mesh import Mesh
 from pxform.runtime.pipeline import recording
+from pxform.search.context import Pin
+from pxform.search.pipelines import ScheduleChoice
+from pxform.search.space import Option
 from pxform.transforms.auto import auto
 from pxform.transforms.grad import value_and_grad
 from pxform.transforms.pipeline import pipeline
@@ -209,27 +219,57 @@ def runtime_costs(hw: Hardware, repeats: int = 9) -> Hardware:
                                              0.0, "matmul"))
         per_weight_op = max(0.0, (many_ops - one) / 15 - per_param_action - compute)
 
-    mine = (per_param, per_step, per_action, per_collective, per_param_action, per_weight_op)
+    per_op_action = 0.0
+    if n >= 2 and n % 2 == 0:
+        per_op_action = _op_action(dataclasses.replace(
+            hw, param_overhead_s=per_param, step_overhead_s=per_step,
+            action_overhead_s=per_action, collective_overhead_s=per_collective,
+            param_action_overhead_s=per_param_action), gen, repeats)
+
+    mine = (per_param, per_step, per_action, per_collective, per_param_action, per_weight_op,
+            per_op_action)
     kept = world.gather_objects(mine)[0] if n > 1 else mine
     return dataclasses.replace(hw, param_overhead_s=kept[0], step_overhead_s=kept[1],
                                action_overhead_s=kept[2], collective_overhead_s=kept[3],
-                               param_action_overhead_s=kept[4], weight_op_overhead_s=kept[5])
+                               param_action_overhead_s=kept[4], weight_op_overhead_s=kept[5],
+                               op_action_overhead_s=kept[6])
 
 
 def _reference(params: dict[str, Any], tokens: torch.Tensor) -> torch.Tensor:
     """A small transformer language model's loss (`_op_time_scale`'s reference step)."""
     h = params["embedding"][tokens]
     for layer in params["layers"]:
-        x = F.layer_norm(h, h.shape[-1:], layer["norm1"])
-        b, s, d = x.shape
-        q, k, v = (t.reshape(b, s, _HEADS, d // _HEADS).transpose(1, 2)
-                   for t in F.linear(x, layer["qkv"]).split(d, dim=-1))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        h = h + F.linear(y.transpose(1, 2).reshape(b, s, d), layer["proj"])
-        x = F.layer_norm(h, h.shape[-1:], layer["norm2"])
-        h = h + F.linear(F.gelu(F.linear(x, layer["up"]), approximate="tanh"), layer["down"])
+        h = _layer(layer, h)
+    return _head(params, h, tokens)
+
+
+def _layer(layer: dict[str, torch.Tensor], h: torch.Tensor) -> torch.Tensor:
+    x = F.layer_norm(h, h.shape[-1:], layer["norm1"])
+    b, s, d = x.shape
+    q, k, v = (t.reshape(b, s, _HEADS, d // _HEADS).transpose(1, 2)
+               for t in F.linear(x, layer["qkv"]).split(d, dim=-1))
+    y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    h = h + F.linear(y.transpose(1, 2).reshape(b, s, d), layer["proj"])
+    x = F.layer_norm(h, h.shape[-1:], layer["norm2"])
+    return h + F.linear(F.gelu(F.linear(x, layer["up"]), approximate="tanh"), layer["down"])
+
+
+def _head(params: dict[str, Any], h: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     logits = F.linear(F.layer_norm(h, h.shape[-1:]), params["embedding"])
     return F.cross_entropy(logits.flatten(0, 1), tokens.flatten())
+
+
+def _reference_params(gen: torch.Generator) -> dict[str, Any]:
+    layers, d, vocab, _ = _REFERENCE
+
+    def weight(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen) / shape[-1] ** 0.5
+
+    return {"embedding": weight(vocab, d),
+            "layers": [{"norm1": torch.ones(d), "norm2": torch.ones(d),
+                        "qkv": weight(3 * d, d), "proj": weight(d, d),
+                        "up": weight(4 * d, d), "down": weight(d, 4 * d)}
+                       for _ in range(layers)]}
 
 
 _HEADS = 4
@@ -246,16 +286,8 @@ def _op_time_scale(hw: Hardware, gen: torch.Generator, repeats: int
     negative. The sizes are timed in turn within each repeat, so a drift in the machine's
     load falls on all of them alike: two sizes timed one after the other gave fits that
     moved the scale by a third between two calibrations."""
-    layers, d, vocab, seq = _REFERENCE
-
-    def weight(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=gen) / shape[-1] ** 0.5
-
-    params = {"embedding": weight(vocab, d),
-              "layers": [{"norm1": torch.ones(d), "norm2": torch.ones(d),
-                          "qkv": weight(3 * d, d), "proj": weight(d, d),
-                          "up": weight(4 * d, d), "down": weight(d, 4 * d)}
-                         for _ in range(layers)]}
+    _, _, vocab, seq = _REFERENCE
+    params = _reference_params(gen)
     # the model's time for the same ops: one device, no fixed costs, no fit yet
     bare = dataclasses.replace(hw, op_time_scale=1.0, op_step_overhead_s=0.0,
                                step_overhead_s=0.0, param_overhead_s=0.0)
@@ -298,6 +330,46 @@ def _fit_scale(measured: list[float], modelled: list[float], ops: int
     square = sum(c * c for c in modelled)  # through the origin: no time per op
     scale = sum(c * t for c, t in zip(modelled, measured)) / square if square > 0 else 0.0
     return (scale, 0.0) if scale > 0 else (1.0, 0.0)
+
+
+def _staged(params: dict[str, Any], tokens: torch.Tensor) -> torch.Tensor:
+    """`_reference` with a pipeline stage boundary after its first layer."""
+    h = params["embedding"][tokens]
+    for k, layer in enumerate(params["layers"]):
+        if k == 1:
+            h = stage_boundary(h)
+        h = _layer(layer, h)
+    return _head(params, h, tokens)
+
+
+def _op_action(hw: Hardware, gen: torch.Generator, repeats: int) -> float:
+    """`op_action_overhead_s` (module doc): the reference transformer's 2-stage 1F1B
+    pipeline at 2 and 8 microbatches of 8 sequences per data-parallel replica, every rank
+    at once; what the measured difference has beyond the cost model's, per op of a stage
+    and per action."""
+    n = world.size()
+    params = _reference_params(gen)
+    _, _, vocab, seq = _REFERENCE
+    tokens = torch.randint(0, vocab, (8 * (n // 2), seq), generator=gen)
+    blocks = len(auto(_staged, mesh=abstract_mesh(n), hardware=hw,
+                      plan=Pin(stages=2)).plan(params, tokens).blocks)
+    calls, predicted, ops = [], [], 0
+    for m in (2, 8):
+        piped = pipeline(_staged, stages=2, microbatches=m)
+        sharded = shard(piped, mesh=Mesh({"pp": 2, "dp": n // 2}), in_specs=(None, P("dp")))
+        step = value_and_grad(sharded)
+        calls.append(functools.partial(step, params, tokens))
+        # the same pipeline as the cost model prices it: data parallel, 1F1B
+        roles = (("outer", "dp"),) if n > 2 else ()
+        pin = Pin(stages=2, outer=n // 2, inner=1, microbatches=m, schedule=ScheduleChoice(),
+                  block_options=(Option(roles, False),) * blocks)
+        plan = auto(_staged, mesh=abstract_mesh(n), hardware=hw, memory_margin=0.0,
+                    plan=pin).plan(params, tokens)
+        predicted.append(plan.step_time_s)
+        ops = sum(b.stop - b.start for b in plan.blocks) // 2  # a stage's, on average
+    _, longer = _paired(calls[0], calls[1], repeats)
+    # 6 more forward-backward slots on the critical path, 2 actions each
+    return max(0.0, (longer - (predicted[1] - predicted[0])) / (2 * 6 * max(ops, 1)))
 
 
 def _weight_action(call: Callable[[], Any], repeats: int) -> float:
