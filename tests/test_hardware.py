@@ -38,7 +38,8 @@ def measured(**kw) -> Hardware:
                 overlap_slowdown=1.8, step_overhead_s=1e-3, param_overhead_s=2e-5,
                 action_overhead_s=4e-4, collective_overhead_s=3e-4,
                 param_action_overhead_s=1e-5, op_time_scale=1.2,
-                op_step_overhead_s=5e-6, op_action_overhead_s=7e-6)
+                op_step_overhead_s=5e-6, op_action_overhead_s=7e-6,
+                recompute_overhead_s=2e-4)
     args.update(kw)
     return Hardware(**args)  # type: ignore[arg-type]
 
@@ -484,15 +485,22 @@ def test_bucketed_all_reduce_exposes_the_last_bucket():
     model = CostModel(hw)
     axes = {"dp": (2, 0)}
     bucket = BUCKET_BYTES * 2 * (2 - 1) / 2  # a full bucket's ring volume on 2 ranks
+
+    def pack(sent: float) -> float:  # the gradients copied into the buckets (local bytes)
+        return model.op_times(0.0, torch.float32, 2.0 * sent, "elementwise")[0]
+
     assert model.bucketed_all_reduce(0.0, "dp", axes) == 0.0
-    assert model.bucketed_all_reduce(1e6, "dp", axes) == table.time(1e6)  # one bucket
+    one = model.bucketed_all_reduce(1e6, "dp", axes)  # one bucket
+    assert one == pytest.approx(table.time(1e6) + pack(1e6))
+    assert pack(1e6) > 0
     t = model.bucketed_all_reduce(2.5 * bucket, "dp", axes)
-    assert t == pytest.approx(table.time(0.5 * bucket) + 0.5 * 2 * table.time(bucket))
+    assert t == pytest.approx(table.time(0.5 * bucket) + 0.5 * 2 * table.time(bucket)
+                              + pack(2.5 * bucket))
     # one latency per bucket, not per block: cheaper than 10 blocks' own all-reduces
-    assert model.bucketed_all_reduce(1e6, "dp", axes) < 10 * table.time(1e5)
+    assert one < 10 * table.time(1e5)
     # the runtime's own time per collective (`runtime_costs`) comes once per bucket too
     busy = CostModel(replace(hw, collective_overhead_s=1e-3))
-    assert busy.bucketed_all_reduce(1e6, "dp", axes) == pytest.approx(table.time(1e6) + 1e-3)
+    assert busy.bucketed_all_reduce(1e6, "dp", axes) == pytest.approx(one + 1e-3)
 
 
 def measure_runtime_costs() -> tuple[float, ...]:
@@ -502,21 +510,23 @@ def measure_runtime_costs() -> tuple[float, ...]:
     hw = runtime_costs(calibrate(sizes=SIZES, repeats=1))
     return (hw.param_overhead_s, hw.step_overhead_s, hw.action_overhead_s,
             hw.collective_overhead_s, hw.param_action_overhead_s, hw.weight_op_overhead_s,
-            hw.op_time_scale, hw.op_step_overhead_s, hw.op_action_overhead_s)
+            hw.op_time_scale, hw.op_step_overhead_s, hw.op_action_overhead_s,
+            hw.recompute_overhead_s)
 
 
 def test_runtime_costs_are_measured_on_real_programs(world):
     """`pxform.tools.runtime_costs` times data-parallel steps over 4 and 64 parameters, a
     2-stage pipeline at 2 and 8 microbatches, a tensor-parallel chain at 2 and 26
-    layers, a zero-bubble pipeline's W actions over 1 and 16 weight ops, and a reference
-    transformer step against the op model (`op_time_scale`): every rank
+    layers, a zero-bubble pipeline's W actions over 1 and 16 weight ops, a reference
+    transformer step against the op model (`op_time_scale`), and tiny layers recomputed
+    against not (`recompute_overhead_s`): every rank
     gets rank 0's numbers, each positive and below the step times they come from (a hook
     and a gradient per parameter, a pipeline action, a collective's wrapping, autograd
     asked per weight op: microseconds to a millisecond here, not seconds)."""
     results = world.run(measure_runtime_costs)
     assert results[0] == results[1]
     per_param, per_step, per_action, per_collective, per_param_action, per_weight_op, \
-        scale, per_op, per_op_action = results[0]
+        scale, per_op, per_op_action, per_region = results[0]
     # a reference transformer step at two sizes against its ops timed alone: measured,
     # not the defaults (its ops run somewhat slower in a step, not several times; and
     # microseconds more per op, not milliseconds)
@@ -526,6 +536,9 @@ def test_runtime_costs_are_measured_on_real_programs(world):
     assert 0 <= per_op_action < 2e-4
     # two autograd calls per weight op: tens of microseconds at least on this CPU
     assert 1e-6 < per_weight_op < 5e-3
+    # torch's checkpoint per region: over a hundred microseconds here, far above the
+    # tiny ops it recomputes (clamped at 0 would mean the measurement failed)
+    assert 1e-5 < per_region < 5e-3
     # the differences of small timings may come out at 0 (clamped) on a loaded machine
     # (a stream of tiny collectives can run faster than the comm table's barrier-timed
     # ones it is corrected by); a hook per parameter always costs something

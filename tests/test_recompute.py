@@ -11,6 +11,7 @@ recomputing fewer blocks than uniform recompute. Errors name the op, dim and fix
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import optree
@@ -460,3 +461,35 @@ def test_the_search_prices_a_recompute_up_to_the_last_saved_tensor():
     extra = redone.backward_s - plain.backward_s
     assert plain.forward_s == pytest.approx(redone.forward_s)
     assert 0.4 * plain.forward_s < extra < 0.7 * plain.forward_s, (extra, plain.forward_s)
+
+
+def test_a_recompute_region_pays_the_checkpoint_per_microbatch():
+    """torch's checkpoint costs per region (its frame, hooks, RNG state: 0.1-0.4 ms here,
+    `runtime_costs` measures it as `recompute_overhead_s`): the search adds it to the
+    backward of every recomputed block, once per microbatch, and nothing to the blocks it
+    does not recompute."""
+    from test_search import mlp_args, residual_mlp
+
+    from pxform.cost.hardware import hardware
+    from pxform.search import Pin
+    from pxform.search.space import Option
+
+    params, x, y = mlp_args(layers=4)
+    slow = dataclasses.replace(hardware("a100-80gb"), recompute_overhead_s=1e-3)
+
+    def planned(hw, redo, microbatches):
+        blocks = len(pxform.auto(residual_mlp, mesh=1, memory_budget="1TiB",
+                                 hardware=hw).plan(params, x, y).blocks)
+        options = tuple(Option((), redo and k % 2 == 0) for k in range(blocks))
+        return pxform.auto(residual_mlp, mesh=1, memory_budget="1TiB", hardware=hw,
+                           plan=Pin(stages=1, outer=1, inner=1, microbatches=microbatches,
+                                    block_options=options)).plan(params, x, y)
+
+    for m in (1, 4):
+        base, paid = planned("a100-80gb", True, m), planned(slow, True, m)
+        regions = sum(b.recompute for b in base.blocks)
+        assert regions >= 2
+        assert paid.step_time_s - base.step_time_s == pytest.approx(regions * m * 1e-3,
+                                                                    rel=1e-6)
+        # without a recompute the profile's figure changes nothing
+        assert planned(slow, False, m).step_time_s == planned("a100-80gb", False, m).step_time_s

@@ -196,7 +196,7 @@ def _power_law(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
 
 _FIXED_COSTS = ("step_overhead_s", "param_overhead_s", "action_overhead_s",
                 "collective_overhead_s", "param_action_overhead_s", "weight_op_overhead_s",
-                "op_step_overhead_s", "op_action_overhead_s")
+                "op_step_overhead_s", "op_action_overhead_s", "recompute_overhead_s")
 """The runtime's own fixed costs a profile may carry (`Hardware`)."""
 
 OP_CLASSES = ("matmul", "attention", "gelu", "gelu_tanh", "silu", "softmax",
@@ -348,6 +348,11 @@ class Hardware:
             action on top of that (the executor runs a stage's graph once per microbatch,
             building its autograd graph anew): a reference transformer's 2-stage pipeline
             at 2 and 8 microbatches, against the model without it; 0: not measured.
+        recompute_overhead_s: seconds each recompute region costs per microbatch beyond
+            the ops it runs again (torch's non-reentrant checkpoint: its frame, the saved
+            tensors' hooks, the RNG state, the stop of the recompute, and the region's
+            entry into pxform's process groups): a chain of tiny recomputed layers
+            against the same without recompute; 0: not measured.
         source: where the numbers come from.
 
     Example:
@@ -380,6 +385,7 @@ class Hardware:
     op_time_scale: float = 1.0
     op_step_overhead_s: float = 0.0
     op_action_overhead_s: float = 0.0
+    recompute_overhead_s: float = 0.0
 
     def __post_init__(self) -> None:
         what = f"Hardware {self.name!r}"

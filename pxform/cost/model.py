@@ -224,6 +224,10 @@ class CostModel:
         (`pxform.runtime.buckets`). The last bucket (the rest) is launched when backward
         ends and costs its whole time; each full bucket before it runs under the
         backward that follows and costs `overlap_slowdown - 1` of its time (`overlap`).
+        Packing the gradients into the buckets (`torch.cat`, on the compute thread, so not
+        overlapped) is a copy of their local bytes, priced as an elementwise op: on CPUs
+        it is 2 ms of a 60 ms data-parallel step for 3.3 MiB of gradients (its output is
+        fresh memory each step), which the model had left out.
 
         Example:
             >>> model.bucketed_all_reduce(0.0, "outer", axes)
@@ -232,11 +236,15 @@ class CostModel:
         if sent <= 0:
             return 0.0
         n = axes[axis][0]
+        if n <= 1:
+            return 0.0
         bucket = BUCKET_BYTES * 2 * (n - 1) / n  # a full bucket's ring volume
         full, rest = divmod(sent, bucket)
         if rest == 0:
             full, rest = full - 1, bucket
-        return (self.step_time("all_reduce", axis, rest, axes)
+        local = sent * n / (2 * (n - 1))  # the packed bytes (sent is the ring volume)
+        pack = self.op_times(0.0, torch.float32, 2.0 * local, "elementwise")[0]
+        return (pack + self.step_time("all_reduce", axis, rest, axes)
                 + (self.overlap_slowdown - 1) * full
                 * self.step_time("all_reduce", axis, bucket, axes))
 

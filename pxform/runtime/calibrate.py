@@ -16,7 +16,9 @@ What is measured
 * collectives: every kind over the whole world and, with 4 or more ranks, over groups of 2
   consecutive ranks (all pairs at once, as a mesh axis of size 2 would run them); p2p is a
   ping-pong between ranks 0 and 1 (half the round trip, timed on rank 0). Per message size:
-  one warm-up, then `repeats` runs, each after a barrier; the median. Message sizes are the
+  one warm-up, then `repeats` runs, each after a barrier, the sizes in turn within each
+  repeat; the trimmed mean (`trimmed_mean`: a collective's time on a shared machine is
+  bimodal, and the median flips between the modes). Message sizes are the
   bytes of the local float32 tensor, rounded up to a whole number of elements divisible by
   the group size. Times are stored against the bytes each rank sends (the ring volumes of
   `pxform.core.layout`) and made non-decreasing in size (a running maximum: noise must not
@@ -48,7 +50,7 @@ import torch.distributed as dist
 from pxform.core.units import format_bytes, parse_bytes
 from pxform.cost.hardware import COLLECTIVE_KINDS, CommTable, Hardware, Link, OpCurve, ring_steps
 
-__all__ = ["add_arguments", "calibrate", "main", "summary"]
+__all__ = ["add_arguments", "calibrate", "main", "summary", "trimmed_mean"]
 
 # A single matmul slower than this stops the size sweep of its dtype.
 _COMPUTE_BUDGET_S = 0.25
@@ -84,7 +86,9 @@ def calibrate(*, sizes: Sequence[int] = (2**10, 2**14, 2**18, 2**22), repeats: i
 
     Args:
         sizes: message sizes in bytes (of the local tensor), each timed per kind and group.
-        repeats: timed runs per size (after one warm-up); the median counts.
+        repeats: timed runs per size (after one warm-up). A collective's sizes are timed
+            in turn within each repeat and count by their trimmed mean (`trimmed_mean`:
+            on shared machines a collective's time is bimodal), ops by their median.
         kinds: collective kinds to time (all_reduce, all_gather, reduce_scatter,
             all_to_all, p2p).
         name: the profile's name (default: the device name and the world size).
@@ -385,6 +389,29 @@ def _timed_once(run: Callable[[], object], device: torch.device) -> float:
     return time.perf_counter() - start
 
 
+def trimmed_mean(values: Sequence[float], cut: float = 0.2) -> float:
+    """The mean of `values` without the lowest and the highest `cut` of them (the plain
+    mean below 5 values).
+
+    What a collective costs is timed this way, not by the median: on a virtual machine a
+    gloo collective pays a wake-up of 2-3 ms in 30-60 % of calls (measured here on
+    2026-11-26: a 64 KiB all-reduce took 0.3 ms or 3.0 ms, a 4 MiB one 2.1 ms or 5 ms),
+    so its median jumps from one mode to the other between calibrations (2.2 ms and 0.4
+    ms for 256 KiB). A training step pays the mixture: the trimmed mean measures it, and
+    still drops the rare outlier.
+
+    Example:
+        >>> trimmed_mean([1.0, 1.0, 1.0, 3.0, 3.0, 100.0])
+        2.0
+    """
+    xs = sorted(values)
+    if not xs:
+        raise ValueError("trimmed_mean: no values")
+    k = int(len(xs) * cut) if len(xs) >= 5 else 0
+    kept = xs[k:len(xs) - k]
+    return sum(kept) / len(kept)
+
+
 def _spread(values: Sequence[float]) -> float:
     """The relative interquartile range of `values` (0 for fewer than 2)."""
     if len(values) < 2:
@@ -476,17 +503,12 @@ def _measure_comms(sizes: Sequence[int], repeats: int, kinds: tuple[str, ...], w
         barrier_kwargs["device_ids"] = [device.index]
 
     def timed(op: Callable[[], object]) -> float:
-        op()  # warm-up (also creates lazy communicators)
+        dist.barrier(**barrier_kwargs)
         _sync(device)
-        times = []
-        for _ in range(repeats):
-            dist.barrier(**barrier_kwargs)
-            _sync(device)
-            start = time.perf_counter()
-            op()
-            _sync(device)
-            times.append(time.perf_counter() - start)
-        return statistics.median(times)
+        start = time.perf_counter()
+        op()
+        _sync(device)
+        return time.perf_counter() - start
 
     tables: list[CommTable] = []
     for is_world, group, n, member in configs:
@@ -495,22 +517,29 @@ def _measure_comms(sizes: Sequence[int], repeats: int, kinds: tuple[str, ...], w
                 continue  # p2p: once, ranks 0 and 1 of the world
             size_n = 2 if kind == "p2p" else n
             level = _level(size_n, devices_per_node)
+            numels = sorted({max(n, math.ceil(size / 4 / n) * n)  # float32, divisible by n
+                             for size in sizes})
+            ops = [_collective(kind, numel, group, n, rank, member, device)
+                   for numel in numels]
+            for op in ops:
+                op()  # warm-up (also creates lazy communicators)
+            _sync(device)
+            # the sizes in turn within each repeat: a slow spell of the machine falls on
+            # every size alike instead of on the one timed then
+            times: list[list[float]] = [[] for _ in numels]
+            for _ in range(repeats):
+                for k, op in enumerate(ops):
+                    times[k].append(timed(op))
             points: list[tuple[float, float]] = []
-            seen: set[int] = set()
-            for size in sizes:
-                numel = max(n, math.ceil(size / 4 / n) * n)  # float32, divisible by n
-                if numel in seen:
-                    continue
-                seen.add(numel)
-                op = _collective(kind, numel, group, n, rank, member, device)
-                seconds = timed(op)
+            for numel, ts in zip(numels, times):
+                seconds = trimmed_mean(ts)
                 if kind == "p2p":
                     seconds /= 2  # ping-pong: half the round trip
                 sent = _sent_bytes(kind, numel * 4, size_n)
                 points.append((sent, seconds))
                 say(f"{kind} n={size_n} level {level}: "
                     f"{format_bytes(numel * 4)} local, {format_bytes(sent)} sent: "
-                    f"{seconds * 1e6:.1f} us")
+                    f"{seconds * 1e6:.1f} us (spread {_spread(ts):.2f})")
             running = 0.0
             monotone = []
             for sent, seconds in points:
@@ -738,7 +767,8 @@ def summary(hw: Hardware) -> str:
                      f"{hw.param_action_overhead_s * 1e6:.3g} us per parameter and "
                      f"pipeline action, {hw.op_action_overhead_s * 1e6:.3g} us per stage op "
                      f"and pipeline action, {hw.weight_op_overhead_s * 1e6:.3g} us per weight "
-                     f"op of a zero-bubble W")
+                     f"op of a zero-bubble W, {hw.recompute_overhead_s * 1e6:.3g} us per "
+                     f"recompute region and microbatch")
     if hw.op_time_scale != 1.0:
         lines.append(f"  op time scale: {hw.op_time_scale:.3f} (a reference training step "
                      f"over its ops timed alone)")

@@ -156,8 +156,11 @@ def option_cost(ctx: SearchContext, block: BlockInfo, config: Config, option: Op
     w = walk_cost(ctx, block, config, option)
     model = ctx.model
     f = w.fwd_compute + w.fwd_comm
-    # recomputed: the forward again, as far as the backward needs it (`WalkCost.redo_fwd`)
-    bc = w.bwd_compute + w.bwd_comm + (w.redo_fwd if option.recompute else 0.0)
+    # recomputed: the forward again, as far as the backward needs it (`WalkCost.redo_fwd`),
+    # and the checkpoint's own cost per region (a recomputed block is one region)
+    bc = w.bwd_compute + w.bwd_comm
+    if option.recompute:
+        bc += w.redo_fwd + ctx.hardware.recompute_overhead_s
     saved = w.saved_bytes
     if not option.reshard:
         # ZeRO-3 keeping what forward gathered (`Option.reshard`): backward gathers

@@ -40,6 +40,12 @@ world and returns the profile with them set:
   over 2 x 6 actions x the stages' mean op count. Tiny stages (the action cost above)
   do not show it: it grows with the ops a stage runs.
 
+* `recompute_overhead_s`, per recompute region per microbatch (torch's non-reentrant
+  checkpoint: its frame, the saved tensors' hooks, the RNG state, stopping the recompute;
+  the region's re-entry into pxform's process groups): tiny residual layers, data
+  parallel, every block recomputed against none; the measured difference less the
+  predicted one (the ops recomputed), over the regions (`_recompute_region`).
+
 * `op_time_scale` and `op_step_overhead_s`, a factor on every op's time and a time per
   op: a reference training step (a 2-layer transformer language model: embedding, layer
   norms, attention, a GELU MLP, the cross-entropy; `_reference`) run under
@@ -226,13 +232,17 @@ def runtime_costs(hw: Hardware, repeats: int = 9) -> Hardware:
             action_overhead_s=per_action, collective_overhead_s=per_collective,
             param_action_overhead_s=per_param_action), gen, repeats)
 
+    per_region = _recompute_region(dataclasses.replace(
+        hw, param_overhead_s=per_param, step_overhead_s=per_step,
+        collective_overhead_s=per_collective), gen, repeats)
+
     mine = (per_param, per_step, per_action, per_collective, per_param_action, per_weight_op,
-            per_op_action)
+            per_op_action, per_region)
     kept = world.gather_objects(mine)[0] if n > 1 else mine
     return dataclasses.replace(hw, param_overhead_s=kept[0], step_overhead_s=kept[1],
                                action_overhead_s=kept[2], collective_overhead_s=kept[3],
                                param_action_overhead_s=kept[4], weight_op_overhead_s=kept[5],
-                               op_action_overhead_s=kept[6])
+                               op_action_overhead_s=kept[6], recompute_overhead_s=kept[7])
 
 
 def _reference(params: dict[str, Any], tokens: torch.Tensor) -> torch.Tensor:
@@ -370,6 +380,44 @@ def _op_action(hw: Hardware, gen: torch.Generator, repeats: int) -> float:
     _, longer = _paired(calls[0], calls[1], repeats)
     # 6 more forward-backward slots on the critical path, 2 actions each
     return max(0.0, (longer - (predicted[1] - predicted[0])) / (2 * 6 * max(ops, 1)))
+
+
+def _tiny_layers(ws: list[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """Residual layers of a tiny matmul and a tanh (`_recompute_region`'s program)."""
+    for w in ws:
+        x = x + torch.tanh(x @ w)
+    return x.sum()
+
+
+_REGION_LAYERS = 16
+
+
+def _recompute_region(hw: Hardware, gen: torch.Generator, repeats: int) -> float:
+    """`recompute_overhead_s` (module doc): `_tiny_layers` with `_REGION_LAYERS` layers,
+    data parallel over the world, every block recomputed against none (planned and run by
+    `auto`, paired); the measured difference less the one the cost model predicts (the
+    recomputed ops), over the recompute regions (one per recomputed block). The layers'
+    ops are tiny, so what is left is the checkpoint's own cost: 0.15 ms per region for
+    torch's checkpoint alone here, against 10 us for the ops it recomputes."""
+    n = world.size()
+    ws = [torch.randn(_WIDTH, _WIDTH, generator=gen) / _WIDTH for _ in range(_REGION_LAYERS)]
+    x = torch.randn(2 * n, _WIDTH, generator=gen)
+    roles = (("outer", "dp"),) if n > 1 else ()
+    blocks = len(auto(_tiny_layers, mesh=abstract_mesh(n), hardware=hw).plan(ws, x).blocks)
+    calls, predicted, regions = [], [], 0
+    for redo in (False, True):
+        pin = Pin(stages=1, outer=n, inner=1, microbatches=1,
+                  block_options=(Option(roles, redo),) * blocks)
+        step = auto(_tiny_layers, mesh=n, hardware=hw, memory_margin=0.0, plan=pin)
+        plan = step.plan(ws, x)
+        predicted.append(plan.step_time_s)
+        regions = sum(b.recompute for b in plan.blocks)
+        args = step.distribute(ws, x)
+        calls.append(functools.partial(value_and_grad(step), *args))
+    if not regions:
+        return 0.0
+    _, longer = _paired(calls[0], calls[1], repeats)
+    return max(0.0, (longer - (predicted[1] - predicted[0])) / regions)
 
 
 def _weight_action(call: Callable[[], Any], repeats: int) -> float:
