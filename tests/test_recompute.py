@@ -402,25 +402,17 @@ def test_coshard_pieces_are_pieces_of_each_ranks_shard():
     assert texts["coshard_batch"] == texts["plain"]
 
 
-def test_recompute_stops_at_the_last_tensor_the_backward_saved():
-    """A recomputed residual MLP redoes its first linear and the GELU, not the second
-    linear nor the residual add: the second linear saves its input (the GELU's output)
-    and nothing after it is saved, so torch's checkpoint stops there. The search prices
-    a recompute that way (`WalkCost.redo_fwd`)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
+def test_recompute_runs_up_to_the_last_op_that_saves_a_tensor():
+    """A recomputed residual MLP block redoes both linears and the GELU but not the
+    residual add: autograd saves an op's inputs after its kernel ran, so torch's
+    checkpoint stops only once the second linear has run (it saves the GELU's output),
+    and skips what follows. Counted with the profiler: a TorchDispatchMode changes what
+    the recompute runs (under one it stopped before the second linear). The search
+    prices a recompute that way (`WalkCost.redo_fwd`)."""
+    from torch.profiler import profile
 
     def block(p, x):
         return x + F.linear(F.gelu(F.linear(x, p["w1"])), p["w2"])
-
-    class Count(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.matmuls = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default):
-                self.matmuls += 1
-            return func(*args, **(kwargs or {}))
 
     g = torch.Generator().manual_seed(0)
     p = {"w1": torch.randn(32, 8, generator=g, dtype=torch.float64),
@@ -430,18 +422,22 @@ def test_recompute_stops_at_the_last_tensor_the_backward_saved():
     for name, fn in (("plain", block), ("recomputed", pxform.recompute(block))):
         step = pxform.value_and_grad(lambda p, x, fn=fn: fn(p, x).square().sum())
         step(p, x)  # traced and lowered outside the count
-        with Count() as count:
+        with profile() as prof:
             step(p, x)
-        counts[name] = count.matmuls
-    # plain: 2 forward, 3 backward (both weight gradients, the GELU's input gradient; x
-    # takes none); recomputed: the first linear again, not the second (that would be 7)
-    assert counts == {"plain": 5, "recomputed": 6}, counts
+        events = {e.key: e.count for e in prof.key_averages()}
+        counts[name] = tuple(events.get(f"aten::{op}", 0) for op in ("mm", "gelu", "add"))
+    # plain: 2 matmuls forward, 3 backward (both weight gradients, the GELU's input
+    # gradient; x takes none), one GELU, one add; recomputed: both matmuls and the GELU
+    # again, the add not
+    assert counts["plain"][:2] == (5, 1), counts
+    assert counts["recomputed"] == (7, 2, counts["plain"][2]), counts
 
 
-def test_the_search_prices_a_recompute_up_to_the_last_saved_tensor():
+def test_the_search_prices_a_recompute_up_to_the_last_op_that_saves():
     """The same stops in the cost model: recomputing every residual MLP block adds to
-    backward its first linear and GELU, about half the forward here (two equal linears),
-    not the whole forward."""
+    backward its linears and GELU, not its residual add (nor the loss's mean): nearly
+    the whole forward, but less (before 2026-11-26 the model stopped before the second
+    linear and priced half the forward, and measured recomputes cost twice that)."""
     from test_search import mlp_args, residual_mlp
 
     from pxform.search import Pin
@@ -460,7 +456,7 @@ def test_the_search_prices_a_recompute_up_to_the_last_saved_tensor():
     plain, redone = plans[False].stage_plans[0], plans[True].stage_plans[0]
     extra = redone.backward_s - plain.backward_s
     assert plain.forward_s == pytest.approx(redone.forward_s)
-    assert 0.4 * plain.forward_s < extra < 0.7 * plain.forward_s, (extra, plain.forward_s)
+    assert 0.9 * plain.forward_s < extra < plain.forward_s, (extra, plain.forward_s)
 
 
 def test_a_recompute_region_pays_the_checkpoint_per_microbatch():

@@ -286,6 +286,9 @@ class SavedBytes:
     # storage or a view of it: what a zero-bubble stage keeping the output for its W
     # adds beyond the saved bytes is the outputs saved by none (empty: not known)
     outputs_saved: tuple[bool, ...] = ()
+    # whether the op saves any tensor at all (also one counted for an earlier op, or a
+    # parameter): torch's checkpoint recomputes up to the last op that does
+    packs: bool = False
 
     @property
     def total(self) -> int:
@@ -337,12 +340,14 @@ def saved_bytes_per_op(graph: Graph, start: int, stop: int, skip: set[str]
     stored: dict[str, None] = {}  # skipped values the running op saves, in order
     saved: list[SavedBytes] = []
     packed: set[int] = set()  # every storage any op saved (ids of `made`'s storages)
+    packs = [0]  # tensors the running op saved, counted or not
     made: list[tuple[object | None, ...]] = []  # per op its outputs' storages (kept alive)
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         storage = t.untyped_storage()
         key = id(storage)
         packed.add(key)
+        packs[0] += 1
         if key in skipped:
             stored[skipped[key]] = None
         elif key not in seen:
@@ -366,7 +371,9 @@ def saved_bytes_per_op(graph: Graph, start: int, stop: int, skip: set[str]
                 by_out[outs.index(key)] += nbytes
             else:
                 other += nbytes
-        saved.append(SavedBytes(tuple(by_in), tuple(by_out), other, tuple(stored)))
+        saved.append(SavedBytes(tuple(by_in), tuple(by_out), other, tuple(stored),
+                                packs=packs[0] > 0))
+        packs[0] = 0
         made.append(tuple(r.untyped_storage() if isinstance(r, torch.Tensor) else None
                           for r in results[:len(op.outputs)]))
         pending.clear()

@@ -17,8 +17,8 @@ What is measured
   consecutive ranks (all pairs at once, as a mesh axis of size 2 would run them); p2p is a
   ping-pong between ranks 0 and 1 (half the round trip, timed on rank 0). Per message size:
   one warm-up, then `repeats` runs, each after a barrier, the sizes in turn within each
-  repeat; the trimmed mean (`trimmed_mean`: a collective's time on a shared machine is
-  bimodal, and the median flips between the modes). Message sizes are the
+  repeat; the lower quartile (`lower_quartile`: a collective's time on a shared machine
+  is bimodal, and the median flips between the modes). Message sizes are the
   bytes of the local float32 tensor, rounded up to a whole number of elements divisible by
   the group size. Times are stored against the bytes each rank sends (the ring volumes of
   `pxform.core.layout`) and made non-decreasing in size (a running maximum: noise must not
@@ -50,7 +50,7 @@ import torch.distributed as dist
 from pxform.core.units import format_bytes, parse_bytes
 from pxform.cost.hardware import COLLECTIVE_KINDS, CommTable, Hardware, Link, OpCurve, ring_steps
 
-__all__ = ["add_arguments", "calibrate", "main", "summary", "trimmed_mean"]
+__all__ = ["add_arguments", "calibrate", "main", "lower_quartile", "summary"]
 
 # A single matmul slower than this stops the size sweep of its dtype.
 _COMPUTE_BUDGET_S = 0.25
@@ -87,8 +87,9 @@ def calibrate(*, sizes: Sequence[int] = (2**10, 2**14, 2**18, 2**22), repeats: i
     Args:
         sizes: message sizes in bytes (of the local tensor), each timed per kind and group.
         repeats: timed runs per size (after one warm-up). A collective's sizes are timed
-            in turn within each repeat and count by their trimmed mean (`trimmed_mean`:
-            on shared machines a collective's time is bimodal), ops by their median.
+            in turn within each repeat and count by their lower quartile
+            (`lower_quartile`: on shared machines a collective's time is bimodal), ops
+            by their median.
         kinds: collective kinds to time (all_reduce, all_gather, reduce_scatter,
             all_to_all, p2p).
         name: the profile's name (default: the device name and the world size).
@@ -389,27 +390,25 @@ def _timed_once(run: Callable[[], object], device: torch.device) -> float:
     return time.perf_counter() - start
 
 
-def trimmed_mean(values: Sequence[float], cut: float = 0.2) -> float:
-    """The mean of `values` without the lowest and the highest `cut` of them (the plain
-    mean below 5 values).
+def lower_quartile(values: Sequence[float]) -> float:
+    """The lower quartile of `values` (the value a quarter of them are below).
 
-    What a collective costs is timed this way, not by the median: on a virtual machine a
-    gloo collective pays a wake-up of 2-3 ms in 30-60 % of calls (measured here on
-    2026-11-26: a 64 KiB all-reduce took 0.3 ms or 3.0 ms, a 4 MiB one 2.1 ms or 5 ms),
-    so its median jumps from one mode to the other between calibrations (2.2 ms and 0.4
-    ms for 256 KiB). A training step pays the mixture: the trimmed mean measures it, and
-    still drops the rare outlier.
+    What a collective's transfer costs is timed this way, not by the median: on a virtual
+    machine a gloo collective pays a wake-up of 2-3 ms in 30-60 % of calls (measured here
+    on 2026-11-26: a 64 KiB all-reduce took 0.3 ms or 3.0 ms, a 4 MiB one 2.1 ms or 5
+    ms), so its median jumps from one mode to the other between calibrations (2.2 ms and
+    0.4 ms for 256 KiB). The lower quartile is the transfer's own time; what a step pays
+    per collective on top of it (host work, waking up) is `runtime_costs`'s
+    `collective_overhead_s`, timed on collectives inside a step, for every kind.
 
     Example:
-        >>> trimmed_mean([1.0, 1.0, 1.0, 3.0, 3.0, 100.0])
-        2.0
+        >>> lower_quartile([1.0, 1.1, 1.2, 3.0, 3.1, 3.2, 3.3, 3.4])
+        1.2
     """
     xs = sorted(values)
     if not xs:
-        raise ValueError("trimmed_mean: no values")
-    k = int(len(xs) * cut) if len(xs) >= 5 else 0
-    kept = xs[k:len(xs) - k]
-    return sum(kept) / len(kept)
+        raise ValueError("lower_quartile: no values")
+    return xs[len(xs) // 4]
 
 
 def _spread(values: Sequence[float]) -> float:
@@ -532,7 +531,7 @@ def _measure_comms(sizes: Sequence[int], repeats: int, kinds: tuple[str, ...], w
                     times[k].append(timed(op))
             points: list[tuple[float, float]] = []
             for numel, ts in zip(numels, times):
-                seconds = trimmed_mean(ts)
+                seconds = lower_quartile(ts)
                 if kind == "p2p":
                     seconds /= 2  # ping-pong: half the round trip
                 sent = _sent_bytes(kind, numel * 4, size_n)

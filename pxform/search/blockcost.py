@@ -120,9 +120,10 @@ class WalkCost:
     weight_held_bytes: float = 0.0  # of `weight_out_bytes`' outputs, those no op saves:
                                     # a zero-bubble stage keeps them from F to W (the
                                     # roots its W asks autograd from), beyond the saved
-    redo_fwd: float = 0.0  # what recomputing the block runs again: its forward up to the
-                           # last op that makes a tensor the backward saved (torch's
-                           # checkpoint stops there), and its parameter gathers
+    redo_fwd: float = 0.0  # what recomputing the block runs again: its forward up to and
+                           # with the last op that saves a tensor for backward (torch's
+                           # checkpoint stops once that op saved it: autograd saves an
+                           # op's inputs after its kernel ran), and its parameter gathers
 
 
 def _floating(v: Value) -> bool:
@@ -176,7 +177,6 @@ def walk(a: Analysis, block: BlockInfo, strats: list[Strategy], outside: Mapping
     redo = bwd_compute = weight_compute = weight_out = weight_ops = weight_held = 0.0
     # the forward so far, and up to where a recompute must run (`WalkCost.redo_fwd`)
     ran = redo_until = 0.0
-    made_at: dict[str, float] = {}  # a value made in the block -> the forward up to it
     # values made from parameters alone (a transposed or cast weight): weights too
     weights = set(a.params) | set(a.param_casts)
     classes = a.op_classes or ("elementwise",) * len(a.graph.ops)
@@ -270,13 +270,8 @@ def walk(a: Analysis, block: BlockInfo, strats: list[Strategy], outside: Mapping
             values[v.name] = v
         # (this op's forward: its compute and the re-layouts of its inputs, `fwd_comm`)
         ran = fwd_compute + fwd_comm
-        for v in op.outputs:
-            made_at[v.name] = ran
-        if any(kept_by.outputs) or kept_by.other:
+        if kept_by.packs:
             redo_until = ran
-        for v, nbytes in zip(op.inputs, kept_by.inputs):
-            if nbytes:
-                redo_until = max(redo_until, made_at.get(v.name, 0.0))
     gather_time = sum(model.step_time(kind, axis, sent, axes)
                       for (kind, axis), sent in gathers.items())
     fwd_comm += gather_time
