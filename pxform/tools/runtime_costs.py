@@ -377,7 +377,9 @@ def _op_action(hw: Hardware, gen: torch.Generator, repeats: int) -> float:
                     plan=pin).plan(params, tokens)
         predicted.append(plan.step_time_s)
         ops = sum(b.stop - b.start for b in plan.blocks) // 2  # a stage's, on average
-    _, longer = _paired(calls[0], calls[1], repeats)
+    # thrice the repeats: a difference of steps of tens of milliseconds, each spread
+    # by a third on a loaded machine (five calibrations gave 0-19 us per op with 9)
+    _, longer = _paired(calls[0], calls[1], 3 * repeats)
     # 6 more forward-backward slots on the critical path, 2 actions each
     return max(0.0, (longer - (predicted[1] - predicted[0])) / (2 * 6 * max(ops, 1)))
 
