@@ -50,7 +50,7 @@ import torch.distributed as dist
 from pxform.core.units import format_bytes, parse_bytes
 from pxform.cost.hardware import COLLECTIVE_KINDS, CommTable, Hardware, Link, OpCurve, ring_steps
 
-__all__ = ["add_arguments", "calibrate", "main", "lower_quartile", "summary"]
+__all__ = ["add_arguments", "calibrate", "main", "lower_quartile", "sent_bytes", "summary"]
 
 # A single matmul slower than this stops the size sweep of its dtype.
 _COMPUTE_BUDGET_S = 0.25
@@ -62,9 +62,14 @@ _LOOPBACK = Link("loopback", latency_s=10e-6, bandwidth=100e9,
                         "AxisCost defaults")
 
 
-def _sent_bytes(kind: str, local_bytes: float, n: int) -> float:
+def sent_bytes(kind: str, local_bytes: float, n: int) -> float:
     """Bytes each rank sends in a ring collective on a local tensor of `local_bytes`
-    (pxform.core.layout's volumes)."""
+    (pxform.core.layout's volumes): what the comm tables are indexed by.
+
+    Example:
+        >>> sent_bytes("all_reduce", 1024, 2), sent_bytes("all_gather", 1024, 4)
+        (1024.0, 3072)
+    """
     if kind == "all_reduce":
         return 2 * (n - 1) / n * local_bytes
     if kind == "all_gather":
@@ -534,7 +539,7 @@ def _measure_comms(sizes: Sequence[int], repeats: int, kinds: tuple[str, ...], w
                 seconds = lower_quartile(ts)
                 if kind == "p2p":
                     seconds /= 2  # ping-pong: half the round trip
-                sent = _sent_bytes(kind, numel * 4, size_n)
+                sent = sent_bytes(kind, numel * 4, size_n)
                 points.append((sent, seconds))
                 say(f"{kind} n={size_n} level {level}: "
                     f"{format_bytes(numel * 4)} local, {format_bytes(sent)} sent: "

@@ -8,10 +8,13 @@ world and returns the profile with them set:
 
 * `collective_overhead_s`, per collective the program runs: the conversion's autograd
   function, the functional collective's wrapping and waiting, copies into and out of
-  its buffers. A tensor-parallel chain of tiny matmuls at 2 and at 26 layers (timed
-  3 x `repeats` times: a collective costs a fraction of a millisecond here): the
-  difference, less the comm tables' times of the extra collectives, over their number
-  (`program.collectives()` and `backward_collectives()` count them).
+  its buffers, and waiting for the peers and waking up once they arrive. A
+  tensor-parallel chain of tiny matmuls on 64 KiB activations at 2 and at 26 layers
+  (timed 3 x `repeats` times: a collective costs about a millisecond here): the
+  difference, less the comm tables' times of the extra collectives (their transfer), over
+  their number (`program.collectives()` and `backward_collectives()` count them). 64 KiB:
+  what a step pays per collective beyond the transfer grows with the message before it
+  levels off (measured here: 0.75 ms at 64 B, 1.1-1.2 ms at 64 KiB, 1.3 ms at 1 MiB).
 * `param_overhead_s`, per parameter tensor per step: its local piece, its gradient hook
   and bucket slot, its gradient laid out and regrouped. A data-parallel step over K tiny
   parameters read by one `stack` (so the ops do not grow with K), at K = 4 and K = 64: the
@@ -90,6 +93,7 @@ from pxform.cost.hardware import Hardware
 from pxform.cost.model import CostModel
 from pxform.frontend.boundary import stage_boundary
 from pxform.runtime import world
+from pxform.runtime.calibrate import sent_bytes
 from pxform.runtime.mesh import Mesh
 from pxform.runtime.pipeline import recording
 from pxform.search.context import Pin
@@ -103,6 +107,8 @@ from pxform.transforms.shard import shard
 __all__ = ["runtime_costs"]
 
 _WIDTH = 8  # elements per tiny parameter
+_COLLECTIVE_ROWS = 2048  # rows of the tensor-parallel chain's activations (64 KiB)
+
 
 
 def runtime_costs(hw: Hardware, repeats: int = 9) -> Hardware:
@@ -121,9 +127,15 @@ def runtime_costs(hw: Hardware, repeats: int = 9) -> Hardware:
 
     per_collective = 0.0
     if n >= 2:
+        # activations of 64 KiB per collective: what a step pays per collective beyond
+        # the transfer grows with the message before it levels off (here 0.75 ms at 64 B,
+        # 1.1-1.2 ms at 64 KiB, 1.3 ms at 1 MiB, over the comm table's lower quartile)
+        rows = max(n, _COLLECTIVE_ROWS // n * n)
+
         def tp_step(layers: int) -> tuple[Callable[[], Any], list[str]]:
-            ws = [torch.randn(_WIDTH, _WIDTH, generator=gen) for _ in range(layers)]
-            x = torch.randn(2 * n, _WIDTH, generator=gen)
+            ws = [torch.randn(_WIDTH, _WIDTH, generator=gen) / _WIDTH ** 0.5
+                  for _ in range(layers)]
+            x = torch.randn(rows, _WIDTH, generator=gen)
 
             def chain(ws: list[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
                 for w in ws:
@@ -146,8 +158,9 @@ def runtime_costs(hw: Hardware, repeats: int = 9) -> Hardware:
                 extra.remove(c)
         if extra:
             level = hw.level(n)
-            comm = sum(hw.comm_time(c.split("(")[0], 2.0 * n * _WIDTH * 4.0, n, level)
-                       for c in extra)
+            local = rows * _WIDTH * 4.0  # each collective's tensor, float32
+            comm = sum(hw.comm_time(kind, sent_bytes(kind, local, n), n, level)
+                       for kind in (c.split("(")[0] for c in extra))
             per_collective = max(0.0, (longer - comm) / len(extra))
         hw = dataclasses.replace(hw, collective_overhead_s=per_collective)
 
