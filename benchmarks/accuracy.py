@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import time
 from typing import Any
@@ -137,7 +138,11 @@ def rank_main(config: str, batch_size: int, steps: int, warmup: int, quick: bool
     for (name, _, plan, _, _), got in zip(prepared, per_case):
         measured = _merged(got)
         report = plan.report(measured)
+        # the spread of the slowest rank's steps (the rank whose median is the step's)
+        slowest = max(measured.ranks, key=lambda r: statistics.median(r.step_times_s))
+        low, high = _band(slowest.step_times_s)
         rows.append({"case": name, "config": plan.config_text(),
+                     "measured_p10_s": low, "measured_p90_s": high,
                      "strategies": sorted({b.strategy for b in plan.blocks}),
                      "predicted_time_s": report.predicted_time_s,
                      "measured_time_s": report.measured_time_s,
@@ -148,6 +153,17 @@ def rank_main(config: str, batch_size: int, steps: int, warmup: int, quick: bool
                      "text": str(report)})
     return {"rows": rows, "calibrate_s": calibrate_s, "hardware": hw.to_json(),
             "threads": torch.get_num_threads()}
+
+
+def _band(times: Any) -> tuple[float, float]:
+    """The 10th and 90th percentiles of `times` (nearest rank).
+
+    Example:
+        >>> _band([float(k) for k in range(1, 11)])
+        (2.0, 9.0)
+    """
+    xs = sorted(times)
+    return xs[int(0.1 * (len(xs) - 1) + 0.5)], xs[int(0.9 * (len(xs) - 1) + 0.5)]
 
 
 def _merged(rounds: list[Any]) -> Any:
@@ -177,7 +193,7 @@ def main() -> None:
     p.add_argument("--ranks", type=int, default=2)
     p.add_argument("--steps", type=int, default=3,
                    help="timed calls per case, rank and round")
-    p.add_argument("--rounds", type=int, default=3,
+    p.add_argument("--rounds", type=int, default=5,
                    help="rounds over all cases (each measured once per round, in turn)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--quick", action="store_true", help="two cases, 2 steps; writes nothing")
@@ -206,12 +222,14 @@ def main() -> None:
           f"{r0['threads']} thread; profile measured by pxform.runtime.calibrate in "
           f"{r0['calibrate_s']:.1f} s; per case the median of {args.rounds} rounds x "
           f"{args.steps} steps, the cases in turn each round")
-    head = ("case", "plan", "time pred", "measured", "error", "memory error")
+    head = ("case", "plan", "time pred", "measured", "p10-p90", "error", "memory error")
     table = [head] + [(r["case"], r["config"].replace(" schedule=1f1b", ""),
                        f"{r['predicted_time_s'] * 1e3:.1f} ms",
-                       f"{r['measured_time_s'] * 1e3:.1f} ms", f"{r['time_error']:+.1%}",
+                       f"{r['measured_time_s'] * 1e3:.1f} ms",
+                       f"{r['measured_p10_s'] * 1e3:.0f}-{r['measured_p90_s'] * 1e3:.0f} ms",
+                       f"{r['time_error']:+.1%}",
                        f"{r['memory_error']:+.1%}") for r in r0["rows"]]
-    print("\n".join(format_table(table, align="llrrrr", indent="  ")))
+    print("\n".join(format_table(table, align="llrrrrr", indent="  ")))
     time_errors = [abs(r["time_error"]) for r in r0["rows"]]
     mem_errors = [abs(r["memory_error"]) for r in r0["rows"]]
     met_t = sum(e <= GOAL_TIME for e in time_errors)
@@ -220,6 +238,11 @@ def main() -> None:
           f"(median {sorted(time_errors)[len(time_errors) // 2]:.1%}, worst "
           f"{max(time_errors):.1%}); |memory error| <= {GOAL_MEMORY:.0%}: "
           f"{met_m}/{len(mem_errors)} (worst {max(mem_errors):.1%})")
+    # how far the machine's own spread reaches: a prediction inside the measured steps'
+    # 10th-90th percentiles is as close as this machine can tell
+    inside = sum(r["measured_p10_s"] <= r["predicted_time_s"] <= r["measured_p90_s"]
+                 for r in r0["rows"])
+    print(f"  predicted step inside the measured p10-p90: {inside}/{len(time_errors)} cases")
     if args.quick:
         return
     tag = "" if (args.config, args.batch, args.ranks) == ("small", 16, 2) else \
@@ -235,6 +258,7 @@ def main() -> None:
                    "malloc_env": malloc},
         "calibrate_s": r0["calibrate_s"], "hardware": r0["hardware"], "cases": r0["rows"],
         "summary": {"time_within_goal": met_t, "memory_within_goal": met_m,
+                    "time_inside_p10_p90": inside,
                     "cases": len(time_errors), "worst_abs_time_error": max(time_errors),
                     "worst_abs_memory_error": max(mem_errors)},
     }, out_dir=args.out, variant=tag)

@@ -52,9 +52,10 @@ world and returns the profile with them set:
 * `op_time_scale` and `op_step_overhead_s`, a factor on every op's time and a time per
   op: a reference training step (a 2-layer transformer language model: embedding, layer
   norms, attention, a GELU MLP, the cross-entropy; `_reference`) run under
-  `pxform.value_and_grad` on every rank at once at 1, 2, 4 and 8 sequences, its median
-  times fitted (least squares) as the factor times what the cost model gives its ops on
-  one device, plus the time per op (the same ops at every size). The op
+  `pxform.value_and_grad` on every rank at once at 1, 2, 4 and 8 sequences of 64 tokens
+  and at 1 of 4 tokens (`_SIZES`), its median times fitted (least squares) as the factor
+  times what the cost model gives its ops on one device, plus the time per op (the same
+  ops at every size). The op
   curves are timed on ops alone, in chains; in a step the same ops run slower (their
   inputs come cold from memory, the allocator churns, autograd's engine walks a bigger
   graph, and copies, fills and sums run that no traced op stands for). This is measured
@@ -297,26 +298,31 @@ def _reference_params(gen: torch.Generator) -> dict[str, Any]:
 
 _HEADS = 4
 _REFERENCE = (2, 96, 512, 64)  # layers, width, vocabulary, tokens per sequence
-_ROWS = (1, 2, 4, 8)  # sequences: the reference step at these sizes
+# (sequences, tokens per sequence): the reference step at these sizes. The smallest does
+# almost no work, so it pins the time per op; without it (1, 2, 4 and 8 sequences of 64
+# tokens) the fit traded the scale against the time per op from one calibration to the
+# next (0.94 and 34 us, 1.12 and 17 us), and pipelines of small microbatches moved by a
+# third with it.
+_SIZES = ((1, 4), (1, 64), (2, 64), (4, 64), (8, 64))
 
 
 def _op_time_scale(hw: Hardware, gen: torch.Generator, repeats: int
                    ) -> tuple[float, float]:
     """(`op_time_scale`, `op_step_overhead_s`): the reference step (every rank at once,
-    as in training) at each size of `_ROWS`, its median seconds `t` against the cost
+    as in training) at each size of `_SIZES`, its median seconds `t` against the cost
     model's seconds `c` for its ops on one device, fitted by least squares as `t = scale x
     c + ops x per_op` (the same ops at every size); with `per_op` 0 when the fit makes it
     negative. The sizes are timed in turn within each repeat, so a drift in the machine's
     load falls on all of them alike: two sizes timed one after the other gave fits that
     moved the scale by a third between two calibrations."""
-    _, _, vocab, seq = _REFERENCE
+    _, _, vocab, _ = _REFERENCE
     params = _reference_params(gen)
     # the model's time for the same ops: one device, no fixed costs, no fit yet
     bare = dataclasses.replace(hw, op_time_scale=1.0, op_step_overhead_s=0.0,
                                step_overhead_s=0.0, param_overhead_s=0.0)
     step = value_and_grad(_reference)
     calls, modelled, ops = [], [], 0
-    for rows in _ROWS:
+    for rows, seq in _SIZES:
         tokens = torch.randint(0, vocab, (rows, seq), generator=gen)
         for _ in range(2):
             step(params, tokens)
@@ -325,7 +331,7 @@ def _op_time_scale(hw: Hardware, gen: torch.Generator, repeats: int
                     memory_margin=0.0).plan(params, tokens)
         modelled.append(plan.step_time_s)
         ops = sum(b.stop - b.start for b in plan.blocks)
-    times: list[list[float]] = [[] for _ in _ROWS]
+    times: list[list[float]] = [[] for _ in _SIZES]
     for _ in range(repeats):
         for k, call in enumerate(calls):
             times[k].append(_timed(call))
