@@ -111,7 +111,6 @@ _WIDTH = 8  # elements per tiny parameter
 _COLLECTIVE_ROWS = 2048  # rows of the tensor-parallel chain's activations (64 KiB)
 
 
-
 def runtime_costs(hw: Hardware, repeats: int = 9) -> Hardware:
     """`hw` with the runtime's fixed costs (`param_overhead_s`, `step_overhead_s`,
     `action_overhead_s`, ...) measured on the current world (module doc). Call it on every
