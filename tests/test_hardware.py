@@ -39,7 +39,7 @@ def measured(**kw) -> Hardware:
                 action_overhead_s=4e-4, collective_overhead_s=3e-4,
                 param_action_overhead_s=1e-5, op_time_scale=1.2,
                 op_step_overhead_s=5e-6, op_action_overhead_s=7e-6,
-                recompute_overhead_s=2e-4)
+                recompute_overhead_s=2e-4, sync_wait=((3e-4, 0.0), (2e-3, 5e-4), (8e-3, 1e-3)))
     args.update(kw)
     return Hardware(**args)  # type: ignore[arg-type]
 
@@ -202,6 +202,30 @@ def test_comm_time_picks_the_nearest_group_size_and_never_drops_below_bandwidth(
         measured(comm_tables=(CommTable("p2p", 2, 2, ((1.0, 1.0),)),))
 
 
+def test_sync_wait_is_piecewise_linear_in_the_compute_gap():
+    """`Hardware.sync_wait_s`: nothing without a measurement or at and below the first
+    gap measured (the collective right after another: its cost is the table's and
+    `collective_overhead_s`), linear between points, the last point's wait beyond."""
+    assert PRESETS["a100-80gb"].sync_wait_s(1.0) == 0.0
+    hw = measured()
+    assert hw.sync_wait_s(0.0) == hw.sync_wait_s(3e-4) == 0.0
+    assert hw.sync_wait_s(2e-3) == 5e-4
+    assert hw.sync_wait_s(5e-3) == pytest.approx(7.5e-4)
+    assert hw.sync_wait_s(8e-3) == hw.sync_wait_s(1.0) == 1e-3
+    gaps = [k * 1e-4 for k in range(120)]
+    waits = [hw.sync_wait_s(g) for g in gaps]
+    assert waits == sorted(waits)
+
+
+def test_non_decreasing_pools_adjacent_violators():
+    from pxform.runtime.calibrate import _non_decreasing
+
+    assert _non_decreasing([0.0, 2.0, 1.0, 3.0]) == [0.0, 1.5, 1.5, 3.0]
+    assert _non_decreasing([3.0, 2.0, 1.0]) == [2.0, 2.0, 2.0]
+    assert _non_decreasing([0.0, 1.0, 2.0]) == [0.0, 1.0, 2.0]
+    assert _non_decreasing([]) == []
+
+
 # ---------------------------------------------------------------------------- JSON files
 def test_save_load_round_trip(tmp_path):
     for hw in [*PRESETS.values(), measured()]:
@@ -249,6 +273,12 @@ def write(tmp_path, content) -> str:
      r"action_overhead_s must be a number >= 0 \(seconds\), got -1.0"),
     (lambda d: d.update(op_time_scale=0),
      r"op_time_scale must be a number > 0 \(1: not measured\), got 0"),
+    (lambda d: d.update(sync_wait=[[1e-3, 1e-4], [2e-3, 2e-4]]),
+     r"sync_wait must be \(gap_s, wait_s\) pairs .* a first wait of 0"),
+    (lambda d: d.update(sync_wait=[[1e-3, 0.0], [2e-3, 5e-4], [4e-3, 1e-4]]),
+     r"sync_wait must be .* non-decreasing waits"),
+    (lambda d: d.update(sync_wait=[[1e-3, 0.0, 1.0]]),
+     r"key 'sync_wait' must be a list of \[gap_s, wait_s\] pairs"),
 ])
 def test_load_of_a_bad_profile_names_the_file_the_key_and_the_fix(tmp_path, change, message):
     d = measured().to_json()
@@ -313,6 +343,12 @@ def test_calibrate_on_two_gloo_ranks(world, tmp_path):
         assert c.spread >= 0
     assert 1.0 <= hw.overlap_slowdown <= 2.0
     assert "op class" in summary(hw) and "overlap slowdown" in summary(hw)
+    # what a blocking all-reduce waits after compute: from 0 right after another, at
+    # gaps up to about 8 ms, non-decreasing, and milliseconds at most, not seconds
+    gaps, waits = zip(*hw.sync_wait)
+    assert len(gaps) >= 2 and waits[0] == 0.0 and gaps[0] < 1e-3 < gaps[-1]
+    assert list(gaps) == sorted(gaps) and list(waits) == sorted(waits) and waits[-1] < 0.02
+    assert "sync wait" in summary(hw)
     assert hw.links[0].latency_s > 0 and 0 < hw.links[0].bandwidth < math.inf
     assert sorted(t.kind for t in hw.comm_tables) == sorted(KINDS)
     for t in hw.comm_tables:

@@ -10,6 +10,7 @@ import math
 import re
 
 import numpy as np
+import optree
 import pytest
 import torch
 import torch.nn.functional as F
@@ -17,6 +18,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import pxform
+from pxform.core.layout import LOCAL_STEPS
+from pxform.lower.spmd import ConvertInstr
 from pxform.passes.cuts import balance as linear_partition
 from pxform.search import Pin, pin_of
 from pxform.search.frontier import chain_frontier
@@ -711,6 +714,98 @@ def test_a_pipeline_action_pays_the_runtime_per_op_of_its_stage():
     one, one_paid = (pxform.auto(residual_mlp, mesh=4, memory_budget="80GiB", hardware=hw,
                                  plan=Pin(stages=1)).plan(*args) for hw in ("a100-80gb", slow))
     assert one.step_time_s == one_paid.step_time_s
+
+
+def test_a_pipeline_action_waits_for_the_stage_it_receives_from():
+    """An action that starts from a transfer waits there for its peer after its own compute
+    (`Hardware.sync_wait`): with a profile whose wait is 1 ms whatever the gap, each
+    stage's forward gains 1 ms unless it is the first (its input is the batch), and its
+    backward unless it is the last (it starts from the loss). Without a pipeline, data
+    parallelism waits once, for its last gradient bucket when backward ends."""
+    from pxform.cost.hardware import hardware
+
+    args = mlp_args(d=1024, layers=4, batch=4096)
+    waits = dataclasses.replace(hardware("a100-80gb"), sync_wait=((0.0, 0.0), (1e-9, 1e-3)))
+    base, paid = (plan_schedule(residual_mlp, args, hardware=hw, schedule=ScheduleChoice())
+                  for hw in ("a100-80gb", waits))
+    last = len(base.stage_plans) - 1
+    for k, (b, p) in enumerate(zip(base.stage_plans, paid.stage_plans)):
+        assert p.forward_s - b.forward_s == pytest.approx(1e-3 if k > 0 else 0.0, abs=1e-12)
+        assert p.backward_s - b.backward_s == pytest.approx(1e-3 if k < last else 0.0,
+                                                            abs=1e-12)
+    assert paid.step_time_s > base.step_time_s
+    one, one_paid = (pxform.auto(residual_mlp, mesh=4, memory_budget="80GiB", hardware=hw,
+                                 plan=Pin(stages=1, outer=4, inner=1,
+                                          block_options=(Option((("outer", "dp"),), False),) * 5)
+                                 ).plan(*args) for hw in ("a100-80gb", waits))
+    assert one_paid.step_time_s - one.step_time_s == pytest.approx(1e-3, abs=1e-12)
+
+
+def _tensor_parallel_waits(role: str, batch: int, sync_wait: tuple) -> tuple[float, int]:
+    """(seconds GPT small's step on 2 ranks, every block pinned to `role` on the inner
+    axis, gains with `sync_wait` against the a100-80gb preset; the lowered program's
+    collectives on activations, forward and backward)."""
+    import gpt
+
+    from pxform.cost.hardware import hardware
+
+    base = hardware("a100-80gb")
+    cfg = gpt.GPT_CONFIGS["small"]
+    params, data = gpt.init_params(cfg, device="meta"), gpt.make_batch(cfg, batch,
+                                                                       device="meta")
+    option = Option((("inner", role),), False)
+    pin = Pin(stages=1, outer=1, inner=2, microbatches=1, block_options=(option,) * 6)
+    plans = []
+    for hw in (base, dataclasses.replace(base, sync_wait=sync_wait)):
+        step = pxform.auto(gpt.loss_fn, mesh=pxform.Mesh.abstract(2), hardware=hw, plan=pin)
+        plans.append((step, step.plan(params, data, cfg)))
+    (step, plan), (_, paid) = plans
+    program = step._cache[("checked", id(plan))].lower(params, data, cfg)
+    # (a parameter's conversions are the bucketed gradients' and the gathers': apart)
+    names = {v.name for v in program.inputs[:len(optree.tree_leaves(params))]}
+    count = sum(len([st for st in steps if st.kind not in LOCAL_STEPS])
+                for instr in program.instrs if isinstance(instr, ConvertInstr)
+                and instr.src not in names
+                for steps in (instr.forward.steps, instr.backward.steps))
+    return paid.step_time_s - plan.step_time_s, count
+
+
+def test_tensor_parallel_collectives_wait_for_the_ranks_after_their_compute():
+    """Ranks meet at every collective on activations (`Hardware.sync_wait`): with a wait of
+    1 ms whatever the gap, a tensor- or sequence-parallel GPT step gains 1 ms per run of
+    collectives with compute between them: at least two per layer and direction, at most
+    one per collective the lowered program runs on activations (and one for a gradient
+    bucket). With a wait that grows
+    with the compute before it, a larger batch (more compute between the same
+    collectives) waits longer; a flat one does not care."""
+    flat = ((0.0, 0.0), (1e-12, 1e-3))
+    for role in ("tp", "sp"):
+        added, count = _tensor_parallel_waits(role, 16, flat)
+        runs = added / 1e-3
+        assert runs == pytest.approx(round(runs), abs=1e-6)
+        # (+1: sequence parallelism all-reduces the norms' gradients in a bucket, waited
+        # for when backward ends)
+        assert 2 * 2 * 4 <= round(runs) <= count + (role == "sp"), (role, runs, count)
+    growing = ((0.0, 0.0), (1e-3, 1e-3))  # 1 ms per ms of compute, up to 1 ms
+    small, _ = _tensor_parallel_waits("tp", 2, growing)
+    large, _ = _tensor_parallel_waits("tp", 64, growing)
+    assert 0 < small < large
+    assert _tensor_parallel_waits("tp", 2, flat)[0] == \
+        pytest.approx(_tensor_parallel_waits("tp", 64, flat)[0])
+
+
+def test_sync_waits_pay_once_per_run_of_collectives_after_the_compute_before_it():
+    from pxform.search.blockcost import sync_waits
+
+    def wait(gap: float) -> float:
+        return gap / 10
+
+    assert sync_waits([(1.0, 0), (2.0, 0)], wait) == 0.0  # no collective, no wait
+    # one run: after the whole block's compute (the previous block's, cyclically)
+    assert sync_waits([(1.0, 0), (0.0, 2), (2.0, 0)], wait) == pytest.approx(0.3)
+    # two runs: each after the compute since the one before
+    assert sync_waits([(0.0, 1), (2.0, 0), (0.0, 1), (0.0, 3), (1.0, 0)], wait) == \
+        pytest.approx(0.3)
 
 
 def test_zero_bubble_is_chosen_where_its_simulated_bubble_wins():

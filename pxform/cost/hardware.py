@@ -208,6 +208,24 @@ their costs per byte differ several-fold on CPUs (GELU's tanh form is 3x its erf
 Views cost the per-op host time only."""
 
 
+def _sync_points(value: Any, what: str) -> tuple[tuple[float, float], ...]:
+    """`Hardware.sync_wait` checked: (gap, wait) pairs of finite numbers >= 0, gaps
+    increasing, waits non-decreasing and the first 0."""
+    try:
+        points = tuple((float(g), float(w)) for g, w in value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{what}: sync_wait must be (gap_s, wait_s) pairs, got "
+                         f"{value!r}") from None
+    ok = all(math.isfinite(g) and math.isfinite(w) and g >= 0 and w >= 0
+             for g, w in points)
+    ok = ok and all(g0 < g1 and w0 <= w1 for (g0, w0), (g1, w1) in zip(points, points[1:]))
+    if not ok or (points and points[0][1] != 0.0):
+        raise ValueError(f"{what}: sync_wait must be (gap_s, wait_s) pairs of numbers >= 0 "
+                         f"with increasing gaps, non-decreasing waits and a first wait of "
+                         f"0, got {value!r}")
+    return points
+
+
 @dataclass(frozen=True)
 class OpCurve:
     """Measured forward and backward seconds of one op class (`OP_CLASSES`) by size: FLOPs
@@ -348,6 +366,16 @@ class Hardware:
             action on top of that (the executor runs a stage's graph once per microbatch,
             building its autograd graph anew): a reference transformer's 2-stage pipeline
             at 2 and 8 microbatches, against the model without it; 0: not measured.
+        sync_wait: (gap seconds, wait seconds) points: what a synchronous collective
+            (a tensor-parallel re-layout) or pipeline transfer costs beyond
+            `collective_overhead_s` when each rank computed `gap` seconds since its
+            previous one. Ranks computing apart drift (noise, preemption, a waiting
+            thread put to sleep), and the collective waits for the slowest and wakes the
+            waiters; the longer they computed, the longer that takes, up to a ceiling
+            (measured on 2 gloo ranks here: about 0.3 ms more after 2 ms of compute, 1 ms
+            after 8 ms). Piecewise linear in the gap, 0 at and below the first point,
+            flat beyond the last; non-decreasing (`sync_wait_s`; `pxform.runtime.
+            calibrate` measures it; empty: not measured).
         recompute_overhead_s: seconds each recompute region costs per microbatch beyond
             the ops it runs again (torch's non-reentrant checkpoint: its frame, the saved
             tensors' hooks, the RNG state, the stop of the recompute, and the region's
@@ -386,6 +414,7 @@ class Hardware:
     op_step_overhead_s: float = 0.0
     op_action_overhead_s: float = 0.0
     recompute_overhead_s: float = 0.0
+    sync_wait: tuple[tuple[float, float], ...] = ()
 
     def __post_init__(self) -> None:
         what = f"Hardware {self.name!r}"
@@ -435,6 +464,7 @@ class Hardware:
             if not _number(value) or value < 0:
                 raise ValueError(f"{what}: {key} must be a number >= 0 (seconds), got "
                                  f"{value!r}")
+        object.__setattr__(self, "sync_wait", _sync_points(self.sync_wait, what))
         if "fp32" not in dict(self.peak_flops) and "fp32" not in dict(self.compute_flops):
             raise ValueError(f"{what}: needs an 'fp32' entry in peak_flops or "
                              f"compute_flops (the fallback for dtypes without a number)")
@@ -563,6 +593,27 @@ class Hardware:
             return max(t, sent_bytes / link.bandwidth)
         return steps * link.latency_s + sent_bytes / link.bandwidth
 
+    def sync_wait_s(self, gap_s: float) -> float:
+        """Seconds a synchronous collective or pipeline transfer waits beyond
+        `collective_overhead_s` after `gap_s` seconds of compute since the rank's previous
+        one (`sync_wait`): 0 without a measurement, at or below the first point's gap;
+        linear between points; the last point's wait beyond it.
+
+        Example:
+            >>> hw = dataclasses.replace(hardware("a100-80gb"),
+            ...                          sync_wait=((1e-3, 0.0), (5e-3, 4e-4)))
+            >>> hw.sync_wait_s(5e-4), round(hw.sync_wait_s(3e-3), 6), hw.sync_wait_s(1.0)
+            (0.0, 0.0002, 0.0004)
+        """
+        points = self.sync_wait
+        if not points or gap_s <= points[0][0]:
+            return 0.0
+        if gap_s >= points[-1][0]:
+            return points[-1][1]
+        i = bisect.bisect_right([g for g, _ in points], gap_s) - 1
+        (g0, w0), (g1, w1) = points[i], points[i + 1]
+        return w0 + (w1 - w0) * (gap_s - g0) / (g1 - g0)
+
     def axis_cost(self, level: int) -> AxisCost:
         """The re-layout planner's cost of a mesh axis on link `level`: the link's latency
         (per ring step) and seconds per byte.
@@ -602,6 +653,7 @@ class Hardware:
             "overlap_slowdown": self.overlap_slowdown,
             **{key: getattr(self, key) for key in _FIXED_COSTS},
             "op_time_scale": self.op_time_scale,
+            "sync_wait": [list(p) for p in self.sync_wait],
             "source": self.source,
         }
 
@@ -672,7 +724,7 @@ def _from_json(d: Any, where: str) -> Hardware:
     known = {"format", "name", "devices_per_node", "memory_bytes", "peak_flops",
              "efficiency", "links", "comm_tables", "compute_flops", "source",
              "memory_bandwidth", "op_overhead_s", "op_curves", "overlap_slowdown",
-             "op_time_scale", *_FIXED_COSTS}
+             "op_time_scale", "sync_wait", *_FIXED_COSTS}
     for key in d:
         if key not in known:
             raise bad(key, f"is not a profile key (known: {', '.join(sorted(known))})")
@@ -711,6 +763,10 @@ def _from_json(d: Any, where: str) -> Hardware:
     scale = get("op_time_scale", "a number", 1.0, required=False)
     fixed = {key: float(get(key, "a number", 0.0, required=False))
              for key in _FIXED_COSTS}
+    sync_json = get("sync_wait", "a list", [], required=False)
+    if not all(isinstance(p, list) and len(p) == 2 and all(map(_number, p))
+               for p in sync_json):
+        raise bad("sync_wait", f"must be a list of [gap_s, wait_s] pairs, got {sync_json!r}")
 
     links: list[Link] = []
     for i, x in enumerate(links_json):
@@ -761,7 +817,7 @@ def _from_json(d: Any, where: str) -> Hardware:
                         source=source, memory_bandwidth=float(bandwidth),
                         op_overhead_s=float(overhead), op_curves=tuple(curves),
                         overlap_slowdown=float(overlap), op_time_scale=float(scale),
-                        **fixed)
+                        sync_wait=tuple((float(g), float(w)) for g, w in sync_json), **fixed)
     except ValueError as e:
         raise ValueError(f"Hardware.load: {where}: {e}; {_FIX}") from None
 

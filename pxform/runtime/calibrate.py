@@ -23,6 +23,8 @@ What is measured
   the group size. Times are stored against the bytes each rank sends (the ring volumes of
   `pxform.core.layout`) and made non-decreasing in size (a running maximum: noise must not
   make a larger message cheaper).
+* sync wait (`Hardware.sync_wait`): what a blocking all-reduce costs more after a few
+  milliseconds of compute than right after another one (`_measure_sync_wait`).
 * links: per level, least squares of the all_reduce table(s), `time = 2(n-1) alpha +
   sent / bandwidth` with alpha, 1/bandwidth >= 0. When that leaves one parameter at zero
   (too few sizes, or noise), every kind measured at the level is fitted together (each
@@ -147,6 +149,8 @@ def calibrate(*, sizes: Sequence[int] = (2**10, 2**14, 2**18, 2**22), repeats: i
     compute = _measure_compute(device, say)
     curves = _measure_op_curves(device, max(3, min(repeats, 9)), say)
     overlap = _measure_overlap(device, max(3, repeats // 3), say) if world >= 2 else 0.0
+    # (more repeats than the others: the differences are a fraction of the noise)
+    sync = _measure_sync_wait(device, min(21, max(9, 2 * repeats)), say) if world >= 2 else ()
     profile: dict[str, Any] | None = None
     if rank == 0:
         links, levels_note = _fit_links(tables, world)
@@ -166,7 +170,7 @@ def calibrate(*, sizes: Sequence[int] = (2**10, 2**14, 2**18, 2**22), repeats: i
             peak_flops=(), efficiency=1.0,  # compute_flops are achieved rates already
             links=links, comm_tables=tuple(tables), compute_flops=tuple(compute.items()),
             source=source, memory_bandwidth=bandwidth, op_overhead_s=overhead,
-            op_curves=curves, overlap_slowdown=overlap)
+            op_curves=curves, overlap_slowdown=overlap, sync_wait=sync)
         profile = hw.to_json()
     if distributed and world >= 2:
         box = [profile]
@@ -471,6 +475,95 @@ def _measure_overlap(device: torch.device, repeats: int, say: Callable[[str], No
     return s
 
 
+# Compute between two synchronous all-reduces (`_measure_sync_wait`): seconds, aimed at
+_SYNC_GAPS = (2.5e-4, 2e-3, 8e-3)
+_SYNC_BYTES = 2**18  # the all-reduce's message: a tensor-parallel activation's order
+_SYNC_CALLS = 8  # loop iterations per timing
+
+
+def _measure_sync_wait(device: torch.device, repeats: int, say: Callable[[str], None]
+                       ) -> tuple[tuple[float, float], ...]:
+    """`Hardware.sync_wait`: per gap g of `_SYNC_GAPS`, every rank runs matmuls for about g
+    then a blocking all-reduce of `_SYNC_BYTES`, `_SYNC_CALLS` times, and the same matmuls
+    alone as often, the two loops in alternation after a barrier, `repeats` times; the
+    collective's cost at g is the median difference per iteration. What the curve keeps
+    is that cost less its cost at the smallest gap (the transfer and the runtime's own
+    time per collective are priced apart: `comm_tables`, `collective_overhead_s`), made
+    non-decreasing by pooling adjacent violators (noise must not make a longer gap
+    cheaper) and clamped at 0. Why it grows: ranks computing apart drift, and the first
+    to arrive waits for the last and then has to be woken (on this 2-vCPU VM a 256 KiB
+    gloo all-reduce cost 1.7 ms after 0.3 ms of compute and 2.3-3.0 ms after 8 ms; in a
+    tensor-parallel GPT step, collectives after 4-9 ms of compute cost 1.5-2 ms more than
+    those right after another)."""
+    side = 256 if device.type == "cpu" else 4096
+    a = torch.randn(side, side, device=device) / side ** 0.5
+    buf = torch.zeros(_SYNC_BYTES // 4, device=device)
+
+    def matmuls(count: int) -> None:
+        for _ in range(count):
+            torch.mm(a, a)
+
+    matmuls(2)
+    dist.all_reduce(buf)
+    _sync(device)
+    one, _ = _timed_median(lambda: matmuls(1), device, 5)
+    # every rank the same counts (rank 0's): a rank that computed more would wait less
+    counts = torch.tensor([max(1, round(g / one)) for g in _SYNC_GAPS], dtype=torch.int64)
+    dist.broadcast(counts, 0)
+    gaps, costs = [], []
+    for count in dict.fromkeys(int(c) for c in counts):  # (distinct, in order)
+
+        def alone(count: int = count) -> None:
+            for _ in range(_SYNC_CALLS):
+                matmuls(count)
+
+        def synced(count: int = count) -> None:
+            for _ in range(_SYNC_CALLS):
+                matmuls(count)
+                dist.all_reduce(buf)
+
+        diffs, spans = [], []
+        for _ in range(repeats):
+            dist.barrier()
+            t_alone = _timed_once(alone, device)
+            dist.barrier()
+            t_synced = _timed_once(synced, device)
+            diffs.append((t_synced - t_alone) / _SYNC_CALLS)
+            spans.append(t_alone / _SYNC_CALLS)
+        gaps.append(statistics.median(spans))
+        costs.append(statistics.median(diffs))
+    waits = _non_decreasing([c - costs[0] for c in costs])
+    points = [(gaps[0], 0.0)]
+    for g, w in zip(gaps[1:], waits[1:]):
+        if g > points[-1][0]:
+            points.append((g, max(0.0, w, points[-1][1])))
+    say("sync wait: " + ", ".join(f"{w * 1e3:.2f} ms after {g * 1e3:.2g} ms of compute"
+                                  for g, w in points)
+        + f" (a {format_bytes(_SYNC_BYTES)} all-reduce, beyond its cost right after another)")
+    return tuple(points)
+
+
+def _non_decreasing(values: Sequence[float]) -> list[float]:
+    """The non-decreasing sequence closest to `values` in least squares (adjacent
+    violators pooled into their mean).
+
+    Example:
+        >>> _non_decreasing([0.0, 2.0, 1.0, 3.0])
+        [0.0, 1.5, 1.5, 3.0]
+    """
+    blocks: list[list[float]] = []  # [sum, count] per pooled run
+    for v in values:
+        blocks.append([v, 1.0])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            total, n = blocks.pop()
+            blocks[-1][0] += total
+            blocks[-1][1] += n
+    out: list[float] = []
+    for total, n in blocks:
+        out += [total / n] * int(n)
+    return out
+
+
 def _memory_bytes(device: torch.device, ranks_per_node: int) -> int:
     if device.type == "cuda":
         return int(torch.cuda.get_device_properties(device).total_memory)
@@ -773,6 +866,10 @@ def summary(hw: Hardware) -> str:
                      f"and pipeline action, {hw.weight_op_overhead_s * 1e6:.3g} us per weight "
                      f"op of a zero-bubble W, {hw.recompute_overhead_s * 1e6:.3g} us per "
                      f"recompute region and microbatch")
+    if hw.sync_wait:
+        lines.append("  sync wait: " + ", ".join(f"{w * 1e3:.3g} ms after {g * 1e3:.3g} ms"
+                                                 for g, w in hw.sync_wait)
+                     + " of compute (per synchronous collective or pipeline transfer)")
     if hw.op_time_scale != 1.0:
         lines.append(f"  op time scale: {hw.op_time_scale:.3f} (a reference training step "
                      f"over its ops timed alone)")

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -83,6 +83,11 @@ class RelayoutCache:
 
     def steps(self, v: Value, src: Layout, dst: Layout) -> list[tuple[str, str, float]]:
         return [] if src == dst else relayout_steps(self.relayout(v, src, dst))
+
+    def collectives(self, v: Value, src: Layout, dst: Layout) -> int:
+        """How many collectives re-laying `v` out from `src` to `dst` runs (steps over an
+        axis of more than one device that are not local)."""
+        return sum(self.axes[axis][0] > 1 for _, axis, _ in self.steps(v, src, dst))
 
 
 @dataclass(frozen=True)
@@ -174,6 +179,10 @@ def walk(a: Analysis, block: BlockInfo, strats: list[Strategy], outside: Mapping
     layouts: dict[str, Layout] = {}
     done: set[tuple[str, Layout]] = set()
     fwd_compute = fwd_comm = bwd_comm = grad_comm = saved = transient = gathered = 0.0
+    # the block's forward and backward in the order they run, as compute and the number of
+    # activation collectives on the critical path (`sync_waits`): ranks meet at each
+    fwd_seq: list[tuple[float, int]] = []  # per op: its inputs' collectives, then its compute
+    bwd_seq: list[tuple[float, int]] = []  # per op: its backward, then its inputs' gradients'
     redo = bwd_compute = weight_compute = weight_out = weight_ops = weight_held = 0.0
     # the forward so far, and up to where a recompute must run (`WalkCost.redo_fwd`)
     ran = redo_until = 0.0
@@ -194,6 +203,7 @@ def walk(a: Analysis, block: BlockInfo, strats: list[Strategy], outside: Mapping
         dtype = op.outputs[0].type.dtype if op.outputs else op.inputs[0].type.dtype
         f, b = model.op_times(a.op_flops[k] * sc / ways, dtype, a.op_bytes[k] * sc / ways,
                               classes[k])
+        syncs_in = syncs_back = 0
         fwd_compute += f
         bwd_compute += b
         floats = [v for v in op.inputs if _floating(v)]
@@ -256,6 +266,8 @@ def walk(a: Analysis, block: BlockInfo, strats: list[Strategy], outside: Mapping
                     gathered_params[v.name] = whole
             else:
                 fwd_comm += fwd
+                if first and fwd:
+                    syncs_in += cache.collectives(v, have, s.inputs[i])
             if param:
                 if bwd > 0:
                     # a cast parameter's gradient is reduced in the reduce dtype
@@ -265,6 +277,11 @@ def walk(a: Analysis, block: BlockInfo, strats: list[Strategy], outside: Mapping
                         bucket[kind, axis] = bucket.get((kind, axis), 0.0) + sent * wider
             else:
                 bwd_comm += bwd
+                if bwd:
+                    syncs_back += cache.collectives(v, consumer_gradient_layout(s, i),
+                                                    gradient_layout(have))
+        fwd_seq += [(0.0, syncs_in), (f, 0)]
+        bwd_seq += [(0.0, syncs_back), (b, 0)]  # (reversed below: backward runs last op first)
         for v, lay in zip(op.outputs, s.outputs):
             layouts[v.name] = lay
             values[v.name] = v
@@ -292,8 +309,13 @@ def walk(a: Analysis, block: BlockInfo, strats: list[Strategy], outside: Mapping
         v = values.get(name) or a.values()[name]
         vs = scale if name in batch_values else 1.0
         fwd_comm += cache.time(v, have, want, vs)
+        fwd_seq.append((0.0, cache.collectives(v, have, want)))
         if _floating(v):
             bwd_comm += cache.time(v, gradient_layout(want), gradient_layout(have), vs)
+            bwd_seq.append((0.0, cache.collectives(v, gradient_layout(want),
+                                                   gradient_layout(have))))
+    fwd_comm += sync_waits(fwd_seq, model.hardware.sync_wait_s)
+    bwd_comm += sync_waits(bwd_seq[::-1], model.hardware.sync_wait_s)
     kept = 0.0
     vals = a.values()
     for name in block.reads:
@@ -320,6 +342,34 @@ def walk(a: Analysis, block: BlockInfo, strats: list[Strategy], outside: Mapping
                     packed_sent.get("inner", 0.0), redo + gathered, bwd_compute,
                     weight_compute, weight_out, gather_time, weight_ops, gathered_saved,
                     weight_held, redo_until + gather_time)
+
+
+def sync_waits(sequence: list[tuple[float, int]], wait: Callable[[float], float]) -> float:
+    """Seconds a block's collectives wait for the ranks to meet (`Hardware.sync_wait`):
+    `sequence` is what the block runs in order, as (compute seconds, collectives) pairs;
+    each run of collectives with no compute between pays `wait(gap)` once, for the compute
+    since the run before (the later ones in a run find the ranks together). The block is
+    taken as one of a repeated stack (a model's layers): its first collectives come after
+    the compute that follows its last ones (cyclically), not after none.
+
+    Example:
+        >>> sync_waits([(0.0, 1), (2e-3, 0), (0.0, 2), (1e-3, 0)], lambda g: g / 10)
+        0.0003
+    """
+    if not any(n for _, n in sequence):
+        return 0.0
+    tail = 0.0  # the compute after the last collectives: before the first, cyclically
+    for t, n in sequence:
+        tail = 0.0 if n else tail + t
+    total, gap = 0.0, tail
+    for t, n in sequence:
+        if n:
+            if gap > 0:
+                total += wait(gap)
+            gap = 0.0
+        else:
+            gap += t
+    return total
 
 
 # ---------------------------------------------------------------- tensor-axis beam search

@@ -275,6 +275,10 @@ def _stage_sums(ctx: SearchContext, config: Config, idx: list[int], pt: Point,
         if sent > 0:
             extra += (ctx.model.bucketed_all_reduce(sent, axis, axes)
                       - ctx.packed_rate(config, axis) * sent)
+    if outer > 0 or inner > 0:
+        # the last bucket is waited for when backward ends: the ranks meet there after the
+        # backward's compute (`Hardware.sync_wait`)
+        extra += ctx.hardware.sync_wait_s(b)
     # the runtime's own host time (`pxform.tools.runtime_costs`): per parameter tensor
     # per step, and per pipeline action, with its parameters and ops (a zero-bubble W is
     # one more, and asks autograd for each weight op's gradient apart)
@@ -282,6 +286,14 @@ def _stage_sums(ctx: SearchContext, config: Config, idx: list[int], pt: Point,
     num_params = sum(len(a.blocks[k].params) for k in idx)
     extra += hw.param_overhead_s * num_params
     if config.stages > 1:
+        # an action that starts from a transfer waits there for the stage that sends it,
+        # after its own compute since the last (`Hardware.sync_wait`): a forward unless
+        # the stage is the first (its input is the batch), a backward unless it is the
+        # last (it starts from the loss). Sends do not wait (`isend`).
+        if idx[0] > 0:
+            f += hw.sync_wait_s(f)
+        if idx[-1] < len(a.blocks) - 1:
+            b += hw.sync_wait_s(b)
         num_ops = sum(a.blocks[k].stop - a.blocks[k].start for k in idx)
         action = (hw.action_overhead_s + hw.param_action_overhead_s * num_params
                   + hw.op_action_overhead_s * num_ops)
