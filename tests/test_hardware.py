@@ -580,3 +580,38 @@ def test_runtime_costs_are_measured_on_real_programs(world):
     # ones it is corrected by); a hook per parameter always costs something
     assert 0 < per_param < 5e-3 and 0 <= per_step < 0.1 and 0 <= per_action < 0.1
     assert 0 <= per_collective < 0.05 and 0 <= per_param_action < 5e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_runtime_costs_time_the_gpu_under_nccl(monkeypatch):
+    """Under NCCL `calibrate` measures the GPU, and `runtime_costs` must time its programs
+    there too: they ran on the CPU before, and an H100's `op_time_scale` came out 2.3 (CPU
+    steps against GPU op curves), every prediction 2.3x too slow; on the GPU it is about
+    0.8. One rank, a process group of its own."""
+    import os
+
+    import optree
+    import torch.distributed as dist
+
+    from pxform.tools import runtime_costs as rc
+
+    placed: set[str] = set()
+    real = rc._on
+
+    def spy(tree, device):
+        out = real(tree, device)
+        placed.update(t.device.type for t in optree.tree_leaves(out))
+        return out
+
+    monkeypatch.setattr(rc, "_on", spy)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", os.environ.get("PXFORM_TEST_PORT", "29561"))
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl", rank=0, world_size=1)
+    try:
+        hw = rc.runtime_costs(calibrate(sizes=SIZES, repeats=2), repeats=3)
+    finally:
+        dist.destroy_process_group()
+    assert placed == {"cuda"}
+    assert 0.3 < hw.op_time_scale < 2.0, hw.op_time_scale

@@ -61,6 +61,13 @@ world and returns the profile with them set:
   graph, and copies, fills and sums run that no traced op stands for). This is measured
   first, and the fixed costs below are taken against the model with it.
 
+The programs run where training runs: on this rank's GPU under NCCL (the device
+`calibrate` measured; their random values are drawn on the CPU and moved), else on the
+CPU. On a GPU the reference step is wider (`_REFERENCE_CUDA`, up to 16 sequences of 512
+tokens): the CPU's is all kernel launches there. Before, the programs ran on the CPU
+whatever the device, and an H100's `op_time_scale` came out 2.3 (CPU steps against the
+GPU's op curves): every GPU prediction 2.3x too slow (`benchmarks/accuracy_gpu.py`).
+
 Each difference is the median of `repeats` paired differences, the short and the long
 program timed alternately, each call after a barrier (a drift in the machine's load falls
 on both sides); every rank times, rank 0's numbers are kept (every rank gets them).
@@ -85,6 +92,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import optree
 import torch
 import torch.nn.functional as F
 
@@ -95,6 +103,7 @@ from pxform.cost.model import CostModel
 from pxform.frontend.boundary import stage_boundary
 from pxform.runtime import world
 from pxform.runtime.calibrate import sent_bytes
+from pxform.runtime.graph_module import default_device
 from pxform.runtime.mesh import Mesh
 from pxform.runtime.pipeline import recording
 from pxform.search.context import Pin
@@ -121,6 +130,9 @@ def runtime_costs(hw: Hardware, repeats: int = 9) -> Hardware:
     """
     n = world.size() if world.initialized() else 1
     gen = torch.Generator().manual_seed(0)
+    # the programs run where training will: this rank's GPU under NCCL (the device
+    # `calibrate` measured), else the CPU; the random values are drawn on the CPU
+    device = default_device()
     fit = _op_time_scale(hw, gen, repeats)
     scale, per_op = world.gather_objects(fit)[0] if n > 1 else fit
     hw = dataclasses.replace(hw, op_time_scale=scale, op_step_overhead_s=per_op)
@@ -133,9 +145,9 @@ def runtime_costs(hw: Hardware, repeats: int = 9) -> Hardware:
         rows = max(n, _COLLECTIVE_ROWS // n * n)
 
         def tp_step(layers: int) -> tuple[Callable[[], Any], list[str]]:
-            ws = [torch.randn(_WIDTH, _WIDTH, generator=gen) / _WIDTH ** 0.5
-                  for _ in range(layers)]
-            x = torch.randn(rows, _WIDTH, generator=gen)
+            ws = _on([torch.randn(_WIDTH, _WIDTH, generator=gen) / _WIDTH ** 0.5
+                      for _ in range(layers)], device)
+            x = _on(torch.randn(rows, _WIDTH, generator=gen), device)
 
             def chain(ws: list[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
                 for w in ws:
@@ -165,8 +177,8 @@ def runtime_costs(hw: Hardware, repeats: int = 9) -> Hardware:
         hw = dataclasses.replace(hw, collective_overhead_s=per_collective)
 
     def dp_step(count: int) -> Callable[[], Any]:
-        params = [torch.randn(_WIDTH, generator=gen) for _ in range(count)]
-        batch = torch.randn(2 * n, _WIDTH, generator=gen)
+        params = _on([torch.randn(_WIDTH, generator=gen) for _ in range(count)], device)
+        batch = _on(torch.randn(2 * n, _WIDTH, generator=gen), device)
 
         def loss(ps: list[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
             return (x @ torch.stack(ps).T).sum()
@@ -198,9 +210,9 @@ def runtime_costs(hw: Hardware, repeats: int = 9) -> Hardware:
             piped = pipeline(two_stages, stages=2, microbatches=microbatches)
             step = value_and_grad(shard(piped, mesh=Mesh({"pp": 2, "dp": n // 2}),
                                         in_specs=(None, P("dp"))))
-            params = {k: [torch.randn(_WIDTH, _WIDTH, generator=gen) for _ in range(count)]
-                      for k in ("w1", "w2")}
-            batch = torch.randn(8 * n, _WIDTH, generator=gen)
+            params = _on({k: [torch.randn(_WIDTH, _WIDTH, generator=gen)
+                              for _ in range(count)] for k in ("w1", "w2")}, device)
+            batch = _on(torch.randn(8 * n, _WIDTH, generator=gen), device)
             return lambda: step(params, batch)
 
         # 6 more microbatches: 6 more forward-backward slots on the critical path, 2
@@ -225,9 +237,9 @@ def runtime_costs(hw: Hardware, repeats: int = 9) -> Hardware:
             piped = pipeline(chained, stages=2, microbatches=8, schedule="zb")
             step = value_and_grad(shard(piped, mesh=Mesh({"pp": 2, "dp": n // 2}),
                                         in_specs=(None, P("dp"))))
-            params = {k: [torch.randn(_WIDTH, _WIDTH, generator=gen) / _WIDTH ** 0.5
-                          for _ in range(count)] for k in ("w1", "w2")}
-            batch = torch.randn(8 * n, _WIDTH, generator=gen)
+            params = _on({k: [torch.randn(_WIDTH, _WIDTH, generator=gen) / _WIDTH ** 0.5
+                              for _ in range(count)] for k in ("w1", "w2")}, device)
+            batch = _on(torch.randn(8 * n, _WIDTH, generator=gen), device)
             return lambda: step(params, batch)
 
         one, many_ops = _weight_action(zb_step(1), repeats), _weight_action(zb_step(16), repeats)
@@ -282,27 +294,48 @@ def _head(params: dict[str, Any], h: torch.Tensor, tokens: torch.Tensor) -> torc
     return F.cross_entropy(logits.flatten(0, 1), tokens.flatten())
 
 
-def _reference_params(gen: torch.Generator) -> dict[str, Any]:
-    layers, d, vocab, _ = _REFERENCE
+def _reference_params(gen: torch.Generator, device: torch.device) -> dict[str, Any]:
+    layers, d, vocab, _ = _reference_shape(device)
 
     def weight(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=gen) / shape[-1] ** 0.5
 
-    return {"embedding": weight(vocab, d),
-            "layers": [{"norm1": torch.ones(d), "norm2": torch.ones(d),
-                        "qkv": weight(3 * d, d), "proj": weight(d, d),
-                        "up": weight(4 * d, d), "down": weight(d, 4 * d)}
-                       for _ in range(layers)]}
+    return _on({"embedding": weight(vocab, d),
+                "layers": [{"norm1": torch.ones(d), "norm2": torch.ones(d),
+                            "qkv": weight(3 * d, d), "proj": weight(d, d),
+                            "up": weight(4 * d, d), "down": weight(d, 4 * d)}
+                           for _ in range(layers)]}, device)
+
+
+def _on(tree: Any, device: torch.device) -> Any:
+    """`tree`'s tensors on `device`."""
+    return optree.tree_map(lambda t: t.to(device), tree)
+
+
+def _reference_shape(device: torch.device) -> tuple[int, int, int, int]:
+    """(layers, width, vocabulary, tokens per sequence) of the reference transformer."""
+    return _REFERENCE_CUDA if device.type == "cuda" else _REFERENCE
+
+
+def _sizes(device: torch.device) -> tuple[tuple[int, int], ...]:
+    """(sequences, tokens per sequence) the reference step is timed at."""
+    return _SIZES_CUDA if device.type == "cuda" else _SIZES
 
 
 _HEADS = 4
 _REFERENCE = (2, 96, 512, 64)  # layers, width, vocabulary, tokens per sequence
+# On a GPU the CPU's reference is all kernel launches: its time hardly moves with its
+# work, and the fit had nothing to find a scale in (on an H100 it gave 2.3 from steps
+# that each cost about the same; with the programs left on the CPU it timed the CPU).
+# A wider one, up to 8 K tokens, has matmuls of 10-100 us there.
+_REFERENCE_CUDA = (2, 1024, 8192, 512)
 # (sequences, tokens per sequence): the reference step at these sizes. The smallest does
 # almost no work, so it pins the time per op; without it (1, 2, 4 and 8 sequences of 64
 # tokens) the fit traded the scale against the time per op from one calibration to the
 # next (0.94 and 34 us, 1.12 and 17 us), and pipelines of small microbatches moved by a
 # third with it.
 _SIZES = ((1, 4), (1, 64), (2, 64), (4, 64), (8, 64))
+_SIZES_CUDA = ((1, 4), (1, 512), (4, 512), (8, 512), (16, 512))
 
 
 def _op_time_scale(hw: Hardware, gen: torch.Generator, repeats: int
@@ -314,15 +347,17 @@ def _op_time_scale(hw: Hardware, gen: torch.Generator, repeats: int
     negative. The sizes are timed in turn within each repeat, so a drift in the machine's
     load falls on all of them alike: two sizes timed one after the other gave fits that
     moved the scale by a third between two calibrations."""
-    _, _, vocab, _ = _REFERENCE
-    params = _reference_params(gen)
+    device = default_device()
+    _, _, vocab, _ = _reference_shape(device)
+    sizes = _sizes(device)
+    params = _reference_params(gen, device)
     # the model's time for the same ops: one device, no fixed costs, no fit yet
     bare = dataclasses.replace(hw, op_time_scale=1.0, op_step_overhead_s=0.0,
                                step_overhead_s=0.0, param_overhead_s=0.0)
     step = value_and_grad(_reference)
     calls, modelled, ops = [], [], 0
-    for rows, seq in _SIZES:
-        tokens = torch.randint(0, vocab, (rows, seq), generator=gen)
+    for rows, seq in sizes:
+        tokens = _on(torch.randint(0, vocab, (rows, seq), generator=gen), device)
         for _ in range(2):
             step(params, tokens)
         calls.append(functools.partial(step, params, tokens))
@@ -330,7 +365,7 @@ def _op_time_scale(hw: Hardware, gen: torch.Generator, repeats: int
                     memory_margin=0.0).plan(params, tokens)
         modelled.append(plan.step_time_s)
         ops = sum(b.stop - b.start for b in plan.blocks)
-    times: list[list[float]] = [[] for _ in _SIZES]
+    times: list[list[float]] = [[] for _ in sizes]
     for _ in range(repeats):
         for k, call in enumerate(calls):
             times[k].append(_timed(call))
@@ -376,9 +411,10 @@ def _op_action(hw: Hardware, gen: torch.Generator, repeats: int) -> float:
     at once; what the measured difference has beyond the cost model's, per op of a stage
     and per action."""
     n = world.size()
-    params = _reference_params(gen)
-    _, _, vocab, seq = _REFERENCE
-    tokens = torch.randint(0, vocab, (8 * (n // 2), seq), generator=gen)
+    device = default_device()
+    params = _reference_params(gen, device)
+    _, _, vocab, seq = _reference_shape(device)
+    tokens = _on(torch.randint(0, vocab, (8 * (n // 2), seq), generator=gen), device)
     blocks = len(auto(_staged, mesh=abstract_mesh(n), hardware=hw,
                       plan=Pin(stages=2)).plan(params, tokens).blocks)
     calls, predicted, ops = [], [], 0
@@ -420,8 +456,10 @@ def _recompute_region(hw: Hardware, gen: torch.Generator, repeats: int) -> float
     ops are tiny, so what is left is the checkpoint's own cost: 0.15 ms per region for
     torch's checkpoint alone here, against 10 us for the ops it recomputes."""
     n = world.size()
-    ws = [torch.randn(_WIDTH, _WIDTH, generator=gen) / _WIDTH for _ in range(_REGION_LAYERS)]
-    x = torch.randn(2 * n, _WIDTH, generator=gen)
+    device = default_device()
+    ws = _on([torch.randn(_WIDTH, _WIDTH, generator=gen) / _WIDTH
+              for _ in range(_REGION_LAYERS)], device)
+    x = _on(torch.randn(2 * n, _WIDTH, generator=gen), device)
     roles = (("outer", "dp"),) if n > 1 else ()
     blocks = len(auto(_tiny_layers, mesh=abstract_mesh(n), hardware=hw).plan(ws, x).blocks)
     calls, predicted, regions = [], [], 0
@@ -475,6 +513,14 @@ def _timed(call: Callable[[], Any]) -> float:
     """Seconds of one `call`, started after a barrier."""
     if world.initialized():
         world.barrier()
+    _sync()
     start = time.perf_counter()
     call()
+    _sync()
     return time.perf_counter() - start
+
+
+def _sync() -> None:
+    """Wait for the GPU's queued work (a CUDA step returns before its kernels ran)."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
