@@ -88,12 +88,15 @@ def rank_main(config: str, batch_size: int, steps: int, warmup: int, quick: bool
     """On every rank: calibrate, then plan and run each case, and measure them all in
     `rounds` rounds of `steps` timed calls each."""
     harness.add_paths()
+    import dataclasses
+
     import gpt
     import torch
     import torch.distributed as dist
 
     import pxform
     from pxform.runtime.calibrate import calibrate
+    from pxform.search import pin_of
     from pxform.tools.runtime_costs import runtime_costs
 
     world = dist.get_world_size()
@@ -112,9 +115,14 @@ def rank_main(config: str, batch_size: int, steps: int, warmup: int, quick: bool
     if quick:
         chosen = chosen[:2]
     prepared = []
+    # the same plans priced without the ranks' waits at their collectives and transfers
+    # (`Hardware.sync_wait`): the model before them, on the same measurements
+    unsynced = dataclasses.replace(hw, sync_wait=())
     for name, pin in chosen:
         step = pxform.auto(gpt_loss, mesh=world, hardware=hw, plan=pin)
         plan = step.plan(params, batch)
+        plan_unsynced = pxform.auto(gpt_loss, mesh=pxform.Mesh.abstract(world),
+                                    hardware=unsynced, plan=pin_of(plan)).plan(params, batch)
         dparams, _ = step.distribute(params, batch)
         held = step.holds(dparams, batch)[0]
         owned = [p for p, h in zip(_leaves(dparams), _leaves(held)) if h]
@@ -125,17 +133,17 @@ def rank_main(config: str, batch_size: int, steps: int, warmup: int, quick: bool
                 p.grad = g
         opt.step()
         opt.zero_grad(set_to_none=True)
-        prepared.append((name, step, plan, dparams, opt))
+        prepared.append((name, step, plan, dparams, opt, plan_unsynced.step_time_s))
     # every case measured in each of `rounds` rounds, in turn: the machine drifts by 10-20 %
     # over a run, and one case measured after another took the drift for a model error
     # (the same plan measured 20 % apart as two cases)
     per_case: list[list[Any]] = [[] for _ in prepared]
     for r in range(rounds):
-        for k, (_, step, _, dparams, opt) in enumerate(prepared):
+        for k, (_, step, _, dparams, opt, _) in enumerate(prepared):
             per_case[k].append(pxform.measure(step, dparams, batch, optimizer=opt,
                                               steps=steps, warmup=warmup if r == 0 else 1))
     rows = []
-    for (name, _, plan, _, _), got in zip(prepared, per_case):
+    for (name, _, plan, _, _, unsynced_s), got in zip(prepared, per_case):
         measured = _merged(got)
         report = plan.report(measured)
         # the spread of the slowest rank's steps (the rank whose median is the step's)
@@ -147,6 +155,8 @@ def rank_main(config: str, batch_size: int, steps: int, warmup: int, quick: bool
                      "predicted_time_s": report.predicted_time_s,
                      "measured_time_s": report.measured_time_s,
                      "time_error": report.time_error,
+                     "predicted_without_sync_wait_s": unsynced_s,
+                     "time_error_without_sync_wait": unsynced_s / report.measured_time_s - 1,
                      "memory_error": report.memory_error,
                      "ranks": [vars(r) for r in report.ranks],
                      "step_times_s": [list(r.step_times_s) for r in measured.ranks],
@@ -243,6 +253,10 @@ def main() -> None:
     inside = sum(r["measured_p10_s"] <= r["predicted_time_s"] <= r["measured_p90_s"]
                  for r in r0["rows"])
     print(f"  predicted step inside the measured p10-p90: {inside}/{len(time_errors)} cases")
+    before = [abs(r["time_error_without_sync_wait"]) for r in r0["rows"]]
+    print(f"  the same plans without the ranks' waits (`Hardware.sync_wait`), on the same "
+          f"measurements: {sum(e <= GOAL_TIME for e in before)}/{len(before)} within "
+          f"{GOAL_TIME:.0%} (median {sorted(before)[len(before) // 2]:.1%})")
     if args.quick:
         return
     tag = "" if (args.config, args.batch, args.ranks) == ("small", 16, 2) else \
@@ -258,6 +272,7 @@ def main() -> None:
                    "malloc_env": malloc},
         "calibrate_s": r0["calibrate_s"], "hardware": r0["hardware"], "cases": r0["rows"],
         "summary": {"time_within_goal": met_t, "memory_within_goal": met_m,
+                    "time_within_goal_without_sync_wait": sum(e <= GOAL_TIME for e in before),
                     "time_inside_p10_p90": inside,
                     "cases": len(time_errors), "worst_abs_time_error": max(time_errors),
                     "worst_abs_memory_error": max(mem_errors)},
