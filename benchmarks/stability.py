@@ -58,7 +58,8 @@ def rank_main(config: str, batch_size: int, runs: int) -> dict[str, Any]:
                                "action_overhead_s": hw.action_overhead_s,
                                "collective_overhead_s": hw.collective_overhead_s,
                                "op_time_scale": hw.op_time_scale,
-                               "op_step_overhead_s": hw.op_step_overhead_s}
+                               "op_step_overhead_s": hw.op_step_overhead_s,
+                               "sync_wait": [list(p) for p in hw.sync_wait]}
         for case, pin in (("searched", None), ("2 stages", Pin(stages=2))):
             for tolerance in (0.0, None):
                 kw = {} if tolerance is None else {"tolerance": tolerance}
@@ -111,6 +112,9 @@ def main() -> None:
                                                     for r in runs))
     print("  op time scale, time per op: " + ", ".join(
         f"{r['op_time_scale']:.2f} x, {r['op_step_overhead_s'] * 1e6:.0f} us" for r in runs))
+    print("  sync wait at the longest gap: " + ", ".join(
+        f"{r['sync_wait'][-1][1] * 1e3:.2f} ms after {r['sync_wait'][-1][0] * 1e3:.1f} ms"
+        for r in runs if r["sync_wait"]))
     if args.quick:
         return
     path = harness.write_result("stability", {
