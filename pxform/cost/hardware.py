@@ -372,8 +372,9 @@ class Hardware:
             previous one. Ranks computing apart drift (noise, preemption, a waiting
             thread put to sleep), and the collective waits for the slowest and wakes the
             waiters; the longer they computed, the longer that takes, up to a ceiling
-            (measured on 2 gloo ranks here: about 0.3 ms more after 2 ms of compute, 1 ms
-            after 8 ms). Piecewise linear in the gap, 0 at and below the first point,
+            (on 2 gloo ranks here 0-0.85 ms after 2 ms of compute and 0-2.4 ms after 8
+            ms, from one calibration to the next). Piecewise linear in the gap, 0 at and
+            below the first point,
             flat beyond the last; non-decreasing (`sync_wait_s`; `pxform.runtime.
             calibrate` measures it; empty: not measured).
         recompute_overhead_s: seconds each recompute region costs per microbatch beyond

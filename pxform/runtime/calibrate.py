@@ -496,7 +496,8 @@ def _measure_sync_wait(device: torch.device, repeats: int, say: Callable[[str], 
     tensor-parallel GPT step, collectives after 4-9 ms of compute cost 1.5-2 ms more than
     those right after another)."""
     side = 256 if device.type == "cpu" else 4096
-    a = torch.randn(side, side, device=device) / side ** 0.5
+    gen = torch.Generator(device).manual_seed(0)  # leave the global RNG state alone
+    a = torch.randn(side, side, device=device, generator=gen) / side ** 0.5
     buf = torch.zeros(_SYNC_BYTES // 4, device=device)
 
     def matmuls(count: int) -> None:
