@@ -51,6 +51,7 @@ import torch.distributed as dist
 
 from pxform.core.units import format_bytes, parse_bytes
 from pxform.cost.hardware import COLLECTIVE_KINDS, CommTable, Hardware, Link, OpCurve, ring_steps
+from pxform.runtime.graph_module import synchronize
 
 __all__ = ["add_arguments", "calibrate", "main", "lower_quartile", "sent_bytes", "summary"]
 
@@ -181,11 +182,6 @@ def calibrate(*, sizes: Sequence[int] = (2**10, 2**14, 2**18, 2**22), repeats: i
 
 
 # ---------------------------------------------------------------------------- compute
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _measure_compute(device: torch.device, say: Callable[[str], None]) -> dict[str, float]:
     dims = (1024, 2048, 4096, 8192) if device.type == "cuda" else (128, 256, 512)
     dtypes = [("fp32", torch.float32), ("bf16", torch.bfloat16)]
@@ -200,14 +196,14 @@ def _measure_compute(device: torch.device, say: Callable[[str], None]) -> dict[s
                 a = torch.randn(n, n, device=device, generator=gen).to(dtype)
                 b = torch.randn(n, n, device=device, generator=gen).to(dtype)
                 torch.mm(a, b)  # warm-up
-                _sync(device)
+                synchronize(device)
             except RuntimeError:  # dtype not supported for matmul on this device
                 break
             times = []
             for _ in range(3):
                 start = time.perf_counter()
                 torch.mm(a, b)
-                _sync(device)
+                synchronize(device)
                 times.append(time.perf_counter() - start)
             seconds = statistics.median(times)
             rate = 2 * n**3 / seconds
@@ -228,12 +224,12 @@ def _measure_bandwidth(device: torch.device, say: Callable[[str], None]) -> floa
     b = torch.ones(n, device=device)
     out = torch.empty(n, device=device)
     torch.add(a, b, out=out)  # warm-up (first touch of the pages)
-    _sync(device)
+    synchronize(device)
     times = []
     for _ in range(5):
         start = time.perf_counter()
         torch.add(a, b, out=out)
-        _sync(device)
+        synchronize(device)
         times.append(time.perf_counter() - start)
     rate = 3 * n * 4 / statistics.median(times)
     say(f"memory bandwidth: {rate / 1e9:.4g} GB/s (elementwise add, {format_bytes(n * 4)} "
@@ -270,7 +266,7 @@ def _timed_median(run: Callable[[], object], device: torch.device, repeats: int
                   ) -> tuple[float, float]:
     """(median seconds, relative interquartile range) of `repeats` runs after one."""
     run()
-    _sync(device)
+    synchronize(device)
     times = [_timed_once(run, device) for _ in range(repeats)]
     return statistics.median(times), _spread(times)
 
@@ -371,7 +367,7 @@ def _measure_op_curves(device: torch.device, repeats: int, say: Callable[[str], 
             calls = [runs[0][0], runs[1][0], runs[0][1], runs[1][1]]
             for call in calls:  # warm-up
                 call()
-            _sync(device)
+            synchronize(device)
             fwds, bwds = [], []
             for _ in range(repeats):
                 t = [_timed_once(call, device) for call in calls]
@@ -395,7 +391,7 @@ def _measure_op_curves(device: torch.device, repeats: int, say: Callable[[str], 
 def _timed_once(run: Callable[[], object], device: torch.device) -> float:
     start = time.perf_counter()
     run()
-    _sync(device)
+    synchronize(device)
     return time.perf_counter() - start
 
 
@@ -451,7 +447,7 @@ def _measure_overlap(device: torch.device, repeats: int, say: Callable[[str], No
 
     comm()
     matmuls(1)
-    _sync(device)
+    synchronize(device)
     slowdowns = []
     for _ in range(repeats):
         dist.barrier()
@@ -460,13 +456,13 @@ def _measure_overlap(device: torch.device, repeats: int, say: Callable[[str], No
         count = max(1, round(g / one))
         c, _ = _timed_median(functools.partial(matmuls, count), device, 3)
         dist.barrier()
-        _sync(device)
+        synchronize(device)
         start = time.perf_counter()
         work = dist.all_reduce(buf, async_op=True)
         matmuls(count)
         assert work is not None
         work.wait()
-        _sync(device)
+        synchronize(device)
         both = time.perf_counter() - start
         slowdowns.append(1.0 + (both - max(c, g)) / min(c, g))
     s = min(2.0, max(1.0, statistics.median(slowdowns)))
@@ -506,7 +502,7 @@ def _measure_sync_wait(device: torch.device, repeats: int, say: Callable[[str], 
 
     matmuls(2)
     dist.all_reduce(buf)
-    _sync(device)
+    synchronize(device)
     one, _ = _timed_median(lambda: matmuls(1), device, 5)
     # every rank the same counts (rank 0's): a rank that computed more would wait less
     counts = torch.tensor([max(1, round(g / one)) for g in _SYNC_GAPS], dtype=torch.int64)
@@ -602,10 +598,10 @@ def _measure_comms(sizes: Sequence[int], repeats: int, kinds: tuple[str, ...], w
 
     def timed(op: Callable[[], object]) -> float:
         dist.barrier(**barrier_kwargs)
-        _sync(device)
+        synchronize(device)
         start = time.perf_counter()
         op()
-        _sync(device)
+        synchronize(device)
         return time.perf_counter() - start
 
     tables: list[CommTable] = []
@@ -621,7 +617,7 @@ def _measure_comms(sizes: Sequence[int], repeats: int, kinds: tuple[str, ...], w
                    for numel in numels]
             for op in ops:
                 op()  # warm-up (also creates lazy communicators)
-            _sync(device)
+            synchronize(device)
             # the sizes in turn within each repeat: a slow spell of the machine falls on
             # every size alike instead of on the one timed then
             times: list[list[float]] = [[] for _ in numels]

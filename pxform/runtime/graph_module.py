@@ -440,6 +440,13 @@ def default_device() -> torch.device:
     return torch.device("cpu")
 
 
+def synchronize(device: torch.device) -> None:
+    """Wait for the work queued on `device` (a CUDA step returns before its kernels ran;
+    nothing to wait for on the CPU): what every timing of a step ends with."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def runtime_device(tensors: Iterable[Any]) -> torch.device:
     """Where the runtime makes the tensors of a step (buffers, zeros, counts): the device
     of its first tensor input, else `default_device()`."""

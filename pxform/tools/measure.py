@@ -33,6 +33,7 @@ import torch
 from pxform.core.errors import PxformError
 from pxform.runtime import world
 from pxform.runtime.boundary import is_dtensor
+from pxform.runtime.graph_module import synchronize
 from pxform.search.report import Measured, RankMeasure
 from pxform.tools.memory import MemoryMeter, tensors_of
 from pxform.transforms.auto import Auto
@@ -65,10 +66,10 @@ def measure(step: Any, *args: Any, optimizer: torch.optim.Optimizer | None = Non
     times: list[float] = []
     for k in range(warmup + steps):
         world.barrier()
-        _sync(device)
+        synchronize(device)
         start = time.perf_counter()
         result = run(*args)
-        _sync(device)
+        synchronize(device)
         if k >= warmup:
             times.append(time.perf_counter() - start)
         del result
@@ -96,11 +97,6 @@ def _device(args: Any) -> torch.device:
         if t.device.type == "cuda":
             return t.device
     return torch.device("cpu")
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _state_bytes(optimizer: torch.optim.Optimizer | None) -> int:

@@ -103,7 +103,7 @@ from pxform.cost.model import CostModel
 from pxform.frontend.boundary import stage_boundary
 from pxform.runtime import world
 from pxform.runtime.calibrate import sent_bytes
-from pxform.runtime.graph_module import default_device
+from pxform.runtime.graph_module import default_device, synchronize
 from pxform.runtime.mesh import Mesh
 from pxform.runtime.pipeline import recording
 from pxform.search.context import Pin
@@ -513,14 +513,9 @@ def _timed(call: Callable[[], Any]) -> float:
     """Seconds of one `call`, started after a barrier."""
     if world.initialized():
         world.barrier()
-    _sync()
+    device = default_device()  # (a CUDA step returns before its kernels ran)
+    synchronize(device)
     start = time.perf_counter()
     call()
-    _sync()
+    synchronize(device)
     return time.perf_counter() - start
-
-
-def _sync() -> None:
-    """Wait for the GPU's queued work (a CUDA step returns before its kernels ran)."""
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.synchronize()
