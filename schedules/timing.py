@@ -46,30 +46,34 @@ class Timer:
 
     stages: int
     ranks: int
-    # per action, in an order in which every action follows what it waits for:
-    # (rank, duration kind, stage, ((index of an awaited action, its stage when it runs on
-    # another rank, else -1), ...))
-    order: tuple[tuple[int, int, int, tuple[tuple[int, int], ...]], ...]
+    # per action, in an order in which every action follows what it waits for: (rank,
+    # where its duration is in `step_time`'s flat list of durations (kind x stages +
+    # stage), ((index of an awaited action, its stage when it runs on another rank, else
+    # -1), ...))
+    order: tuple[tuple[int, int, tuple[tuple[int, int], ...]], ...]
 
     def __init__(self, schedule: Schedule) -> None:
         shape = shape_of(schedule)
         if shape.has_comm:
             raise ScheduleError("pxform.schedules.Timer: the schedule has send/receive "
                                 "actions; time its compute actions (rules.compute_only)")
+        n = shape.stages
+        rank_of = [shape.rank_of(s) for s in range(n)]
+        kinds = {"F": _F, "W": _W, "R": _R}
         index: dict[Action, int] = {}
-        out: list[tuple[int, int, int, tuple[tuple[int, int], ...]]] = []
+        out: list[tuple[int, int, tuple[tuple[int, int], ...]]] = []
         for rank, a, deps in execution_order(schedule, shape):  # `simulate`'s order
-            waits = tuple((index[d], d.stage if shape.rank_of(d.stage) != rank else -1)
+            waits = tuple((index[d], d.stage if rank_of[d.stage] != rank else -1)
                           for d in deps)
-            kind = {"F": _F, "W": _W, "R": _R}.get(a.kind)
+            kind = kinds.get(a.kind)
             if kind is None:  # B
                 kind = _B if a.stage in shape.weight_stages else _BW
             index[a] = len(out)
-            out.append((rank, kind, a.stage, waits))
+            out.append((rank, kind * n + a.stage, waits))
         if len(out) < sum(a is not None for row in schedule.values() for a in row):
             raise ScheduleError("pxform.schedules.Timer: the schedule deadlocks (no rank "
                                 "can go on); validate(schedule) shows where")
-        object.__setattr__(self, "stages", shape.stages)
+        object.__setattr__(self, "stages", n)
         object.__setattr__(self, "ranks", shape.ranks)
         object.__setattr__(self, "order", tuple(out))
 
@@ -95,21 +99,21 @@ class Timer:
             if len(seq) != n:
                 raise ValueError(f"pxform.schedules.Timer: {name} has {len(seq)} entries "
                                  f"but the schedule has {n} stages")
-        durations = (forward, backward, [b + x for b, x in zip(backward, w)], w, r)
+        # in the order of _F, _B, _BW, _W, _R; a wait on the same rank (stage -1) reads
+        # the 0.0 appended to `send`
+        durations = [*forward, *backward, *(b + x for b, x in zip(backward, w)), *w, *r]
+        send = [*send, 0.0]
         free = [0.0] * self.ranks
-        end = [0.0] * len(self.order)
-        last = 0.0
-        for k, (rank, kind, stage, waits) in enumerate(self.order):
+        end: list[float] = []
+        for rank, kind, waits in self.order:
             start = free[rank]
             for d, other in waits:
-                ready = end[d] + send[other] if other >= 0 else end[d]
+                ready = end[d] + send[other]
                 if ready > start:
                     start = ready
-            finish = start + durations[kind][stage]
-            end[k] = free[rank] = finish
-            if finish > last:
-                last = finish
-        return last
+            end.append(start + durations[kind])
+            free[rank] = end[-1]
+        return max(end, default=0.0)
 
 
 def held(schedule: Schedule) -> tuple[int, ...]:

@@ -151,12 +151,12 @@ class Auto(Executable):
 
     def _planned(self, args: tuple[Any, ...]) -> tuple[Plan, set[str], tuple[Any, ...]]:
         """(plan, names of the batch inputs, the graph's inputs), once per signature."""
-        full: Any = optree.tree_map(global_stand_in, args, is_leaf=is_dtensor)  # type: ignore[arg-type]
-        key = cache_key(full, {})
-        if key not in self._cache:
-            with _gc_paused():
+        with _gc_paused():  # from the first step: the caller's garbage is not ours to collect
+            full: Any = optree.tree_map(global_stand_in, args, is_leaf=is_dtensor)  # type: ignore[arg-type]
+            key = cache_key(full, {})
+            if key not in self._cache:
                 self._cache[key] = self._plan_now(args)
-        return self._cache[key]
+            return self._cache[key]
 
     def _plan_now(self, args: tuple[Any, ...]) -> tuple[Plan, set[str], tuple[Any, ...]]:
         """Trace, search (or check the given plan) and check it lowers (`_planned`)."""
