@@ -276,3 +276,35 @@ def overlap_order(variant="overlap"):
         pxform.value_and_grad(step)(params, batch)
     return {"overlapped": order.overlapped, "collectives": order.collectives,
             "text": step.lower(params, batch).as_text()}
+
+
+def searched_memory(batch=16):
+    """The example GPT "small" in float32 under `pxform.auto`, every block data parallel,
+    with and without recompute (pinned): per case the plan's predicted peak and the peak
+    `pxform.measure` reads (SGD without momentum: no optimizer state on either side)."""
+    import gpt
+
+    from pxform.search import Pin
+    from pxform.search.space import Option
+
+    cfg = gpt.GPT_CONFIGS["small"]
+    params = gpt.init_params(cfg, dtype=torch.float32)
+    data = gpt.make_batch(cfg, batch)
+
+    def loss(p, b):
+        return gpt.loss_fn(p, b, cfg)
+
+    world = torch.distributed.get_world_size()
+    num_blocks = len(pxform.auto(loss, mesh=world, hardware="a100-40gb",
+                                 optimizer="sgd").plan(params, data).blocks)
+    out = {}
+    for recompute in (False, True):
+        pin = Pin(stages=1, outer=world, inner=1, microbatches=1,
+                  block_options=(Option((("outer", "dp"),), recompute),) * num_blocks)
+        step = pxform.auto(loss, mesh=world, hardware="a100-40gb", plan=pin, optimizer="sgd")
+        plan = step.plan(params, data)
+        dparams, _ = step.distribute(params, data)
+        measured = pxform.measure(step, dparams, data, steps=1, warmup=1)
+        out[recompute] = (plan.peak_memory_bytes,
+                          measured.ranks[torch.distributed.get_rank()].peak_memory_bytes)
+    return out

@@ -287,6 +287,17 @@ def world2():
         yield world
 
 
+@pytest.mark.timeout(300)
+def test_the_predicted_peak_of_a_recomputed_plan_matches_the_measured(world2):
+    """A recomputed block's backward peaks as its recompute ends, before its own parameter
+    gradients exist (`cost.model.backward_extra`'s `ends`): counted on top, they put this
+    recomputed GPT's predicted peak 6.5 % above the measured one (2.1 % without them; the
+    plain plan's is within 0.1 %)."""
+    for got in world2.run(R.searched_memory):
+        for recompute, (predicted, measured) in got.items():
+            assert abs(predicted / measured - 1) < 0.025, (recompute, predicted, measured)
+
+
 def test_one_rank_data_parallel_mesh():
     with World(1) as world:
         (got,) = world.run(R.run_sharded, R.VARIANTS, {"dp": 1}, "dp")

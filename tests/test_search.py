@@ -576,6 +576,15 @@ def test_backward_extra_orders_workspaces_and_counts_the_packed_bucket():
     assert backward_extra(acts, grads, [0.0] * 3, 2, 2, packed=90.0) == 60.0
     # at most one bucket is packed at once: the runtime's own bucket size
     assert backward_extra([0.0], [1e12], [0.0], 1, 1, packed=1e12) == BUCKET_BYTES
+    # a recomputed block's recompute (40) peaks before its own gradients: what they add
+    # beyond its activations (30 - 10) is not on top, unless an earlier microbatch made
+    # them already (2 microbatches, 1 in flight); its backward ends at its transient (25)
+    assert backward_extra([10.0, 10.0], [30.0, 30.0], [40.0, 5.0], 1, 1, 0.0,
+                          ends=[5.0, None]) == 20.0
+    assert backward_extra([10.0, 10.0], [30.0, 30.0], [40.0, 5.0], 1, 1, 0.0,
+                          ends=[25.0, None]) == 25.0
+    assert backward_extra([10.0, 10.0], [30.0, 30.0], [40.0, 5.0], 1, 2, 0.0,
+                          ends=[5.0, None]) == 40.0
     assert BUCKET_BYTES == DEFAULT_BUCKET_MB * 2**20
 
 

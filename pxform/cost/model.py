@@ -417,7 +417,7 @@ DDP's default)."""
 
 def backward_extra(activations: Sequence[float], grads: Sequence[float],
                    workspaces: Sequence[float], in_flight: int, microbatches: int,
-                   packed: float) -> float:
+                   packed: float, ends: Sequence[float | None] | None = None) -> float:
     """Bytes a stage needs on top of its blocks' summed `peak_bytes` while backward runs,
     per block (in forward order) its activations, parameter gradients and workspace.
 
@@ -428,14 +428,28 @@ def backward_extra(activations: Sequence[float], grads: Sequence[float],
     bucket is packed into one buffer (`packed`: the all-reduced gradient bytes, at most one
     bucket) while the activations are gone.
 
+    `ends`, per block: where given, its workspace peaks before the block's own gradients
+    exist and its backward ends holding this much beside all of them. A recomputed block
+    peaks as its recompute ends, before the first op's backward made a gradient, and ends
+    with its last op's transient: when every microbatch is in flight (its gradients are
+    made by this backward), its own gradients beyond its activations do not add to the
+    recompute's peak either. (Counted, they put a recomputed GPT's predicted peak 4-7 %
+    above the measured one: `docs/benchmarks/accuracy.md`.)
+
     Example:
         >>> # the last block's large workspace comes before the first block's gradients
         >>> backward_extra([10, 10], [30, 30], [5, 25], 1, 1, packed=0)
         5.0
+        >>> # a recomputed first block: its 40 bytes of recompute before its own gradients
+        >>> backward_extra([10, 10], [30, 30], [40, 5], 1, 1, packed=0, ends=[5, None])
+        20.0
     """
     every = in_flight >= microbatches
     extra = ahead = 0.0
-    for act, grad, work in zip(activations, grads, workspaces):
+    for k, (act, grad, work) in enumerate(zip(activations, grads, workspaces)):
+        end = ends[k] if ends is not None else None
+        if end is not None and every:
+            work = max(work - (max(act, grad) - act), end)
         extra = max(extra, work - ahead)
         if every:
             ahead += max(act, grad) - act

@@ -52,6 +52,7 @@ def memory_lower_bound(ctx: SearchContext, config: Config) -> float:
     m = config.microbatches
     total = sum(min(c.memory(1, o.recompute, m) for o, c in zip(t.options, t.costs))
                 for t in tables)
-    workspace = min(c.workspace(o.recompute) for t in tables
-                    for o, c in zip(t.options, t.costs))
+    # (the transient: a recomputed block's recompute may peak before its gradients
+    # exist, `backward_extra`, and charges no less than it)
+    workspace = min(c.transient for t in tables for c in t.costs)
     return total / config.stages + workspace

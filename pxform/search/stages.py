@@ -161,7 +161,8 @@ def _extra(tables: Sequence[OptionTable], idx: list[int], choices: Sequence[int]
     return backward_extra([c.kept if r else c.saved for c, r in zip(costs, redo)],
                           [c.grads for c in costs],
                           [c.workspace(r) for c, r in zip(costs, redo)], flight, m,
-                          sum(c.packed for c in costs))
+                          sum(c.packed for c in costs),
+                          [c.transient if r else None for c, r in zip(costs, redo)])
 
 
 def _least_extra(tables: Sequence[OptionTable], idx: list[int], flight: int, m: int
@@ -171,7 +172,9 @@ def _least_extra(tables: Sequence[OptionTable], idx: list[int], flight: int, m: 
     least = ahead = 0.0
     for k in idx:
         pairs = list(zip(tables[k].costs, tables[k].options))
-        least = max(least, min(c.workspace(o.recompute) for c, o in pairs) - ahead)
+        # (a recomputed block's recompute may come before its gradients: its transient
+        # is what `backward_extra` charges it at least)
+        least = max(least, min(c.transient for c, o in pairs) - ahead)
         if flight >= m:
             ahead += max(max(c.grads - (c.kept if o.recompute else c.saved), 0.0)
                          for c, o in pairs)
