@@ -809,9 +809,9 @@ def _write_back(view: Op, base: Value, child: Value, out: Value, grad: bool) -> 
 # make_fx's torch-function metadata mode records, per node, the torch function that made
 # it (for torch.export); the IR takes nothing from it, and the extra mode on every torch
 # call was 5 % of tracing GPT-3 175B. Torches without the option trace as before.
-_MAKE_FX_OPTIONS = ({"_disable_torch_fn_metadata_mode": True}
-                    if "_disable_torch_fn_metadata_mode" in inspect.signature(make_fx).parameters
-                    else {})
+_MAKE_FX_OPTIONS: dict[str, Any] = (
+    {"_disable_torch_fn_metadata_mode": True}
+    if "_disable_torch_fn_metadata_mode" in inspect.signature(make_fx).parameters else {})
 
 
 @contextlib.contextmanager
