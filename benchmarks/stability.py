@@ -8,7 +8,10 @@ stages pinned, the microbatch count and schedule searched), once with `tolerance
 fastest predicted plan) and once with the default tolerance (the simplest plan within 5 %
 of the fastest, `pxform.search.partition.simplicity`). The table counts the distinct plans
 each way took over the runs: one means the machine gives the same plan run after run, the
-issue's goal.
+issue's goal. Each calibration also prices two pinned plans (one stage over the data axis;
+2 stages, 1F1B, 4 microbatches per rank): how far one plan's prediction moves with the
+profile alone. The fitted per-op pipeline cost (`op_action_overhead_s`) and each profile
+whole are recorded.
 
     source .venv/bin/activate
     python benchmarks/stability.py               # GPT "small", batch 16, 2 ranks, 6 runs
@@ -49,6 +52,11 @@ def rank_main(config: str, batch_size: int, runs: int) -> dict[str, Any]:
     def gpt_loss(p: dict, b: dict) -> torch.Tensor:
         return gpt.loss_fn(p, b, cfg)
 
+    from pxform.search.pipelines import ScheduleChoice
+
+    fixed = {f"1 stage, outer={world}": Pin(stages=1, outer=world, inner=1, microbatches=1),
+             f"pp2 m{4 * world} 1f1b": Pin(stages=2, microbatches=4 * world,
+                                           schedule=ScheduleChoice())}
     out = []
     for _ in range(runs):
         start = time.perf_counter()
@@ -59,7 +67,13 @@ def rank_main(config: str, batch_size: int, runs: int) -> dict[str, Any]:
                                "collective_overhead_s": hw.collective_overhead_s,
                                "op_time_scale": hw.op_time_scale,
                                "op_step_overhead_s": hw.op_step_overhead_s,
-                               "sync_wait": [list(p) for p in hw.sync_wait]}
+                               "sync_wait": [list(p) for p in hw.sync_wait],
+                               "op_action_overhead_s": hw.op_action_overhead_s,
+                               "hardware": hw.to_json()}
+        # what each calibration predicts for the same plans (a fixed plan's prediction
+        # moves with the profile alone)
+        row["pinned"] = {name: pxform.auto(gpt_loss, mesh=world, hardware=hw, plan=pin)
+                         .plan(params, batch).step_time_s for name, pin in fixed.items()}
         for case, pin in (("searched", None), ("2 stages", Pin(stages=2))):
             for tolerance in (0.0, None):
                 kw = {} if tolerance is None else {"tolerance": tolerance}
@@ -112,6 +126,13 @@ def main() -> None:
                                                     for r in runs))
     print("  op time scale, time per op: " + ", ".join(
         f"{r['op_time_scale']:.2f} x, {r['op_step_overhead_s'] * 1e6:.0f} us" for r in runs))
+    print("  per-op pipeline cost (op_action_overhead_s): " + ", ".join(
+        f"{r['op_action_overhead_s'] * 1e6:.1f} us" for r in runs))
+    for name in runs[0]["pinned"]:
+        times = [r["pinned"][name] * 1e3 for r in runs]
+        print(f"  predicted for the pinned plan {name}: "
+              + ", ".join(f"{t:.1f}" for t in times)
+              + f" ms (spread {max(times) / min(times) - 1:.0%})")
     print("  sync wait at the longest gap: " + ", ".join(
         f"{r['sync_wait'][-1][1] * 1e3:.2f} ms after {r['sync_wait'][-1][0] * 1e3:.1f} ms"
         for r in runs if r["sync_wait"]))

@@ -38,10 +38,12 @@ world and returns the profile with them set:
 * `op_action_overhead_s`, per op of a stage per pipeline action (the executor runs the
   stage's graph once per microbatch and autograd builds and walks it anew each time,
   beyond what a whole step per op costs): the reference transformer cut into 2 stages
-  after its first layer, a 1F1B pipeline at 2 and at 8 microbatches of the same batch;
+  after its first layer, a 1F1B pipeline at 2 and at 16 microbatches of the same batch;
   the measured difference less the one the cost model predicts with the costs above,
-  over 2 x 6 actions x the stages' mean op count. Tiny stages (the action cost above)
-  do not show it: it grows with the ops a stage runs.
+  over 2 x 14 actions x the stages' mean op count. Tiny stages (the action cost above)
+  do not show it: it grows with the ops a stage runs. (Until 2026-11-26, fifth session,
+  at 2 and 8 microbatches: six calibrations in a row gave 0-24 us, and the prediction
+  for one pinned 8-microbatch GPT pipeline moved by 37 % with it.)
 
 * `recompute_overhead_s`, per recompute region per microbatch (torch's non-reentrant
   checkpoint: its frame, the saved tensors' hooks, the RNG state, stopping the recompute;
@@ -407,18 +409,19 @@ def _staged(params: dict[str, Any], tokens: torch.Tensor) -> torch.Tensor:
 
 def _op_action(hw: Hardware, gen: torch.Generator, repeats: int) -> float:
     """`op_action_overhead_s` (module doc): the reference transformer's 2-stage 1F1B
-    pipeline at 2 and 8 microbatches of 8 sequences per data-parallel replica, every rank
-    at once; what the measured difference has beyond the cost model's, per op of a stage
-    and per action."""
+    pipeline at `_ACTION_MICROBATCHES` microbatches of 16 sequences per data-parallel
+    replica, every rank at once; what the measured difference has beyond the cost
+    model's, per op of a stage and per action."""
     n = world.size()
     device = default_device()
     params = _reference_params(gen, device)
     _, _, vocab, seq = _reference_shape(device)
-    tokens = _on(torch.randint(0, vocab, (8 * (n // 2), seq), generator=gen), device)
+    few, many = _ACTION_MICROBATCHES
+    tokens = _on(torch.randint(0, vocab, (many * (n // 2), seq), generator=gen), device)
     blocks = len(auto(_staged, mesh=abstract_mesh(n), hardware=hw,
                       plan=Pin(stages=2)).plan(params, tokens).blocks)
     calls, predicted, ops = [], [], 0
-    for m in (2, 8):
+    for m in (few, many):
         piped = pipeline(_staged, stages=2, microbatches=m)
         sharded = shard(piped, mesh=Mesh({"pp": 2, "dp": n // 2}), in_specs=(None, P("dp")))
         step = value_and_grad(sharded)
@@ -434,8 +437,13 @@ def _op_action(hw: Hardware, gen: torch.Generator, repeats: int) -> float:
     # thrice the repeats: a difference of steps of tens of milliseconds, each spread
     # by a third on a loaded machine (five calibrations gave 0-19 us per op with 9)
     _, longer = _paired(calls[0], calls[1], 3 * repeats)
-    # 6 more forward-backward slots on the critical path, 2 actions each
-    return max(0.0, (longer - (predicted[1] - predicted[0])) / (2 * 6 * max(ops, 1)))
+    # 2 stages: m + 1 forward-backward slots on the critical path, 2 actions each
+    return max(0.0, (longer - (predicted[1] - predicted[0])) / (2 * (many - few) * max(ops, 1)))
+
+
+_ACTION_MICROBATCHES = (2, 16)
+"""The microbatch counts `_op_action` compares: the wider apart, the more actions the
+per-op cost is read from (2 and 8 gave 0-24 us over six calibrations in a row)."""
 
 
 def _tiny_layers(ws: list[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
