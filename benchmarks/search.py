@@ -346,14 +346,7 @@ def repeat_rows(names: list[str], repeat: int) -> list[dict[str, Any]]:
             row, _ = run_case(name, devices, batch)
             totals.append(row["total_s"])
             searches.append(row["search_s"])
-        row = {"case": name, "devices": devices, "batch": batch, "runs": repeat,
-               "total_s": sorted(totals), "search_s": sorted(searches),
-               "goal_s": CASES[name]["goal_s"]}
-        out.append(row)
-        print(f"  {CASES[name]['model']:<11}{devices:>5}  total "
-              f"{min(totals):.2f} / {statistics.median(totals):.2f} / {max(totals):.2f}"
-              f"   search {min(searches):.2f} / {statistics.median(searches):.2f} / "
-              f"{max(searches):.2f}   goal (total) {row['goal_s']:.0f}", flush=True)
+        out.append(spread_row(name, totals, searches))
     return out
 
 
@@ -376,16 +369,22 @@ def fresh_rows(names: list[str], runs: int) -> list[dict[str, Any]]:
             totals.append(got["total_s"])
             searches.append(got["search_s"])
             traces.append(got["trace_s"])
-        devices, batch = GOAL_RUNS[name]
-        row = {"case": name, "devices": devices, "batch": batch, "runs": runs,
-               "total_s": sorted(totals), "search_s": sorted(searches),
-               "trace_s": sorted(traces), "goal_s": CASES[name]["goal_s"]}
-        out.append(row)
-        print(f"  {CASES[name]['model']:<11}{devices:>5}  total "
-              f"{min(totals):.2f} / {statistics.median(totals):.2f} / {max(totals):.2f}"
-              f"   search {min(searches):.2f} / {statistics.median(searches):.2f} / "
-              f"{max(searches):.2f}   goal (total) {row['goal_s']:.0f}", flush=True)
+        out.append(spread_row(name, totals, searches, trace_s=sorted(traces)))
     return out
+
+
+def spread_row(name: str, totals: list[float], searches: list[float],
+               **more: Any) -> dict[str, Any]:
+    """A goal case's times over several plans, printed as min / median / max."""
+    devices, batch = GOAL_RUNS[name]
+    row = {"case": name, "devices": devices, "batch": batch, "runs": len(totals),
+           "total_s": sorted(totals), "search_s": sorted(searches),
+           "goal_s": CASES[name]["goal_s"], **more}
+    print(f"  {CASES[name]['model']:<11}{devices:>5}  total "
+          f"{min(totals):.2f} / {statistics.median(totals):.2f} / {max(totals):.2f}"
+          f"   search {min(searches):.2f} / {statistics.median(searches):.2f} / "
+          f"{max(searches):.2f}   goal (total) {row['goal_s']:.0f}", flush=True)
+    return row
 
 
 if __name__ == "__main__":
