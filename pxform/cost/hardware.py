@@ -365,7 +365,7 @@ class Hardware:
         op_action_overhead_s: seconds each op of a pipeline stage costs per pipeline
             action on top of that (the executor runs a stage's graph once per microbatch,
             building its autograd graph anew): a reference transformer's 2-stage pipeline
-            at 2 and 8 microbatches, against the model without it; 0: not measured.
+            at 2 and 16 microbatches, against the model without it; 0: not measured.
         sync_wait: (gap seconds, wait seconds) points: what a synchronous collective
             (a tensor-parallel re-layout) or pipeline transfer costs beyond
             `collective_overhead_s` when each rank computed `gap` seconds since its
