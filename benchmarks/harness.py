@@ -114,6 +114,26 @@ def interleave(contenders: dict[str, Callable[[], Any]], reps: int, steps: int,
     return times
 
 
+def recorded_steps(call: Callable[[], Any], reps: int) -> tuple[list[float], list[Any]]:
+    """`reps` calls of a pipelined step, each after a barrier: the seconds of each call
+    (wall clock, `time.time`, as the recorded actions are) and the actions each call ran,
+    `(action, start, end)` per action (`pxform.runtime.pipeline.recording`)."""
+    import torch.distributed as dist
+
+    from pxform.runtime.pipeline import recording
+
+    steps: list[float] = []
+    events: list[Any] = []
+    for _ in range(reps):
+        dist.barrier()
+        start = time.time()
+        with recording() as rec:
+            call()
+        steps.append(time.time() - start)
+        events.append(rec)
+    return steps, events
+
+
 def slowest_rank(per_rank: list[dict[str, list[float]]]) -> dict[str, list[float]]:
     """Per block, the slowest rank's time: a step is done when every rank is done."""
     return {name: [max(r[name][i] for r in per_rank) for i in range(len(per_rank[0][name]))]

@@ -27,11 +27,11 @@ and measured / simulated bubble, plus a timeline picture of the measured run
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 import statistics
 import sys
-import time
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -47,7 +47,6 @@ def rank_main(cfg_name: str, batch_size: int, microbatches: int, reps: int,
     import torch.distributed as dist
 
     import pxform
-    from pxform.runtime.pipeline import recording
 
     ranks = dist.get_world_size()
     cfg, params, batch, _, loss = harness.gpt_case(cfg_name, batch_size)
@@ -59,15 +58,7 @@ def rank_main(cfg_name: str, batch_size: int, microbatches: int, reps: int,
         for _ in range(warmup):
             value, _ = step(params, batch)
         assert abs(float(value) - float(ref_loss)) < 1e-4, (name, float(value), float(ref_loss))
-        steps = []
-        events: list[Any] = []
-        for _ in range(reps):
-            dist.barrier()
-            start = time.time()
-            with recording() as rec:
-                step(params, batch)
-            steps.append(time.time() - start)
-            events.append(rec)
+        steps, events = harness.recorded_steps(functools.partial(step, params, batch), reps)
         gathered: list[Any] = [None] * ranks
         dist.all_gather_object(gathered, {"steps": steps, "events": [
             [(str(a), s, e) for a, s, e in rec] for rec in events]})

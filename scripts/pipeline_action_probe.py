@@ -37,10 +37,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import os
 import statistics
 import sys
-import time
 from typing import Any
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -52,13 +52,13 @@ def rank_main(profile: str | None, repeats: int) -> dict[str, Any]:
         sys.path.insert(0, os.path.join(ROOT, sub))
     import accuracy
     import gpt
+    import harness
     import torch
     import torch.distributed as dist
 
     import pxform
     from pxform.cost.hardware import hardware
     from pxform.runtime.calibrate import calibrate
-    from pxform.runtime.pipeline import recording
     from pxform.search import pin_of
     from pxform.tools.runtime_costs import runtime_costs
 
@@ -86,16 +86,11 @@ def rank_main(profile: str | None, repeats: int) -> dict[str, Any]:
         run = pxform.value_and_grad(step)
         for _ in range(2):
             run(dparams, batch)
+        steps, per_step = harness.recorded_steps(functools.partial(run, dparams, batch),
+                                                 repeats)
         kinds: dict[str, list[float]] = {}
-        steps = []
-        for _ in range(repeats):
-            dist.barrier()
-            start = time.perf_counter()
-            with recording() as events:
-                run(dparams, batch)
-            steps.append(time.perf_counter() - start)
-            for action, began, ended in events:
-                kinds.setdefault(action.kind, []).append(ended - began)
+        for action, began, ended in (e for events in per_step for e in events):
+            kinds.setdefault(action.kind, []).append(ended - began)
         mine = bare.stage_plans[dist.get_rank()]
         out[name] = {
             "step measured ms": round(statistics.median(steps) * 1e3, 1),
