@@ -317,6 +317,56 @@ def all_gathers_one_at_a_time(rounds=200):
             "wrong": wrong}
 
 
+def collective_temporaries_freed():
+    """Per collective step with a temporary (the gathered chunks before they are put in
+    place, a reduce-scatter's or all-to-all's rearranged input): the value each rank gets,
+    against the same collective along dim 0 rearranged by hand, and the storages resized to
+    nothing, as `pxform.MemoryMeter` sees them (bytes alive when the step returns, the
+    result and the input aside)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from pxform.core.layout import Step
+    from pxform.runtime.collectives import AxisGroups, run_step
+    from pxform.runtime.mesh import Mesh
+    from pxform.tools.memory import MemoryMeter
+
+    mesh = Mesh({"dp": 2})
+    axes = AxisGroups({"dp": mesh.group("dp")}, mesh.coordinate(), {"dp": 2})
+    rank = torch.distributed.get_rank()
+    resize = torch.ops.inductor.resize_storage_bytes_.default
+
+    class Resizes(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.sizes = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is resize:
+                self.sizes.append((args[0].untyped_storage().nbytes(), args[1]))
+            return func(*args, **(kwargs or {}))
+
+    x = torch.arange(4 * 6 * 8, dtype=torch.float64).reshape(4, 6, 8) + 1000 * rank
+    whole = [torch.arange(4 * 6 * 8, dtype=torch.float64).reshape(4, 6, 8) + 1000 * r
+             for r in (0, 1)]
+    cases = {
+        "all_gather 1": (Step("all_gather", "dp", 1), torch.cat(whole, 1)),
+        "all_gather 2": (Step("all_gather", "dp", 2), torch.cat(whole, 2)),
+        "reduce_scatter 1": (Step("reduce_scatter", "dp", 1),
+                             (whole[0] + whole[1]).chunk(2, 1)[rank]),
+        "all_to_all 2 from 1": (Step("all_to_all", "dp", 2, 1),
+                                torch.cat([w.chunk(2, 1)[rank] for w in whole], 2)),
+        "all_gather 0": (Step("all_gather", "dp", 0), torch.cat(whole, 0)),
+    }
+    out = {}
+    for name, (step, want) in cases.items():
+        with MemoryMeter() as meter, Resizes() as log:
+            got = run_step(x, step, axes)
+            alive = meter.stats.end_bytes
+        out[name] = {"equal": torch.equal(got, want), "freed": log.sizes,
+                     "alive_beyond_result": alive - got.numel() * got.element_size()}
+    return out
+
+
 # ---------------------------------------------------------------- checkpoints
 
 def _gpt_params_and_specs(kind):

@@ -112,6 +112,20 @@ def test_out_resize_is_counted():
     del out
 
 
+def test_storage_resized_in_place_is_counted():
+    # the runtime frees a collective's temporary by resizing its storage while the process
+    # group's work object still holds the tensor (FSDP2 frees unsharded parameters so)
+    resize = torch.ops.inductor.resize_storage_bytes_.default
+    with MemoryMeter() as meter:
+        held = torch.full((N,), 2.0)  # allocated inside: A bytes
+        kept = [held]  # another holder, as the work object is
+        resize(held, 0)
+        assert meter.stats.end_bytes == 0
+        resize(held, A)  # grown again (as FSDP2 does before gathering)
+    assert (meter.stats.peak_bytes, meter.stats.end_bytes) == (A, A)
+    del held, kept
+
+
 def test_baseline_counts_each_storage_once():
     x = torch.zeros(N)
     lin = torch.nn.Linear(8, 4)  # 32 + 4 float32

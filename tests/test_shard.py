@@ -62,6 +62,21 @@ def test_all_gathers_on_one_group_never_run_together(world2):
         assert r["completed_before_next"] == r["launches"], r
 
 
+def test_collective_temporaries_are_freed_when_the_step_returns(world2):
+    # gloo's work objects keep their buffers until a worker thread lets go of them, so a
+    # temporary dropped by reference alone lived on for a timing-dependent while (a rank's
+    # peak moved by 2.7 MiB of 15 between identical steps); freed by resizing, the memory
+    # is gone when the step returns, every time
+    for r in world2.run(W.collective_temporaries_freed):
+        for name in ("all_gather 1", "all_gather 2", "reduce_scatter 1",
+                     "all_to_all 2 from 1"):
+            assert r[name]["equal"], (name, r)
+            assert r[name]["freed"] and all(size == 0 for _, size in r[name]["freed"]), r
+            assert r[name]["alive_beyond_result"] == 0, (name, r)
+        # along dim 0 the gathered buffer is the result itself: nothing to free
+        assert r["all_gather 0"]["equal"] and r["all_gather 0"]["freed"] == [], r
+
+
 def test_bucket_packing_matches_unbucketed_collectives(world2):
     for r in world2.run(W.bucket_packing):
         assert r[1] == 0.0 and r[10**9] == 0.0

@@ -11,6 +11,7 @@ all-gather / reduce-scatter pair and sequence parallelism are all instances of i
 
 from __future__ import annotations
 
+import math
 import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -97,17 +98,33 @@ def _run_step(x: torch.Tensor, step: Step, axes: AxisGroups, wait: bool = True
     done = fc.wait_tensor if wait else _launched
     if step.kind == "all_gather":
         assert step.dim is not None
+        if not _chunks_view(x, step.dim):
+            # the chunks must be copied into place: the gathered buffer is a temporary
+            # (torch would wait here too, to concatenate)
+            raw = fc.wait_tensor(all_gather(x.contiguous(), 0, group))
+            out = torch.cat(raw.chunk(n), dim=step.dim)
+            free_now(raw)
+            return out
         return done(all_gather(x.contiguous(), step.dim, group))
     if step.kind == "reduce_scatter":
         assert step.dim is not None
-        return done(fc.reduce_scatter_single(x.contiguous(), "sum", step.dim, group))
+        if step.dim == 0 or not wait:
+            return done(fc.reduce_scatter_single(x.contiguous(), "sum", step.dim, group))
+        # every rank's piece made contiguous along dim 0: a temporary the collective reads
+        send = torch.cat(x.chunk(n, dim=step.dim))
+        out = fc.wait_tensor(fc.reduce_scatter_single(send, "sum", 0, group))
+        free_now(send)
+        return out
     if step.kind == "all_reduce":
         return done(fc.all_reduce(x.contiguous(), "sum", group))
     if step.kind == "all_to_all":
         assert step.dim is not None and step.to_dim is not None
         send = torch.stack(x.chunk(n, dim=step.to_dim), dim=0).contiguous()
         recv = fc.wait_tensor(fc.all_to_all_single(send, None, None, group))
-        return torch.cat(list(recv.unbind(0)), dim=step.dim)
+        out = torch.cat(list(recv.unbind(0)), dim=step.dim)
+        free_now(send)
+        free_now(recv)
+        return out
     if step.kind == "slice":
         assert step.dim is not None
         return x.chunk(n, dim=step.dim)[axes.index[a]].contiguous()
@@ -158,6 +175,30 @@ def all_gather(x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
     out = fc.all_gather_single(x, dim, group)
     _GATHERING[group] = weakref.ref(out)
     return out
+
+
+def _chunks_view(x: torch.Tensor, dim: int) -> bool:
+    """Whether all-gathering `x` along `dim` over n ranks can return a view of the gathered
+    buffer (rank-major along dim 0): along dim 0, or when every dim before `dim` has size 1
+    (`torch.distributed._functional_collectives.all_gather_single`'s own test)."""
+    return dim == 0 or math.prod(x.shape[:dim]) == 1
+
+
+_RESIZE_STORAGE = torch.ops.inductor.resize_storage_bytes_.default
+
+
+def free_now(buffer: torch.Tensor) -> None:
+    """Free the memory of `buffer`, a collective's temporary that nothing reads once the
+    collective has been waited for (the gathered chunks before they are put in place, a
+    reduce-scatter's or all-to-all's rearranged input). Dropping the last Python reference
+    is not enough: the process group's work object holds its buffers until its worker
+    thread lets go of the work, which on gloo can come well after the caller has gone on.
+    Measured here (2026-11-26): the peak of one tensor-parallel GPT step, same program, same
+    inputs, moved between 10.9 and 13.6 MiB from call to call on one rank, the 2 MiB
+    gathered logits still alive beside their concatenation and its log-softmax. The
+    storage is resized to nothing (as FSDP2 frees unsharded parameters), through the
+    dispatcher so that `pxform.MemoryMeter` sees it."""
+    _RESIZE_STORAGE(buffer, 0)
 
 
 def _launched(x: torch.Tensor) -> torch.Tensor:

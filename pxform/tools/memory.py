@@ -133,6 +133,11 @@ class _Alloc:
         self.fin: weakref.finalize | None = None
 
 
+# a storage resized in place: the runtime frees a collective's temporary this way
+# (`pxform.runtime.collectives.free_now`), FSDP2 its unsharded parameters
+_RESIZE_STORAGE = torch.ops.inductor.resize_storage_bytes_.default
+
+
 class _MeterMode(TorchDispatchMode):
     """Forwards every op; on CPU counts the storages the op creates, and on all devices notes
     when the backward pass starts."""
@@ -149,7 +154,10 @@ class _MeterMode(TorchDispatchMode):
             meter._backward_started()
         out = func(*args, **kwargs)
         if meter._counting:
-            meter._count(args, kwargs, out)
+            if func is _RESIZE_STORAGE:
+                meter._resized(args[0])  # returns nothing: its tensor's storage changed
+            else:
+                meter._count(args, kwargs, out)
         return out
 
 
@@ -311,6 +319,20 @@ class MemoryMeter:
         rec = self._allocs.pop(key, None)
         if rec is not None:
             self._freed.append(rec.nbytes)
+
+    def _resized(self, t: Any) -> None:
+        """`t`'s storage was resized in place: a counted storage counts its new size."""
+        st = _storage(t) if isinstance(t, torch.Tensor) else None
+        if st is None:
+            return
+        with self._lock:
+            self._drain()
+            rec = self._allocs.get(id(st))
+            if rec is not None:
+                n = st.nbytes()
+                self._live += n - rec.nbytes
+                rec.nbytes = n
+                self._max_live = max(self._max_live, self._live)
 
     def _count(self, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
         outs = tensors_of(out)
