@@ -10,7 +10,8 @@ lay the parameters out per the plan, take one AdamW step (so Adam's state exists
 `--rounds` rounds over all cases in turn (the machine drifts by 10-20 % over a run), run
 `pxform.measure` on each (`--steps` timed `value_and_grad` calls per rank after `--warmup`
 in the first round, one in later ones; the median over all rounds counts; peak memory
-metered by `pxform.MemoryMeter` plus the optimizer's state). The
+metered by `pxform.MemoryMeter` plus the optimizer's state, per rank the largest over the
+rounds, with its spread over them in "peak spread"). The
 table gives `plan.report(measured)`'s errors: signed, relative to the measurement, for the
 step (the slowest rank) and for the rank whose memory prediction is furthest off.
 
@@ -158,6 +159,7 @@ def rank_main(config: str, batch_size: int, steps: int, warmup: int, quick: bool
                      "predicted_without_sync_wait_s": unsynced_s,
                      "time_error_without_sync_wait": unsynced_s / report.measured_time_s - 1,
                      "memory_error": report.memory_error,
+                     "memory_spread": _peak_spread(got),
                      "ranks": [vars(r) for r in report.ranks],
                      "step_times_s": [list(r.step_times_s) for r in measured.ranks],
                      "text": str(report)})
@@ -178,14 +180,31 @@ def _band(times: Any) -> tuple[float, float]:
 
 def _merged(rounds: list[Any]) -> Any:
     """One `Measured` from a case's rounds: every round's timed steps per rank (their
-    median counts), the first round's memory (the meter reads the same every round)."""
+    median counts), and per rank the largest peak of memory over the rounds (what a
+    budget must hold). The peak is not the same every round: on gloo a collective's
+    buffers live until its worker thread lets go of them, and the runtime cannot free
+    the caller's own (`_peak_spread`)."""
     import dataclasses
 
     first = rounds[0]
-    ranks = tuple(dataclasses.replace(r, step_times_s=tuple(
-        t for m in rounds for t in m.ranks[k].step_times_s))
+    ranks = tuple(dataclasses.replace(
+        r, step_times_s=tuple(t for m in rounds for t in m.ranks[k].step_times_s),
+        peak_memory_bytes=max(m.ranks[k].peak_memory_bytes for m in rounds))
         for k, r in enumerate(first.ranks))
     return dataclasses.replace(first, ranks=ranks)
+
+
+def _peak_spread(rounds: list[Any]) -> float:
+    """The largest relative spread of one rank's peak over the rounds, (max - min) / max.
+
+    Example:
+        >>> from types import SimpleNamespace as NS
+        >>> r = [NS(ranks=[NS(peak_memory_bytes=p)]) for p in (90, 100, 95)]
+        >>> _peak_spread(r)
+        0.1
+    """
+    peaks = [[m.ranks[k].peak_memory_bytes for m in rounds] for k in range(len(rounds[0].ranks))]
+    return max((max(p) - min(p)) / max(p) for p in peaks if max(p) > 0)
 
 
 def _leaves(tree: Any, none: bool = False) -> list[Any]:
@@ -232,14 +251,16 @@ def main() -> None:
           f"{r0['threads']} thread; profile measured by pxform.runtime.calibrate in "
           f"{r0['calibrate_s']:.1f} s; per case the median of {args.rounds} rounds x "
           f"{args.steps} steps, the cases in turn each round")
-    head = ("case", "plan", "time pred", "measured", "p10-p90", "error", "memory error")
+    head = ("case", "plan", "time pred", "measured", "p10-p90", "error", "memory error",
+            "peak spread")
     table = [head] + [(r["case"], r["config"].replace(" schedule=1f1b", ""),
                        f"{r['predicted_time_s'] * 1e3:.1f} ms",
                        f"{r['measured_time_s'] * 1e3:.1f} ms",
                        f"{r['measured_p10_s'] * 1e3:.0f}-{r['measured_p90_s'] * 1e3:.0f} ms",
                        f"{r['time_error']:+.1%}",
-                       f"{r['memory_error']:+.1%}") for r in r0["rows"]]
-    print("\n".join(format_table(table, align="llrrrrr", indent="  ")))
+                       f"{r['memory_error']:+.1%}", f"{r['memory_spread']:.1%}")
+                      for r in r0["rows"]]
+    print("\n".join(format_table(table, align="llrrrrrr", indent="  ")))
     time_errors = [abs(r["time_error"]) for r in r0["rows"]]
     mem_errors = [abs(r["memory_error"]) for r in r0["rows"]]
     met_t = sum(e <= GOAL_TIME for e in time_errors)

@@ -59,8 +59,8 @@ world and returns the profile with them set:
   sizes (`_DEEPER_LAYERS`), its median times fitted (least squares) as the factor times
   what the cost model gives its ops on one device, plus a time per op, plus a time per
   step (not kept: `step_overhead_s` measures it on a sharded program). With one depth
-  the fit took the time per step for a time per op (12-20 us per op, against about 6 us
-  and 0.3-0.7 ms per step from two depths). The op
+  the fit took the time per step for a time per op (repeated fits here: 10-22 us per op
+  with one depth, 3-8 us per op and 0.1-0.6 ms per step with two). The op
   curves are timed on ops alone, in chains; in a step the same ops run slower (their
   inputs come cold from memory, the allocator churns, autograd's engine walks a bigger
   graph, and copies, fills and sums run that no traced op stands for). This is measured
@@ -350,8 +350,8 @@ _SIZES_CUDA = ((1, 4), (1, 512), (4, 512), (8, 512), (16, 512))
 # with one depth only the fit took it for a time per op. Measured here (2026-11-26): at 1
 # sequence of 4 tokens, 1, 2, 4 and 8 layers (25, 44, 82 and 158 ops) took 1.3-1.5, 1.6,
 # 2.5 and 4.5 ms, about 0.7 ms per step and 6 us per op beyond the model, where the
-# one-depth fit gave 12-20 us per op and nothing per step (and 43 us once, which put
-# every prediction of that calibration 20 % high).
+# one-depth fit gave 10-22 us per op and nothing per step (43 us once, in a calibration
+# whose every prediction came out 20 % high).
 _DEEPER_LAYERS = 6
 
 
