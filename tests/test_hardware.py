@@ -539,31 +539,6 @@ def test_bucketed_all_reduce_exposes_the_last_bucket():
     assert busy.bucketed_all_reduce(1e6, "dp", axes) == pytest.approx(one + 1e-3)
 
 
-def test_the_op_scale_fit_tells_a_time_per_step_from_a_time_per_op():
-    """`_fit_scale` over reference steps of two depths: a fixed time per step is not taken
-    for a time per op (with one depth it was: 12-20 us per op where two depths give about
-    6 us and 0.7 ms per step), and a term that would fit negative is held at 0."""
-    from pxform.tools.runtime_costs import _fit_scale
-
-    modelled = [1e-3, 2e-3, 4e-3, 8e-3, 1e-3, 2e-3]
-    ops = [44, 44, 44, 44, 120, 120]
-    # 1.2 x the model, 6 us per op, 0.7 ms per step
-    measured = [1.2 * c + 6e-6 * k + 7e-4 for c, k in zip(modelled, ops)]
-    scale, per_op, per_step = _fit_scale(measured, modelled, ops)
-    assert scale == pytest.approx(1.2) and per_op == pytest.approx(6e-6)
-    assert per_step == pytest.approx(7e-4)
-    # one depth: the fixed time cannot be told apart, and goes to the time per op
-    scale, per_op, per_step = _fit_scale(measured[:4], modelled[:4], ops[:4])
-    assert scale == pytest.approx(1.2) and per_step == 0.0
-    assert per_op == pytest.approx(6e-6 + 7e-4 / 44)
-    # the deeper steps no slower per op: no time per op, not a negative one
-    flat = [1.2 * c + 7e-4 for c in modelled]
-    assert _fit_scale(flat, modelled, ops) == pytest.approx((1.2, 0.0, 7e-4))
-    # slower at less work: the intercept would be all of it; through the origin instead
-    assert _fit_scale([4e-3, 3e-3, 2e-3], [1e-3, 2e-3, 3e-3], [10, 10, 10]) == \
-        pytest.approx((16 / 14, 0.0, 0.0))
-
-
 def measure_runtime_costs() -> tuple[float, ...]:
     """On every rank: a profile refined by `runtime_costs`."""
     from pxform.tools.runtime_costs import runtime_costs

@@ -360,9 +360,8 @@ class Hardware:
             churns and autograd's engine walks a larger graph; 1: not measured.
         op_step_overhead_s: seconds every op costs in a training step on top of that,
             forward and backward together (a third forward, two thirds backward): the
-            same reference step at several batch sizes and two depths separates the part
-            that grows with the work (`op_time_scale`), the part per op, and a part per
-            step (priced by `step_overhead_s`); 0: not measured.
+            same reference step at two batch sizes separates the part that grows with
+            the work (`op_time_scale`) from the part per op; 0: not measured.
         op_action_overhead_s: seconds each op of a pipeline stage costs per pipeline
             action on top of that (the executor runs a stage's graph once per microbatch,
             building its autograd graph anew): a reference transformer's 2-stage pipeline

@@ -55,12 +55,9 @@ world and returns the profile with them set:
   op: a reference training step (a 2-layer transformer language model: embedding, layer
   norms, attention, a GELU MLP, the cross-entropy; `_reference`) run under
   `pxform.value_and_grad` on every rank at once at 1, 2, 4 and 8 sequences of 64 tokens
-  and at 1 of 4 tokens (`_SIZES`), and with 6 layers instead of 2 at the two smallest
-  sizes (`_DEEPER_LAYERS`), its median times fitted (least squares) as the factor times
-  what the cost model gives its ops on one device, plus a time per op, plus a time per
-  step (not kept: `step_overhead_s` measures it on a sharded program). With one depth
-  the fit took the time per step for a time per op (repeated fits here: 10-22 us per op
-  with one depth, 3-8 us per op and 0.1-0.6 ms per step with two). The op
+  and at 1 of 4 tokens (`_SIZES`), its median times fitted (least squares) as the factor
+  times what the cost model gives its ops on one device, plus the time per op (the same
+  ops at every size). The op
   curves are timed on ops alone, in chains; in a step the same ops run slower (their
   inputs come cold from memory, the allocator churns, autograd's engine walks a bigger
   graph, and copies, fills and sums run that no traced op stands for). This is measured
@@ -94,7 +91,7 @@ import dataclasses
 import functools
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import optree
@@ -299,12 +296,8 @@ def _head(params: dict[str, Any], h: torch.Tensor, tokens: torch.Tensor) -> torc
     return F.cross_entropy(logits.flatten(0, 1), tokens.flatten())
 
 
-def _reference_params(gen: torch.Generator, device: torch.device,
-                      layers: int | None = None) -> dict[str, Any]:
-    """The reference transformer's parameters (`_REFERENCE`), with `layers` layers instead
-    of its own count when given."""
-    own, d, vocab, _ = _reference_shape(device)
-    layers = own if layers is None else layers
+def _reference_params(gen: torch.Generator, device: torch.device) -> dict[str, Any]:
+    layers, d, vocab, _ = _reference_shape(device)
 
     def weight(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=gen) / shape[-1] ** 0.5
@@ -345,14 +338,6 @@ _REFERENCE_CUDA = (2, 1024, 8192, 512)
 # third with it.
 _SIZES = ((1, 4), (1, 64), (2, 64), (4, 64), (8, 64))
 _SIZES_CUDA = ((1, 4), (1, 512), (4, 512), (8, 512), (16, 512))
-# The reference with this many layers too, at the two smallest sizes: a step also costs a
-# fixed time whatever its ops (the engine's start, the loss, the gradients' return), and
-# with one depth only the fit took it for a time per op. Measured here (2026-11-26): at 1
-# sequence of 4 tokens, 1, 2, 4 and 8 layers (25, 44, 82 and 158 ops) took 1.3-1.5, 1.6,
-# 2.5 and 4.5 ms, about 0.7 ms per step and 6 us per op beyond the model, where the
-# one-depth fit gave 10-22 us per op and nothing per step (43 us once, in a calibration
-# whose every prediction came out 20 % high).
-_DEEPER_LAYERS = 6
 
 
 def _op_time_scale(hw: Hardware, gen: torch.Generator, repeats: int
@@ -367,15 +352,13 @@ def _op_time_scale(hw: Hardware, gen: torch.Generator, repeats: int
     device = default_device()
     _, _, vocab, _ = _reference_shape(device)
     sizes = _sizes(device)
-    shallow = _reference_params(gen, device)
-    deep = _reference_params(gen, device, _DEEPER_LAYERS)
+    params = _reference_params(gen, device)
     # the model's time for the same ops: one device, no fixed costs, no fit yet
     bare = dataclasses.replace(hw, op_time_scale=1.0, op_step_overhead_s=0.0,
                                step_overhead_s=0.0, param_overhead_s=0.0)
     step = value_and_grad(_reference)
-    calls, modelled, ops = [], [], []
-    points = [(shallow, size) for size in sizes] + [(deep, size) for size in sizes[:2]]
-    for params, (rows, seq) in points:
+    calls, modelled, ops = [], [], 0
+    for rows, seq in sizes:
         tokens = _on(torch.randint(0, vocab, (rows, seq), generator=gen), device)
         for _ in range(2):
             step(params, tokens)
@@ -383,57 +366,35 @@ def _op_time_scale(hw: Hardware, gen: torch.Generator, repeats: int
         plan = auto(_reference, mesh=abstract_mesh(1), hardware=bare,
                     memory_margin=0.0).plan(params, tokens)
         modelled.append(plan.step_time_s)
-        ops.append(sum(b.stop - b.start for b in plan.blocks))
-    times: list[list[float]] = [[] for _ in points]
+        ops = sum(b.stop - b.start for b in plan.blocks)
+    times: list[list[float]] = [[] for _ in sizes]
     for _ in range(repeats):
         for k, call in enumerate(calls):
             times[k].append(_timed(call))
-    scale, per_op, _ = _fit_scale([statistics.median(t) for t in times], modelled, ops)
-    return scale, per_op
+    return _fit_scale([statistics.median(t) for t in times], modelled, ops)
 
 
-def _fit_scale(measured: Sequence[float], modelled: Sequence[float], ops: Sequence[int]
-               ) -> tuple[float, float, float]:
-    """`(scale, per_op, per_step)` fitted by least squares to `measured = scale x modelled
-    + ops x per_op + per_step` over the reference steps (`_op_time_scale`). A term that
-    fits negative is held at 0 and the rest fitted again (per step first, then per op);
-    `(1, 0, 0)` without a positive scale. The fixed time per step is not kept: the
-    data-parallel step of `runtime_costs` measures it (`step_overhead_s`), on a sharded
-    program.
+def _fit_scale(measured: list[float], modelled: list[float], ops: int
+               ) -> tuple[float, float]:
+    """Least squares `measured = scale x modelled + ops x per_op` over the sizes
+    (`_op_time_scale`); `per_op` held at 0 where it fits negative, `(1, 0)` without a
+    positive scale.
 
     Example:
-        >>> fit = _fit_scale([3.5, 5.5, 9.5, 4.5], [1.0, 2.0, 4.0, 1.0], [10, 10, 10, 20])
-        >>> [round(x, 9) for x in fit]
-        [2.0, 0.1, 0.5]
+        >>> _fit_scale([3.0, 5.0, 9.0], [1.0, 2.0, 4.0], 10)
+        (2.0, 0.1)
     """
-    rows = [(c, float(k), 1.0) for c, k in zip(modelled, ops)]
-    for keep in ((0, 1, 2), (0, 1), (0, 2), (0,)):
-        coef = _least_squares([[r[j] for j in keep] for r in rows], list(measured))
-        if coef is None or coef[0] <= 0 or any(x < 0 for x in coef[1:]):
-            continue
-        full = [0.0, 0.0, 0.0]
-        for j, x in zip(keep, coef):
-            full[j] = x
-        return full[0], full[1], full[2]
-    return 1.0, 0.0, 0.0
-
-
-def _least_squares(a: list[list[float]], b: list[float]) -> list[float] | None:
-    """The x minimising |a x - b| (the normal equations, solved by Gaussian elimination
-    with partial pivoting); None when the columns of `a` are not independent."""
-    n = len(a[0])
-    m = [[sum(r[i] * r[j] for r in a) for j in range(n)]
-         + [sum(r[i] * y for r, y in zip(a, b))] for i in range(n)]
-    for col in range(n):
-        pivot = max(range(col, n), key=lambda r: abs(m[r][col]))
-        if abs(m[pivot][col]) <= 1e-12 * max(1.0, max(abs(v) for v in m[pivot][:n])):
-            return None
-        m[col], m[pivot] = m[pivot], m[col]
-        for r in range(n):
-            if r != col:
-                f = m[r][col] / m[col][col]
-                m[r] = [x - f * y for x, y in zip(m[r], m[col])]
-    return [m[i][n] / m[i][i] for i in range(n)]
+    n = len(measured)
+    mean_c, mean_t = sum(modelled) / n, sum(measured) / n
+    spread = sum((c - mean_c) ** 2 for c in modelled)
+    scale = sum((c - mean_c) * (t - mean_t) for c, t in zip(modelled, measured)) / spread \
+        if spread > 0 else 0.0
+    per_op = (mean_t - scale * mean_c) / ops if ops else 0.0
+    if scale > 0 and per_op >= 0:
+        return scale, per_op
+    square = sum(c * c for c in modelled)  # through the origin: no time per op
+    scale = sum(c * t for c, t in zip(modelled, measured)) / square if square > 0 else 0.0
+    return (scale, 0.0) if scale > 0 else (1.0, 0.0)
 
 
 def _staged(params: dict[str, Any], tokens: torch.Tensor) -> torch.Tensor:
