@@ -539,6 +539,56 @@ def test_bucketed_all_reduce_exposes_the_last_bucket():
     assert busy.bucketed_all_reduce(1e6, "dp", axes) == pytest.approx(one + 1e-3)
 
 
+def test_relayouts_are_priced_with_the_copies_the_runtime_makes():
+    """`relayout_copies`: per step, the bytes read and written by the copies
+    `pxform.runtime.collectives` makes (concatenating gathered chunks along a dim with a
+    non-1 dim before it, rearranging a reduce-scatter's input, the functional all-reduce's
+    copy, an all-to-all's stack and concatenation, a slice's piece copied out, zeros); the
+    re-layout cache adds their time to the transfers'."""
+    from dataclasses import replace
+
+    from pxform.core.ir import TensorType, Value
+    from pxform.core.layout import Layout, Relayout, Step
+    from pxform.core.mesh import AbstractMesh
+    from pxform.cost.model import CostModel, relayout_copies
+    from pxform.search.blockcost import RelayoutCache
+
+    src = Layout(((), ()))
+
+    def copies(local, *steps, n=2):
+        return relayout_copies(Relayout(src, src, tuple(steps)), local, 4, {"tp": n, "one": 1})
+
+    b = 8 * 16 * 4  # bytes of a local (8, 16) float32 piece
+    assert copies((8, 16), Step("all_gather", "tp", 0)) == []  # gathered rank-major: a view
+    assert copies((8, 16), Step("all_gather", "tp", 1)) == [2.0 * 2 * b]  # put in place
+    assert copies((1, 16), Step("all_gather", "tp", 1)) == []  # one row: a view again
+    assert copies((8, 16), Step("reduce_scatter", "tp", 0)) == []
+    assert copies((8, 16), Step("reduce_scatter", "tp", 1)) == [2.0 * b]
+    assert copies((8, 16), Step("all_reduce", "tp")) == [2.0 * b]
+    assert copies((8, 16), Step("all_to_all", "tp", 0, 1)) == [2.0 * b, 2.0 * b]
+    assert copies((8, 16), Step("slice", "tp", 0)) == []  # rows: contiguous already
+    assert copies((8, 16), Step("slice", "tp", 1)) == [2.0 * b / 2]
+    assert copies((8, 16), Step("zero", "tp")) == [1.0 * b]
+    assert copies((8, 16), Step("pad", "tp", 1)) == [2.0 * b + 2.0 * b]
+    # the shape follows the steps: a gather along rows, then a slice along columns of the
+    # gathered (16, 16) piece
+    assert copies((8, 16), Step("all_gather", "tp", 0), Step("slice", "tp", 1)) == [2.0 * b]
+    assert copies((8, 16), Step("all_reduce", "one")) == []  # one device: nothing runs
+    # the cache prices them beside the transfer, as elementwise ops over their bytes
+    hw = replace(measured(), collective_overhead_s=0.0)
+    model = CostModel(hw)
+    mesh = AbstractMesh({"tp": 2})
+    cache = RelayoutCache(model, {"tp": (2, 0)}, mesh)
+    v = Value("x", TensorType((8, 32), torch.float32))
+    have, want = Layout((("tp",), ())), Layout(((), ("tp",)))
+    r = cache.relayout(v, have, want)
+    moved = relayout_copies(r, have.local_shape((8, 32), mesh), 4, {"tp": 2})
+    assert moved
+    copy_s = sum(model.op_times(0.0, torch.float32, x, "elementwise")[0] for x in moved)
+    assert cache.time(v, have, want, 1.0) == pytest.approx(
+        model.relayout_time(r, {"tp": (2, 0)}) + copy_s)
+
+
 def measure_runtime_costs() -> tuple[float, ...]:
     """On every rank: a profile refined by `runtime_costs`."""
     from pxform.tools.runtime_costs import runtime_costs

@@ -77,8 +77,12 @@ class RelayoutCache:
         key = (v.type.shape, v.type.dtype.itemsize, src, dst, scale)
         t = self._times.get(key)
         if t is None:
-            t = self._times[key] = self.model.relayout_time(self.relayout(v, src, dst),
-                                                            self.axes, scale)
+            r = self.relayout(v, src, dst)
+            # the transfers, and the runtime's copies around them (`relayout_copies`)
+            t = self._times[key] = (
+                self.model.relayout_time(r, self.axes, scale)
+                + self.model.copies_time(r, src.local_shape(v.type.shape, self.mesh),
+                                         v.type.dtype, self.axes, scale))
         return t
 
     def steps(self, v: Value, src: Layout, dst: Layout) -> list[tuple[str, str, float]]:
