@@ -1,7 +1,9 @@
 """Predicted vs measured step time and peak memory over a set of plans, on gloo ranks.
 
 `--ranks` processes (a `pxform.testing.World`, one torch thread each) first measure the
-machine with `pxform.runtime.calibrate` (matmul FLOP/s, gloo collectives), then, for each case,
+machine with `pxform.runtime.calibrate` (matmul FLOP/s, gloo collectives) and
+`runtime_costs`, `--calibrations` times (3), and keep the median profile as `pxform
+calibrate` does (`harness.calibrated`); then, for each case,
 plan the example GPT with `pxform.auto` against that profile (searched, or pinned to one
 strategy: data parallel, ZeRO-3, tensor parallel with and without sequence parallelism
 between blocks, pipelines under 1F1B, zero-bubble, interleaved and shifted schedules,
@@ -85,7 +87,8 @@ def cases(ranks: int, num_blocks: int) -> list[tuple[str, Any]]:
 
 
 def rank_main(config: str, batch_size: int, steps: int, warmup: int, quick: bool,
-              sizes: tuple[int, ...], rounds: int = 3) -> dict[str, Any]:
+              sizes: tuple[int, ...], rounds: int = 3, calibrations: int = 3
+              ) -> dict[str, Any]:
     """On every rank: calibrate, then plan and run each case, and measure them all in
     `rounds` rounds of `steps` timed calls each."""
     harness.add_paths()
@@ -96,14 +99,12 @@ def rank_main(config: str, batch_size: int, steps: int, warmup: int, quick: bool
     import torch.distributed as dist
 
     import pxform
-    from pxform.runtime.calibrate import calibrate
     from pxform.search import pin_of
-    from pxform.tools.runtime_costs import runtime_costs
 
     world = dist.get_world_size()
     cfg = gpt.GPT_CONFIGS[config]
     start = time.perf_counter()
-    hw = runtime_costs(calibrate(sizes=sizes, repeats=15, name=f"cpu-x{world}"))
+    hw = harness.calibrated(calibrations, f"cpu-x{world}", sizes)
     calibrate_s = time.perf_counter() - start
     params = gpt.init_params(cfg, dtype=torch.float32)
     batch = gpt.make_batch(cfg, batch_size)
@@ -225,6 +226,9 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=5,
                    help="rounds over all cases (each measured once per round, in turn)")
     p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--calibrations", type=int, default=3,
+                   help="calibrations whose median profile the plans are priced with, as "
+                        "`pxform calibrate --runs` (default 3; 1 until 2026-11-26)")
     p.add_argument("--quick", action="store_true", help="two cases, 2 steps; writes nothing")
     p.add_argument("--malloc", choices=("default", "pinned"), default="default",
                    help="glibc's heap thresholds on every rank (`harness.pin_malloc`)")
@@ -239,12 +243,12 @@ def main() -> None:
     from pxform.core.units import format_table
     from pxform.tools.testing import World
 
-    sizes = (2**10, 2**14, 2**18, 2**20, 2**22)
+    sizes = harness.CALIBRATION_SIZES
     cfg = gpt.GPT_CONFIGS[args.config]
     malloc = harness.pin_malloc(args)
-    with World(args.ranks) as world:
+    with World(args.ranks, timeout=300 + 60 * args.calibrations) as world:
         per_rank = world.run(accuracy.rank_main, args.config, args.batch, args.steps,
-                             args.warmup, args.quick, sizes, args.rounds)
+                             args.warmup, args.quick, sizes, args.rounds, args.calibrations)
     r0 = per_rank[0]
     print(f"GPT {args.config} ({cfg.num_params() / 1e6:.2f} M params), global batch "
           f"{args.batch} x {cfg.seq_len} tokens, float32, {args.ranks} gloo ranks x "
@@ -290,6 +294,7 @@ def main() -> None:
                    args.batch, "seq_len": cfg.seq_len, "dtype": "float32",
                    "ranks": args.ranks, "backend": "gloo", "threads_per_rank": r0["threads"],
                    "steps": args.steps, "rounds": args.rounds, "warmup": args.warmup,
+                   "calibrations": args.calibrations,
                    "malloc_env": malloc},
         "calibrate_s": r0["calibrate_s"], "hardware": r0["hardware"], "cases": r0["rows"],
         "summary": {"time_within_goal": met_t, "memory_within_goal": met_m,

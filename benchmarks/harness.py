@@ -94,6 +94,22 @@ def add_paths() -> None:
             sys.path.insert(0, path)
 
 
+CALIBRATION_SIZES = (2**10, 2**14, 2**18, 2**20, 2**22)  # accuracy.py and stability.py
+
+
+def calibrated(runs: int, name: str, sizes: tuple[int, ...] = CALIBRATION_SIZES,
+               repeats: int = 15) -> Any:
+    """On every rank: the profile `pxform calibrate --runs runs` writes, the median
+    (`pxform.cost.hardware.median_profile`) of `runs` calibrations with the runtime's
+    fixed costs (`calibrate`, then `runtime_costs`)."""
+    from pxform.cost.hardware import median_profile
+    from pxform.runtime.calibrate import calibrate
+    from pxform.tools.runtime_costs import runtime_costs
+
+    return median_profile([runtime_costs(calibrate(sizes=sizes, repeats=repeats, name=name))
+                           for _ in range(runs)])
+
+
 def interleave(contenders: dict[str, Callable[[], Any]], reps: int, steps: int,
                sync: Callable[[], Any] | None = None) -> dict[str, list[float]]:
     """Seconds per call of each contender, one figure per block of `steps` calls; the

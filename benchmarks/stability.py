@@ -1,10 +1,12 @@
 """Plan stability: the same machine calibrated again and again, and the plan each profile
 gives, with and without `auto`'s tolerance.
 
-`--ranks` gloo processes (a `pxform.testing.World`) run `pxform.runtime.calibrate` and
-`pxform.tools.runtime_costs` `--runs` times in a row, as `benchmarks/accuracy.py` does once.
-After each calibration they plan the example GPT twice over (searched, and with 2 pipeline
-stages pinned, the microbatch count and schedule searched), once with `tolerance=0` (the
+`--ranks` gloo processes (a `pxform.testing.World`) make a profile `--runs` times in a
+row, each as `pxform calibrate` and `benchmarks/accuracy.py` do: the median
+(`median_profile`) of `--calibrations` (3) runs of `pxform.runtime.calibrate` and
+`pxform.tools.runtime_costs`. After each profile they plan the example GPT twice over
+(searched, and with 2 pipeline stages pinned, the microbatch count and schedule
+searched), once with `tolerance=0` (the
 fastest predicted plan) and once with the default tolerance (the simplest plan within 5 %
 of the fastest, `pxform.search.partition.simplicity`). The table counts the distinct plans
 each way took over the runs: one means the machine gives the same plan run after run, the
@@ -14,8 +16,9 @@ profile alone. The fitted per-op pipeline cost (`op_action_overhead_s`) and each
 whole are recorded.
 
     source .venv/bin/activate
-    python benchmarks/stability.py               # GPT "small", batch 16, 2 ranks, 6 runs
-    python benchmarks/stability.py --quick       # 2 runs, nothing written
+    python benchmarks/stability.py               # GPT "small", batch 16, 2 ranks, 6 x 3
+    python benchmarks/stability.py --calibrations 1   # single calibrations, as before
+    python benchmarks/stability.py --quick       # 2 profiles, nothing written
 """
 
 from __future__ import annotations
@@ -30,19 +33,16 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import harness  # noqa: E402
 
-SIZES = (2**10, 2**14, 2**18, 2**20, 2**22)  # as accuracy.py calibrates
 
-
-def rank_main(config: str, batch_size: int, runs: int) -> dict[str, Any]:
-    """On every rank: `runs` calibrations, and per calibration the plans of each case."""
+def rank_main(config: str, batch_size: int, runs: int, calibrations: int = 3
+              ) -> dict[str, Any]:
+    """On every rank: `runs` profiles, and per profile the plans of each case."""
     harness.add_paths()
     import gpt
     import torch
 
     import pxform
-    from pxform.runtime.calibrate import calibrate
     from pxform.search import Pin
-    from pxform.tools.runtime_costs import runtime_costs
 
     world = torch.distributed.get_world_size()
     cfg = gpt.GPT_CONFIGS[config]
@@ -60,7 +60,7 @@ def rank_main(config: str, batch_size: int, runs: int) -> dict[str, Any]:
     out = []
     for _ in range(runs):
         start = time.perf_counter()
-        hw = runtime_costs(calibrate(sizes=SIZES, repeats=15, name=f"cpu-x{world}"))
+        hw = harness.calibrated(calibrations, f"cpu-x{world}")
         seconds = time.perf_counter() - start
         row: dict[str, Any] = {"calibrate_s": seconds,
                                "action_overhead_s": hw.action_overhead_s,
@@ -91,7 +91,10 @@ def main() -> None:
     p.add_argument("--config", default="small", help="a key of gpt.GPT_CONFIGS")
     p.add_argument("--batch", type=int, default=16, help="global sequences per step")
     p.add_argument("--ranks", type=int, default=2)
-    p.add_argument("--runs", type=int, default=6, help="calibrations in a row")
+    p.add_argument("--runs", type=int, default=6, help="profiles in a row")
+    p.add_argument("--calibrations", type=int, default=3,
+                   help="calibrations per profile, their median kept as `pxform calibrate "
+                        "--runs` does (default 3; 1 until 2026-11-26)")
     p.add_argument("--quick", action="store_true", help="2 runs; writes nothing")
     p.add_argument("--out", default=harness.RESULTS)
     args = p.parse_args()
@@ -103,8 +106,9 @@ def main() -> None:
     from pxform.core.units import format_table
     from pxform.tools.testing import World
 
-    with World(args.ranks, timeout=300 + 120 * args.runs) as world:
-        runs = world.run(stability.rank_main, args.config, args.batch, args.runs)[0]["runs"]
+    with World(args.ranks, timeout=300 + 120 * args.runs * args.calibrations) as world:
+        runs = world.run(stability.rank_main, args.config, args.batch, args.runs,
+                         args.calibrations)[0]["runs"]
     keys = [k for k in runs[0] if "|" in k]
     head = ("case", "tolerance", "distinct plans", "plans taken (runs)", "predicted (min-max)")
     table: list[tuple[str, ...]] = [head]
@@ -119,7 +123,7 @@ def main() -> None:
                       "; ".join(f"{plan} ({n})" for plan, n in taken.most_common()),
                       f"{min(times):.1f}-{max(times):.1f} ms"))
     print(f"GPT {args.config}, global batch {args.batch}, {args.ranks} gloo ranks, "
-          f"{args.runs} calibrations in a row "
+          f"{args.runs} profiles in a row, each the median of {args.calibrations} calibrations "
           f"({sum(r['calibrate_s'] for r in runs) / len(runs):.1f} s each)")
     print("\n".join(format_table(table, align="lllrl", indent="  ")))
     print("  action overhead per run: " + ", ".join(f"{r['action_overhead_s'] * 1e3:.2f} ms"
@@ -141,7 +145,8 @@ def main() -> None:
     path = harness.write_result("stability", {
         "goal": "one plan over every calibration (the same machine, the same plan)",
         "config": {"model": args.config, "global_batch": args.batch, "ranks": args.ranks,
-                   "runs": args.runs, "calibration_sizes": list(SIZES)},
+                   "runs": args.runs, "calibrations": args.calibrations,
+                   "calibration_sizes": list(harness.CALIBRATION_SIZES)},
         "runs": runs, "summary": summary}, out_dir=args.out)
     print(f"wrote {path}")
 

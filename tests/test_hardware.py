@@ -421,13 +421,55 @@ def test_main_writes_a_profile(tmp_path, monkeypatch, capsys):
     add_arguments(parser)
     out = tmp_path / "profile.json"
     args = parser.parse_args(["--out", str(out), "--sizes", "1KiB", "4KiB", "--repeats", "1",
-                              "--name", "laptop"])
-    assert args.sizes == [1024, 4096]
+                              "--name", "laptop", "--runs", "2"])
+    assert args.sizes == [1024, 4096] and args.runs == 2
+    assert parser.parse_args(["--out", "x.json"]).runs == 3  # the default: a median of 3
     assert main(args) == 0
     hw = Hardware.load(out)
     assert hw.name == "laptop" and hw.comm_tables == ()
+    assert hw.source.startswith("median of 2 calibrations; ")
+    args.runs = 0
+    with pytest.raises(ValueError, match="--runs 0; give 1 or more calibrations"):
+        main(args)
     printed = capsys.readouterr().out
     assert "laptop: 1 devices per node" in printed and f"wrote {out}" in printed
+
+
+def test_median_profile_keeps_the_median_of_every_measured_number():
+    """`median_profile`: scalars, FLOP rates, links, comm tables and op curves point by
+    point, the sync wait at the first fullest profile's gaps; one calibration's outlier
+    (c) does not survive; profiles of different machines or sizes are refused."""
+    from dataclasses import replace
+
+    from pxform.cost.hardware import median_profile
+
+    base = replace(measured(), sync_wait=((1e-3, 0.0), (4e-3, 1e-3)))
+
+    def run(k: float, table: tuple, curve: tuple, wait: float) -> Hardware:
+        return replace(base, collective_overhead_s=k * 1e-3, op_time_scale=k,
+                       compute_flops=(("fp32", k * 1e11),),
+                       comm_tables=(CommTable("all_reduce", 0, 2, table),),
+                       op_curves=(OpCurve("matmul", curve),),
+                       sync_wait=((1e-3, 0.0), (4e-3, wait)))
+
+    a = run(1.0, ((1e3, 1e-4), (1e6, 2e-3)), ((1e6, 1e-5, 2e-5), (1e9, 1e-2, 2e-2)), 1e-3)
+    b = run(1.2, ((1e3, 3e-4), (1e6, 1e-3)), ((1e6, 2e-5, 3e-5), (1e9, 3e-2, 4e-2)), 2e-3)
+    c = run(9.0, ((1e3, 2e-4), (1e6, 5e-3)), ((1e6, 9e-5, 9e-5), (1e9, 2e-2, 3e-2)), 0.0)
+    m = median_profile([a, b, c])
+    assert m.collective_overhead_s == pytest.approx(1.2e-3) and m.op_time_scale == 1.2
+    assert dict(m.compute_flops)["fp32"] == pytest.approx(1.2e11)
+    assert m.comm_tables[0].points == ((1e3, 2e-4), (1e6, 2e-3))
+    assert m.op_curves[0].points == ((1e6, 2e-5, 3e-5), (1e9, 2e-2, 3e-2))
+    assert m.sync_wait == ((1e-3, 0.0), (4e-3, 1e-3))
+    assert m.source.startswith("median of 3 calibrations")
+    assert median_profile([a]) is a
+    with pytest.raises(ValueError, match="no profiles"):
+        median_profile([])
+    with pytest.raises(ValueError, match="not of one machine"):
+        median_profile([a, replace(a, devices_per_node=4)])
+    other = run(1.0, ((2e3, 1e-4), (1e6, 2e-3)), ((1e6, 1e-5, 2e-5), (1e9, 1e-2, 2e-2)), 0.0)
+    with pytest.raises(ValueError, match="measured at different sizes"):
+        median_profile([a, other])
 
 
 def test_arguments_reject_bad_sizes(capsys):

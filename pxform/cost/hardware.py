@@ -24,9 +24,11 @@ accepts any of them.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import json
 import math
 import os
+import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -952,3 +954,102 @@ def hardware(spec: str | Hardware | os.PathLike[str] | None) -> Hardware:
                          f"written by `pxform calibrate --out PATH` or Hardware.save")
     raise TypeError(f"hardware: expected a preset name, a Hardware or a path, got "
                     f"{type(spec).__name__}")
+
+
+# the measured numbers a profile holds one of; `median_profile` takes their median
+_MEDIAN_FIELDS = ("efficiency", "memory_bandwidth", "op_overhead_s", "overlap_slowdown",
+                  "step_overhead_s", "param_overhead_s", "action_overhead_s",
+                  "collective_overhead_s", "param_action_overhead_s", "weight_op_overhead_s",
+                  "op_time_scale", "op_step_overhead_s", "op_action_overhead_s",
+                  "recompute_overhead_s")
+
+
+def median_profile(profiles: Sequence[Hardware]) -> Hardware:
+    """One profile from several calibrations of the same machine: every measured number
+    the median of the profiles' (the comm tables' and op curves' times point by point, the
+    sync wait at the gaps of the first profile that has the most points; medians of
+    non-decreasing series are non-decreasing, so a larger message or op is never faster
+    and a longer gap never waits less, as in each profile).
+
+    On a shared machine one calibration can catch a slow or a fast spell in one of its
+    dozen fits. Measured here on 2026-11-26: 43 us per op where the others gave 11-17 us
+    (that profile's predictions 9-35 % high), and 0.29 ms per collective against 0.8-1.2
+    ms (tensor parallelism 37 % low). The median of three keeps such a fit only when two
+    of the three caught it: over 10 calibrations, single profiles put five pinned plans'
+    predictions 28-71 % apart, medians of three of them 14-25 %.
+
+    Raises:
+        ValueError: no profiles, or profiles of different machines (devices per node,
+            memory), or measured at different sizes (comm tables, op curves).
+
+    Example:
+        >>> a = dataclasses.replace(hardware("a100-80gb"), collective_overhead_s=1e-3)
+        >>> b = dataclasses.replace(a, collective_overhead_s=3e-4)
+        >>> c = dataclasses.replace(a, collective_overhead_s=9e-4)
+        >>> median_profile([a, b, c]).collective_overhead_s
+        0.0009
+    """
+    if not profiles:
+        raise ValueError("median_profile: no profiles given")
+    first = profiles[0]
+    if len(profiles) == 1:
+        return first
+    what = f"median_profile of {len(profiles)} profiles of {first.name!r}"
+    for p in profiles[1:]:
+        if (p.devices_per_node, p.memory_bytes) != (first.devices_per_node, first.memory_bytes):
+            raise ValueError(
+                f"{what}: they are not of one machine ({p.name!r} has {p.devices_per_node} "
+                f"devices per node and {p.memory_bytes} bytes, {first.name!r} "
+                f"{first.devices_per_node} and {first.memory_bytes}); merge calibrations of "
+                f"the same machine and world only")
+    med = statistics.median
+    fields: dict[str, Any] = {f: med([getattr(p, f) for p in profiles]) for f in _MEDIAN_FIELDS}
+    for name in ("peak_flops", "compute_flops"):
+        keys = [k for k, _ in getattr(first, name)]
+        per = [dict(getattr(p, name)) for p in profiles]
+        fields[name] = tuple((k, med([d[k] for d in per])) for k in keys
+                             if all(k in d for d in per))
+    if all(len(p.links) == len(first.links) for p in profiles):
+        fields["links"] = tuple(
+            dataclasses.replace(link, latency_s=med([p.links[i].latency_s for p in profiles]),
+                                bandwidth=med([p.links[i].bandwidth for p in profiles]))
+            for i, link in enumerate(first.links))
+
+    def same_sizes(rows: Sequence[Sequence[tuple[float, ...]]], kind: str) -> None:
+        sizes = [tuple(r[0] for r in points) for points in rows]
+        if any(s != sizes[0] for s in sizes):
+            raise ValueError(f"{what}: the {kind} were measured at different sizes "
+                             f"({list(sizes[0])} and others); calibrate with the same "
+                             f"--sizes every time")
+
+    tables = []
+    for t in first.comm_tables:
+        rows = [next((u.points for u in p.comm_tables
+                      if (u.kind, u.level, u.group_size) == (t.kind, t.level, t.group_size)),
+                     None) for p in profiles]
+        if any(r is None for r in rows):
+            continue  # not measured in every calibration
+        same_sizes(rows, f"{t.kind} tables")  # type: ignore[arg-type]
+        points = tuple((sent, med([r[i][1] for r in rows]))  # type: ignore[index]
+                       for i, (sent, _) in enumerate(t.points))
+        tables.append(CommTable(t.kind, t.level, t.group_size, points))
+    fields["comm_tables"] = tuple(tables)
+    curves = []
+    for c in first.op_curves:
+        found = [next((u for u in p.op_curves if u.kind == c.kind), None) for p in profiles]
+        if any(u is None for u in found):
+            continue
+        same_sizes([u.points for u in found], f"{c.kind} op curves")  # type: ignore[union-attr]
+        points3 = tuple((size, med([u.points[i][1] for u in found]),  # type: ignore[union-attr]
+                         med([u.points[i][2] for u in found]))  # type: ignore[union-attr]
+                        for i, (size, _, _) in enumerate(c.points))
+        curves.append(OpCurve(c.kind, points3,
+                              med([u.spread for u in found])))  # type: ignore[union-attr]
+    fields["op_curves"] = tuple(curves)
+    grid = max(profiles, key=lambda p: len(p.sync_wait)).sync_wait
+    if grid:
+        # (the wait is counted from the shortest gap on: 0 there)
+        fields["sync_wait"] = ((grid[0][0], 0.0), *(
+            (gap, med([p.sync_wait_s(gap) for p in profiles])) for gap, _ in grid[1:]))
+    fields["source"] = f"median of {len(profiles)} calibrations; {first.source}"
+    return dataclasses.replace(first, **fields)

@@ -3,7 +3,7 @@
     pxform plan MODULE:FACTORY --devices N --batch B [--seq S] [--hardware H] [--memory M]
                 [--margin F] [--objective time|memory|devices] [--out plan.json] [--plots DIR]
                 [--per-block] [--quiet]
-    pxform calibrate --out profile.json [--sizes ...] [--repeats R] [--name NAME]
+    pxform calibrate --out profile.json [--sizes ...] [--repeats R] [--name NAME] [--runs N]
     pxform --version
 
 `pxform plan` imports MODULE (the current directory first on `sys.path`, so
