@@ -2,8 +2,8 @@
 
 `--ranks` processes (a `pxform.testing.World`, one torch thread each) first measure the
 machine with `pxform.runtime.calibrate` (matmul FLOP/s, gloo collectives) and
-`runtime_costs`, `--calibrations` times (3), and keep the median profile as `pxform
-calibrate` does (`harness.calibrated`); then, for each case,
+`runtime_costs` (`--calibrations` times, keeping the median profile, as `pxform calibrate
+--runs` does: `harness.calibrated`); then, for each case,
 plan the example GPT with `pxform.auto` against that profile (searched, or pinned to one
 strategy: data parallel, ZeRO-3, tensor parallel with and without sequence parallelism
 between blocks, pipelines under 1F1B, zero-bubble, interleaved and shifted schedules,
@@ -87,7 +87,7 @@ def cases(ranks: int, num_blocks: int) -> list[tuple[str, Any]]:
 
 
 def rank_main(config: str, batch_size: int, steps: int, warmup: int, quick: bool,
-              sizes: tuple[int, ...], rounds: int = 3, calibrations: int = 3
+              sizes: tuple[int, ...], rounds: int = 3, calibrations: int = 1
               ) -> dict[str, Any]:
     """On every rank: calibrate, then plan and run each case, and measure them all in
     `rounds` rounds of `steps` timed calls each."""
@@ -226,9 +226,9 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=5,
                    help="rounds over all cases (each measured once per round, in turn)")
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--calibrations", type=int, default=3,
+    p.add_argument("--calibrations", type=int, default=1,
                    help="calibrations whose median profile the plans are priced with, as "
-                        "`pxform calibrate --runs` (default 3; 1 until 2026-11-26)")
+                        "`pxform calibrate --runs` (default 1)")
     p.add_argument("--quick", action="store_true", help="two cases, 2 steps; writes nothing")
     p.add_argument("--malloc", choices=("default", "pinned"), default="default",
                    help="glibc's heap thresholds on every rank (`harness.pin_malloc`)")

@@ -2,9 +2,9 @@
 gives, with and without `auto`'s tolerance.
 
 `--ranks` gloo processes (a `pxform.testing.World`) make a profile `--runs` times in a
-row, each as `pxform calibrate` and `benchmarks/accuracy.py` do: the median
-(`median_profile`) of `--calibrations` (3) runs of `pxform.runtime.calibrate` and
-`pxform.tools.runtime_costs`. After each profile they plan the example GPT twice over
+row, each as `pxform calibrate` and `benchmarks/accuracy.py` do: `pxform.runtime.calibrate`
+and `pxform.tools.runtime_costs`, or the median (`median_profile`) of `--calibrations`
+such runs. After each profile they plan the example GPT twice over
 (searched, and with 2 pipeline stages pinned, the microbatch count and schedule
 searched), once with `tolerance=0` (the
 fastest predicted plan) and once with the default tolerance (the simplest plan within 5 %
@@ -16,8 +16,8 @@ profile alone. The fitted per-op pipeline cost (`op_action_overhead_s`) and each
 whole are recorded.
 
     source .venv/bin/activate
-    python benchmarks/stability.py               # GPT "small", batch 16, 2 ranks, 6 x 3
-    python benchmarks/stability.py --calibrations 1   # single calibrations, as before
+    python benchmarks/stability.py               # GPT "small", batch 16, 2 ranks, 6 runs
+    python benchmarks/stability.py --calibrations 3   # each profile a median of 3
     python benchmarks/stability.py --quick       # 2 profiles, nothing written
 """
 
@@ -34,7 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import harness  # noqa: E402
 
 
-def rank_main(config: str, batch_size: int, runs: int, calibrations: int = 3
+def rank_main(config: str, batch_size: int, runs: int, calibrations: int = 1
               ) -> dict[str, Any]:
     """On every rank: `runs` profiles, and per profile the plans of each case."""
     harness.add_paths()
@@ -92,9 +92,9 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=16, help="global sequences per step")
     p.add_argument("--ranks", type=int, default=2)
     p.add_argument("--runs", type=int, default=6, help="profiles in a row")
-    p.add_argument("--calibrations", type=int, default=3,
+    p.add_argument("--calibrations", type=int, default=1,
                    help="calibrations per profile, their median kept as `pxform calibrate "
-                        "--runs` does (default 3; 1 until 2026-11-26)")
+                        "--runs` does (default 1)")
     p.add_argument("--quick", action="store_true", help="2 runs; writes nothing")
     p.add_argument("--out", default=harness.RESULTS)
     args = p.parse_args()

@@ -975,8 +975,10 @@ def median_profile(profiles: Sequence[Hardware]) -> Hardware:
     dozen fits. Measured here on 2026-11-26: 43 us per op where the others gave 11-17 us
     (that profile's predictions 9-35 % high), and 0.29 ms per collective against 0.8-1.2
     ms (tensor parallelism 37 % low). The median of three keeps such a fit only when two
-    of the three caught it: over 10 calibrations, single profiles put five pinned plans'
-    predictions 28-71 % apart, medians of three of them 14-25 %.
+    of the three caught it: over 10 calibrations spread over 90 minutes, single profiles
+    put five pinned plans' predictions 28-71 % apart, medians of three of them 14-25 %.
+    Three calibrations in a row share the machine's state, and their median moved as much
+    as single calibrations did (`docs/benchmarks/stability.md`).
 
     Raises:
         ValueError: no profiles, or profiles of different machines (devices per node,

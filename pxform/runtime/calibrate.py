@@ -789,20 +789,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="timed runs per size; the median counts (default: 5)")
     parser.add_argument("--name", default=None,
                         help="the profile's name (default: device name and world size)")
-    parser.add_argument("--runs", type=int, default=3,
+    parser.add_argument("--runs", type=int, default=1,
                         help="calibrations in a row; the profile keeps the median of every "
-                             "measured number (default: 3; 1 is a third of the time and "
-                             "catches a slow or fast spell of the machine now and then)")
+                             "measured number (default: 1)")
 
 
 def main(args: argparse.Namespace,
          refine: Callable[[Hardware], Hardware] | None = None) -> int:
     """`pxform calibrate`: measure, print a summary on rank 0, write the profile there.
     `refine` (on every rank) adds what only higher floors can measure: the CLI passes
-    `pxform.tools.runtime_costs`, the runtime's own fixed costs. With `--runs N` (default
-    3) it calibrates N times in a row and writes the median profile (`median_profile`):
-    on this project's CPU machine, 10 single calibrations put five pinned plans'
-    predictions 28-71 % apart, medians of three of them 14-25 %.
+    `pxform.tools.runtime_costs`, the runtime's own fixed costs. With `--runs N` it
+    calibrates N times in a row and writes the median profile (`median_profile`), which
+    drops a fit that caught a short slow or fast spell of the machine. It does not help
+    against a drift over minutes: on this project's CPU machine, profiles that were each
+    the median of 3 calibrations in a row moved a pinned plan's prediction as much as
+    single calibrations did (`docs/benchmarks/stability.md`).
 
     Under torchrun (WORLD_SIZE set) it initialises the process group itself if needed
     (nccl with CUDA, else gloo) and destroys it at the end; without torchrun it measures
