@@ -110,6 +110,16 @@ def calibrated(runs: int, name: str, sizes: tuple[int, ...] = CALIBRATION_SIZES,
                            for _ in range(runs)])
 
 
+def profile_or_calibrated(path: str | None, name: str) -> Any:
+    """On every rank: the profile saved at `path`, or (None) one measured now
+    (`calibrated`, one calibration)."""
+    if path:
+        from pxform.cost.hardware import hardware
+
+        return hardware(path)
+    return calibrated(1, name)
+
+
 def interleave(contenders: dict[str, Callable[[], Any]], reps: int, steps: int,
                sync: Callable[[], Any] | None = None) -> dict[str, list[float]]:
     """Seconds per call of each contender, one figure per block of `steps` calls; the

@@ -57,16 +57,9 @@ def rank_main(profile: str | None, repeats: int) -> dict[str, Any]:
     import torch.distributed as dist
 
     import pxform
-    from pxform.cost.hardware import hardware
-    from pxform.runtime.calibrate import calibrate
     from pxform.search import pin_of
-    from pxform.tools.runtime_costs import runtime_costs
 
-    if profile:
-        hw = hardware(profile)
-    else:
-        hw = runtime_costs(calibrate(sizes=(2**10, 2**14, 2**18, 2**20, 2**22), repeats=15,
-                                     name="cpu-x2"))
+    hw = harness.profile_or_calibrated(profile, "cpu-x2")
     cfg = gpt.GPT_CONFIGS["small"]
     params = gpt.init_params(cfg, dtype=torch.float32)
     batch = gpt.make_batch(cfg, 16)

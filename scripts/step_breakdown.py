@@ -51,21 +51,15 @@ def rank_main(cases: list[str], profile: str | None, steps: int) -> dict[str, An
         sys.path.insert(0, os.path.join(ROOT, sub))
     import accuracy
     import gpt
+    import harness
     import torch
     import torch.distributed as dist
 
     import pxform
     import pxform.runtime.collectives as collectives
-    from pxform.cost.hardware import hardware
-    from pxform.runtime.calibrate import calibrate
     from pxform.search import pin_of
-    from pxform.tools.runtime_costs import runtime_costs
 
-    if profile:
-        hw = hardware(profile)
-    else:
-        hw = runtime_costs(calibrate(sizes=(2**10, 2**14, 2**18, 2**20, 2**22), repeats=15,
-                                     name="cpu-x2"))
+    hw = harness.profile_or_calibrated(profile, "cpu-x2")
     timed: list[float] = []
     run_step = collectives._run_step
 
