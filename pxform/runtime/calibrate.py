@@ -812,15 +812,15 @@ def main(args: argparse.Namespace,
     Example:
         $ torchrun --nproc-per-node 8 -m pxform calibrate --out h100.json
     """
+    runs = getattr(args, "runs", 1)
+    if runs < 1:  # before a process group exists: nothing to tear down
+        raise ValueError(f"pxform calibrate: --runs {runs}; give 1 or more calibrations")
     created = False
     if ("WORLD_SIZE" in os.environ and dist.is_available() and not dist.is_initialized()):
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
         created = True
-    runs = getattr(args, "runs", 1)
-    if runs < 1:
-        raise ValueError(f"pxform calibrate: --runs {runs}; give 1 or more calibrations")
     try:
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         kwargs: dict[str, Any] = {"repeats": args.repeats, "name": args.name}
