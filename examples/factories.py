@@ -160,3 +160,125 @@ def gpt3_175b(batch: int = 1536, seq: int = 2048) -> Factory:
         pxform plan examples.factories:gpt3_175b --batch 1536 --seq 2048
     """
     return gpt("175B", batch, seq)
+
+
+# ---------------------------------------------------------------- nn.Modules
+
+def gpt_module(size: str, batch: int = 8, seq: int | None = None, *,
+               dtype: torch.dtype | None = None, seed: int = 0) -> Factory:
+    """The example GPT as an `nn.Module` (`gpt.GPT`: blocks in a `ModuleList`), made a
+    function by `pxform.module_fn`: `(loss, (params, batch))`. Sizes as `gpt`; "tiny" and
+    "small" on "cpu" with `init_params`' values (the same loss as `gpt`'s), others on
+    `meta`.
+
+    Example:
+        >>> fn, (params, batch) = gpt_module("175B", batch=1536, seq=2048)
+    """
+    import pxform
+
+    cfg = _lookup(_gpt.GPT_CONFIGS, size, "gpt_module")
+    if seq is not None:
+        cfg = dataclasses.replace(cfg, seq_len=seq)
+    device, dtype = _placement(size, None, dtype)
+    with torch.device(device):
+        model = _gpt.GPT(cfg, dtype=dtype, seed=seed)
+    forward, params = pxform.module_fn(model)
+
+    def loss(params: dict[str, torch.Tensor], batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return forward(params, batch["idx"], batch["targets"])
+
+    return loss, (params, _gpt.make_batch(cfg, batch, device=device, seed=seed))
+
+
+def gpt3_175b_module(batch: int = 1536, seq: int = 2048) -> Factory:
+    """GPT-3 175B as an `nn.Module` on `meta` (`gpt_module`).
+
+    Example:
+        pxform plan examples.factories:gpt3_175b_module --batch 1536 --seq 2048
+    """
+    return gpt_module("175B", batch, seq)
+
+
+# ---------------------------------------------------------------- Hugging Face modules
+
+def hf_gpt2(size: str, batch: int = 8, seq: int | None = None) -> Factory:
+    """Hugging Face's `GPT2LMHeadModel` with the shape of `gpt.GPT_CONFIGS[size]` (GPT-3's
+    architecture is GPT-2's), built on `meta` in bfloat16, as an unmodified `nn.Module`
+    made a function by `pxform.module_fn`: `(loss, (params, batch))`, `loss(params,
+    batch)` the model's own next-token loss. Needs `transformers`.
+
+    Example:
+        >>> fn, (params, batch) = hf_gpt2("175B", batch=1536, seq=2048)
+        >>> len(params)  # wte, wpe, 12 per block, the final norm's 2
+        1156
+    """
+    import transformers
+
+    import pxform
+
+    cfg = _lookup(_gpt.GPT_CONFIGS, size, "hf_gpt2")
+    seq = cfg.seq_len if seq is None else seq
+    transformers.logging.set_verbosity_error()
+    config = transformers.GPT2Config(
+        vocab_size=cfg.vocab_size, n_positions=seq, n_embd=cfg.d_model, n_layer=cfg.num_layers,
+        n_head=cfg.num_heads, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+        use_cache=False)
+    with torch.device("meta"):
+        model = transformers.GPT2LMHeadModel(config).to(torch.bfloat16)
+    forward, params = pxform.module_fn(model)
+
+    def loss(params: dict[str, torch.Tensor], batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return forward(params, **batch).loss
+
+    ids = torch.empty(batch, seq, dtype=torch.long, device="meta")
+    return loss, (params, {"input_ids": ids, "labels": ids})
+
+
+def hf_bert(size: str, batch: int = 8, seq: int | None = None) -> Factory:
+    """Hugging Face's `BertForMaskedLM` with the shape of `bert.BERT_CONFIGS[size]`, built on
+    `meta` in bfloat16 (as `hf_gpt2`): `(loss, (params, batch))`, the batch the example
+    BERT's (`input_ids`, `token_type_ids`, `attention_mask`, `labels`). Needs
+    `transformers`.
+
+    Example:
+        >>> fn, (params, batch) = hf_bert("large", batch=128, seq=512)
+    """
+    import transformers
+
+    import pxform
+
+    cfg = _lookup(_bert.BERT_CONFIGS, size, "hf_bert")
+    if seq is not None:
+        cfg = dataclasses.replace(cfg, seq_len=seq)
+    transformers.logging.set_verbosity_error()
+    config = transformers.BertConfig(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads, intermediate_size=4 * cfg.d_model,
+        max_position_embeddings=cfg.seq_len, type_vocab_size=cfg.type_vocab_size,
+        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    with torch.device("meta"):
+        model = transformers.BertForMaskedLM(config).to(torch.bfloat16)
+    forward, params = pxform.module_fn(model)
+
+    def loss(params: dict[str, torch.Tensor], batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return forward(params, **batch).loss
+
+    return loss, (params, _bert.make_batch(cfg, batch, device="meta"))
+
+
+def hf_gpt3_175b(batch: int = 1536, seq: int = 2048) -> Factory:
+    """GPT-3 175B as Hugging Face's `GPT2LMHeadModel` on `meta` (`hf_gpt2`).
+
+    Example:
+        pxform plan examples.factories:hf_gpt3_175b --batch 1536 --seq 2048
+    """
+    return hf_gpt2("175B", batch, seq)
+
+
+def hf_bert_large(batch: int = 128, seq: int = 512) -> Factory:
+    """BERT-large as Hugging Face's `BertForMaskedLM` on `meta` (`hf_bert`).
+
+    Example:
+        pxform plan examples.factories:hf_bert_large --batch 128 --seq 512
+    """
+    return hf_bert("large", batch, seq)

@@ -139,6 +139,52 @@ def loss_fn(params: dict, batch: dict, cfg: GPTConfig, trunk: Any = None) -> tor
     return F.cross_entropy(logits.flatten(0, 1), batch["targets"].flatten(), ignore_index=-100)
 
 
+class Block(torch.nn.Module):
+    """One transformer block as an `nn.Module`: the parameters of an `init_params` block
+    (same names), and `block` as its forward."""
+
+    def __init__(self, cfg: GPTConfig, params: dict) -> None:
+        super().__init__()
+        self.cfg = cfg
+        for name, t in params.items():
+            self.register_parameter(name, torch.nn.Parameter(t))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return block(dict(self.named_parameters()), x, self.cfg)
+
+
+class GPT(torch.nn.Module):
+    """The GPT as an `nn.Module` (what a user's model looks like): an `init_params` pytree
+    as parameters, blocks in a `ModuleList`; `forward(idx, targets)` is `loss_fn`'s loss.
+
+    Example:
+        >>> with torch.device("meta"):
+        ...     model = GPT(GPT_CONFIGS["175B"], dtype=torch.bfloat16)
+        >>> fn, params = pxform.module_fn(model)
+    """
+
+    def __init__(self, cfg: GPTConfig, *, dtype: torch.dtype = torch.float32,
+                 seed: int = 0) -> None:
+        super().__init__()
+        self.cfg = cfg
+        device = torch.empty(0).device  # the `torch.device` context, if any
+        params = init_params(cfg, device=device, dtype=dtype, seed=seed)
+        self.blocks = torch.nn.ModuleList(Block(cfg, p) for p in params.pop("blocks"))
+        for name, t in params.items():
+            self.register_parameter(name, torch.nn.Parameter(t))
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        params = {name: t for name, t in self.named_parameters() if "." not in name}
+        params["blocks"] = list(self.blocks)
+
+        def trunk(blocks: list[Block], x: torch.Tensor) -> torch.Tensor:
+            for b in blocks:
+                x = b(x)
+            return x
+
+        return loss_fn(params, {"idx": idx, "targets": targets}, self.cfg, trunk)
+
+
 def make_batch(cfg: GPTConfig, batch_size: int, *, device: str | torch.device = "cpu",
                seed: int = 0) -> dict:
     """Random token ids and next-token targets (`meta` gives shapes only)."""

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import inspect
 import linecache
 import operator
@@ -49,6 +50,7 @@ from pxform.core.rng import coordinates, draw_seeds, generator_of, sample
 from pxform.core.units import format_bytes, format_table
 from pxform.frontend.decompositions import decompositions
 from pxform.frontend.precision import AUTOCAST, apply_precision
+from pxform.frontend.reuse import reusing
 from pxform.frontend.rng import INPLACE, PLAN_INDEPENDENT, RANDOM, tag_random
 from pxform.ops import FALLBACK_TAG, bind, has_rule, rule_info, unsupported_error
 from pxform.ops.norm import BATCH_STATS
@@ -132,7 +134,10 @@ class Traced:
     _last_use: dict[str, int] = field(default_factory=dict, repr=False)
     state: tuple[int, ...] = ()
     buffers: frozenset[int] = frozenset()
+    copied_calls: int = 0
 
+    # `copied_calls`: module calls whose ops were copied from an earlier identical call
+    # instead of traced (`reuse_layers`, `pxform.frontend.reuse`).
     # `state`: the graph inputs (by index) a module writes in place, BatchNorm's running
     # statistics and batch count: the graph returns their new values after the function's
     # own outputs, and callers write them back into the tensors passed (`write_state`).
@@ -258,6 +263,9 @@ class Traced:
         ]
         if modules:
             lines.append(f"  top-level modules: {', '.join(sorted(modules))}")
+        if self.copied_calls:
+            lines.append(f"  {self.copied_calls} module calls copied from an earlier call "
+                         f"that records the same ops (traced once: reuse_layers)")
         if self.fallbacks:
             lines.append(f"  {len(self.fallbacks)} ops run replicated by the fallback: "
                          + ", ".join(sorted({op.name for op in self.fallbacks})))
@@ -267,7 +275,7 @@ class Traced:
 def trace(fn: Callable[..., Any], *args: Any, allow_fallback: bool = False,
           report_fallbacks: bool = True, precision: Precision | None = None,
           param_argnums: Sequence[int] = (0,), sync_batch_norm: bool = False,
-          **kwargs: Any) -> Traced:
+          reuse_layers: bool = True, **kwargs: Any) -> Traced:
     """Trace `fn(*args, **kwargs)` into the typed IR without running it on data.
 
     Args:
@@ -287,6 +295,10 @@ def trace(fn: Callable[..., Any], *args: Any, allow_fallback: bool = False,
             result); by default each rank's rows are normalised by their own, as DDP does.
             The running statistics are the whole batch's either way (module buffers a
             function writes are returned as `Traced.state` and written back).
+        reuse_layers: trace a repeated `nn.Module` call (a model's layers) once and copy
+            its ops for the calls that would record the same ones
+            (`pxform.frontend.reuse`); the IR is the same either way. False traces every
+            call (for a forward with Python side effects outside its modules).
 
     Returns:
         A `Traced`: `.graph` is the IR, calling it runs the IR on real tensors.
@@ -347,8 +359,10 @@ def trace(fn: Callable[..., Any], *args: Any, allow_fallback: bool = False,
 
     token = _TRACING.set(True)
     try:
-        with mode, _record_modules(), _record_user_frames(), _traceable_init(), _compiling(), \
-                _attention_dropout_explicit(), fx_traceback.preserve_node_meta():
+        with mode, _record_modules(), _record_user_frames() as caller, _traceable_init(), \
+                _compiling(), _attention_dropout_explicit(), fx_traceback.preserve_node_meta(), \
+                reusing(MODULE_KEY, _MODULE_NAMES, caller, reuse_layers) as reuse, \
+                _lazy_module():
             gm = make_fx(flat_fn, decomposition_table=decompositions(), pre_dispatch=True,
                          **_MAKE_FX_OPTIONS)(*fakes)
     except (TraceError, SignatureMismatchError, PxformError):
@@ -373,7 +387,7 @@ def trace(fn: Callable[..., Any], *args: Any, allow_fallback: bool = False,
     index = {name: k for k, name in enumerate(input_names)}
     return Traced(graph, in_tree, out_tree_box[-1], tuple(leaf_infos), fn_name,
                   tuple(fallbacks), last_uses(graph), tuple(index[n] for n in state),
-                  frozenset(buffer_pos))
+                  frozenset(buffer_pos), reuse.copied if reuse is not None else 0)
 
 
 def cache_key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
@@ -857,6 +871,20 @@ def _attention_dropout_explicit() -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def _lazy_module() -> Iterator[None]:
+    """make_fx returns a `_LazyGraphModule`, which writes its Python code only when
+    called: the IR is read from the graph and the module is never called, and writing the
+    code was a tenth of tracing a 96-layer model. Torches without it trace as before."""
+    try:
+        from torch.fx._lazy_graph_module import _use_lazy_graph_module
+    except ImportError:
+        yield
+        return
+    with _use_lazy_graph_module(True):
+        yield
+
+
+@contextlib.contextmanager
 def _compiling() -> Iterator[None]:
     """While tracing, `torch.compiler.is_compiling()` is True, as under torch.export's
     non-strict tracing (also make_fx on fake tensors): libraries then take their
@@ -968,40 +996,45 @@ def _internal_dirs() -> tuple[str, ...]:
 
 
 @contextlib.contextmanager
-def _record_user_frames() -> Iterator[None]:
+def _record_user_frames() -> Iterator[Callable[[], str | None]]:
     """Give every fx node the user's line: the innermost frame outside torch and pxform
     (fx's own stack traces keep only frames named `forward`, which loses every line of a
     pure function). The frame is found by walking the interpreter's frames from the node's
     creation, not by fx's `record_stack_traces`, which formats the whole stack per node
-    (a fifth of tracing GPT-3 175B)."""
+    (a fifth of tracing GPT-3 175B). Yields the function that finds the line for the
+    current point of the trace (`pxform.frontend.reuse` gives it to copied ops)."""
+    internal = _internal_dirs()
+    user: dict[str, bool] = {}  # filename -> is it the user's
+
+    def caller() -> str | None:
+        frame: Any = sys._getframe(1)
+        while frame is not None:
+            name = frame.f_code.co_filename
+            mine = user.get(name)
+            if mine is None:
+                mine = user[name] = _is_user_frame(name, internal)
+            if mine:
+                code = linecache.getline(name, frame.f_lineno).strip()
+                return (f'File "{name}", line {frame.f_lineno}, in '
+                        f"{frame.f_code.co_name}\n    {code}")
+            frame = frame.f_back
+        return None
+
     tracer_base = torch.fx.proxy.TracerBase
     original = tracer_base.__dict__.get("create_node")
     if original is None:  # torch changed its internals: trace still works, without lines
-        yield
+        yield caller
         return
-    internal = _internal_dirs()
-    user: dict[str, bool] = {}  # filename -> is it the user's
 
     def create_node(self: Any, *args: Any, **kwargs: Any) -> torch.fx.Node:
         node = original(self, *args, **kwargs)
         if not node.stack_trace:
-            frame: Any = sys._getframe(1)
-            while frame is not None:
-                name = frame.f_code.co_filename
-                mine = user.get(name)
-                if mine is None:
-                    mine = user[name] = _is_user_frame(name, internal)
-                if mine:
-                    code = linecache.getline(name, frame.f_lineno).strip()
-                    node.stack_trace = (f'File "{name}", line {frame.f_lineno}, in '
-                                        f"{frame.f_code.co_name}\n    {code}")
-                    break
-                frame = frame.f_back
+            node.stack_trace = caller()
         return node
 
     setattr(tracer_base, "create_node", create_node)  # noqa: B010
     try:
-        yield
+        yield caller
     finally:
         setattr(tracer_base, "create_node", original)  # noqa: B010
 
@@ -1014,8 +1047,10 @@ def _is_user_frame(filename: str, internal: tuple[str, ...]) -> bool:
         filename.startswith("<ipython")
 
 
+@functools.lru_cache(maxsize=4096)
 def _source_line(stack_trace: str | None) -> str:
-    """`file.py:12 in fn: code` from an fx stack-trace string (its last frame)."""
+    """`file.py:12 in fn: code` from an fx stack-trace string (its last frame). Cached:
+    a model's layers repeat the same few lines."""
     if not stack_trace:
         return ""
     lines = stack_trace.strip().splitlines()
