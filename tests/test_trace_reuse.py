@@ -287,3 +287,20 @@ def test_turning_it_off_traces_every_call():
     traced = pxform.trace(fn, *args)
     assert traced.copied_calls == 1
     assert "1 module calls copied" in traced.summary()
+
+
+def test_the_hooks_are_removed_after_a_trace_even_one_that_fails():
+    from torch.fx.experimental.proxy_tensor import PythonKeyTracer
+
+    before = (PythonKeyTracer.__dict__["call_module"], torch.nn.Module.__dict__["__setattr__"])
+
+    class Bad(torch.nn.Module):
+        def forward(self, x):
+            return x if x.sum() > 0 else -x  # data-dependent: the trace fails
+
+    forward, params = pxform.module_fn(Stack([Layer(0), Bad()]))
+    with pytest.raises(pxform.TraceError):
+        pxform.trace(forward, params, torch.randn(4, 8))
+    assert "__getattribute__" not in torch.nn.Module.__dict__
+    assert (PythonKeyTracer.__dict__["call_module"],
+            torch.nn.Module.__dict__["__setattr__"]) == before

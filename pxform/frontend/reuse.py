@@ -427,7 +427,57 @@ def _fresh(entry: tuple[Any, ...], node: torch.fx.Node, tracer: Any) -> torch.Te
     return t
 
 
-_STATE: list[_Reuse] = []
+# the innermost trace's state (None: a trace with `reuse_layers=False`); the hooks are
+# installed while the stack is not empty and always consult its top, so a trace nested in
+# another neither copies with nor logs into the outer one's recordings
+_STATE: list[_Reuse | None] = []
+_ORIGINAL: dict[str, Any] = {}
+
+
+def _current() -> _Reuse | None:
+    return _STATE[-1] if _STATE else None
+
+
+def _call_module(tracer: Any, module: torch.nn.Module, forward: Any,
+                 args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    state = _current()
+    if state is None:
+        return forward(*args, **kwargs)
+    return state.call(tracer, module, forward, args, kwargs)
+
+
+def _getattribute(self: torch.nn.Module, name: str) -> Any:
+    value = _object_getattribute(self, name)
+    state = _current()
+    if state is not None and state.reads is not None and name not in _INTERNAL \
+            and name in _object_getattribute(self, "__dict__"):
+        state.reads.append((self, name, value))
+    return value
+
+
+def _setattr(self: torch.nn.Module, name: str, value: Any) -> None:
+    state = _current()
+    if state is not None and state.depth:
+        state.writes.append(self)
+    _ORIGINAL["__setattr__"](self, name, value)
+
+
+def _install() -> None:
+    # make_fx's tracer sees every module call (fx's `Tracer.trace` routes
+    # `nn.Module.__call__` to `call_module`, which only runs `forward`)
+    _ORIGINAL["call_module"] = PythonKeyTracer.__dict__["call_module"]
+    _ORIGINAL["__setattr__"] = torch.nn.Module.__dict__["__setattr__"]
+    PythonKeyTracer.call_module = _call_module  # type: ignore[method-assign,assignment]
+    torch.nn.Module.__setattr__ = _setattr  # type: ignore[method-assign]
+    if "__getattribute__" not in torch.nn.Module.__dict__:
+        torch.nn.Module.__getattribute__ = _getattribute  # type: ignore[method-assign,assignment]
+
+
+def _uninstall() -> None:
+    PythonKeyTracer.call_module = _ORIGINAL.pop("call_module")  # type: ignore[method-assign]
+    torch.nn.Module.__setattr__ = _ORIGINAL.pop("__setattr__")  # type: ignore[method-assign]
+    if torch.nn.Module.__dict__.get("__getattribute__") is _getattribute:
+        del torch.nn.Module.__getattribute__
 
 
 @contextlib.contextmanager
@@ -445,45 +495,16 @@ def reusing(module_key: str, names: Mapping[torch.nn.Module, str],
         >>> reuse.copied
         95
     """
-    if not enabled:
+    if not enabled and not _STATE:
         yield None
         return
-    state = _Reuse(module_key, names, caller)
-    # make_fx's tracer sees every module call (fx's `Tracer.trace` routes
-    # `nn.Module.__call__` to `call_module`); it only runs `forward`
-    tracer_cls = PythonKeyTracer
-    original_call_module = tracer_cls.__dict__["call_module"]
-    module_cls = torch.nn.Module
-    original_setattr = module_cls.__setattr__
-    had_getattribute = "__getattribute__" in module_cls.__dict__
-
-    def call_module(tracer: Any, module: torch.nn.Module, forward: Any,
-                    args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        return state.call(tracer, module, forward, args, kwargs)
-
-    def getattribute(self: torch.nn.Module, name: str) -> Any:
-        value = _object_getattribute(self, name)
-        reads = state.reads
-        if reads is not None and name not in _INTERNAL \
-                and name in _object_getattribute(self, "__dict__"):
-            reads.append((self, name, value))
-        return value
-
-    def setattr_(self: torch.nn.Module, name: str, value: Any) -> None:
-        if state.depth:
-            state.writes.append(self)
-        original_setattr(self, name, value)
-
+    state = _Reuse(module_key, names, caller) if enabled else None
+    if not _STATE:
+        _install()
     _STATE.append(state)
-    tracer_cls.call_module = call_module  # type: ignore[method-assign,assignment]
-    module_cls.__setattr__ = setattr_  # type: ignore[method-assign]
-    if not had_getattribute:
-        module_cls.__getattribute__ = getattribute  # type: ignore[method-assign,assignment]
     try:
         yield state
     finally:
-        tracer_cls.call_module = original_call_module  # type: ignore[method-assign]
-        module_cls.__setattr__ = original_setattr  # type: ignore[method-assign]
-        if not had_getattribute:
-            del module_cls.__getattribute__
         _STATE.pop()
+        if not _STATE:
+            _uninstall()
