@@ -1030,3 +1030,58 @@ def test_a_pinned_schedule_the_search_cannot_price_is_refused(schedule, message)
     args = mlp_args(d=1024, layers=4, batch=4096)
     with pytest.raises(pxform.PxformError, match=message):
         plan_schedule(residual_mlp, args, schedule=schedule)
+
+
+@given(st.lists(st.lists(st.tuples(st.floats(0.1, 10), st.floats(1, 100), st.booleans()),
+                         min_size=1, max_size=4), min_size=1, max_size=4),
+       st.integers(1, 4), st.floats(5, 400))
+def test_least_work_bounds_every_choice_of_options_that_fits(blocks, stages, per_stage):
+    """`bounds.least_work` is at most the total time of any one-option-per-block choice
+    whose memories each fit a stage and together fit the stages (brute force), and at
+    least the blocks' fastest options summed; inf when no choice fits."""
+    import itertools
+
+    from pxform.search.bounds import least_work
+    from pxform.search.context import OptionCost, OptionTable
+    from pxform.search.space import Option
+
+    m = 2
+    tables = []
+    for k, opts in enumerate(blocks):
+        options, costs = [], []
+        for j, (seconds, saved, recompute) in enumerate(opts):
+            options.append(Option(((f"a{j}", "dp"),), recompute))
+            costs.append(OptionCost(forward=seconds, backward=seconds, step_extra=0.0,
+                                    saved=saved, kept=saved / 4, params=1.0, grads=0.5,
+                                    transient=0.0))
+        tables.append(OptionTable(k, tuple(options), tuple(costs)))
+    bound = least_work(tables, m, stages, per_stage)
+    fits = []
+    for pick in itertools.product(*(range(len(t.costs)) for t in tables)):
+        mems = [t.costs[j].memory(1, t.options[j].recompute, m) for t, j in zip(tables, pick)]
+        if max(mems) <= per_stage and sum(mems) <= stages * per_stage:
+            fits.append(sum(t.costs[j].step_time(m) for t, j in zip(tables, pick)))
+    if not fits:
+        return  # (the relaxation may still find a fraction that fits: any bound is valid)
+    assert bound <= min(fits) * (1 + 1e-9)
+    fastest = sum(min(c.step_time(m) for c in t.costs) for t in tables)
+    assert bound >= fastest * (1 - 1e-9)
+
+
+def test_least_work_charges_the_memory_that_forces_a_slower_option():
+    from pxform.search.bounds import least_work
+    from pxform.search.context import OptionCost, OptionTable
+    from pxform.search.space import Option
+
+    fast = OptionCost(1.0, 1.0, 0.0, saved=60.0, kept=6.0, params=10.0, grads=5.0,
+                      transient=0.0)
+    slow = OptionCost(1.5, 1.5, 0.0, saved=60.0, kept=6.0, params=10.0, grads=5.0,
+                      transient=0.0)
+    table = OptionTable(0, (Option((("x", "dp"),), False), Option((("x", "dp"),), True)),
+                        (fast, slow))
+    # four blocks of 65 bytes at the fast option (2 s), 11 recomputed (3 s), on 2 stages
+    # of 100: from 4 x 11 = 44 bytes, 156 more buy 156 / 54 of a block's second
+    got = least_work([table] * 4, 1, 2, 100.0)
+    assert got == pytest.approx(4 * 3.0 - 156 / 54, rel=1e-9)
+    assert least_work([table] * 4, 1, 8, 100.0) == pytest.approx(4 * 2.0)
+    assert least_work([table] * 4, 1, 1, 10.0) == float("inf")
