@@ -15,20 +15,31 @@ three ways by the same profile:
 
 Per rank and case it prints the measured step (median), the time inside collectives
 (median per step) and the rest ("compute": the ops, the runtime's glue between them),
-against the model's compute and its collectives (prediction less `nocomm`).
+against the model's compute and its collectives (prediction less `nocomm`). Then the same
+steps under torch's profiler, split by profiled self time: aten ops, the collectives' ops
+(their waits included), other events ("glue": autograd functions such as the
+conversions', tensor-subclass dispatch), and the rest of the wall time (Python outside
+any event). The profiler slows every op, so those figures are larger than the step's.
 
-What it showed (2026-11-26, sixth session; one calibration, 10 steps per case):
+2026-11-27, one run on a saved profile (`--profile`), 10 steps, rank 0, ms:
 
-| plan | step, model / measured | compute, model / measured | collectives, model / measured |
-| --- | --- | --- | --- |
-| tp (29 collectives) | 110.1 / 130.3 ms | 54.0 / 62.6 ms | 56.1 / 67.7 ms |
-| tp + recompute (40) | 145.7 / 163.6 ms | 73.9 / 89.0 ms | 71.8 / 74.6 ms |
-| sp (45) | 134.8 / 160.9 ms | 53.3 / 77.1 ms | 81.5 / 83.9 ms |
+| plan | step, model / measured | profiled: step / aten ops / collectives / glue / rest |
+| --- | --- | --- |
+| dp | 57.5 / 73.9 | 81.1 / 51.5 / 18.0 / 5.2 / 6.4 |
+| zero3 | 82.5 / 82.7 | 113.4 / 63.9 / 27.9 / 12.9 / 8.7 |
+| tp | 115.2 / 160.8 | 177.2 / 79.6 / 71.4 / 18.5 / 7.7 |
+| sp | 146.9 / 181.3 | 188.0 / 69.9 / 84.4 / 25.2 / 8.6 |
 
-Tensor parallelism's shortfall is half compute, half collectives; sequence parallelism's
-is all compute (its many small conversions: narrows, cats, the functional collectives'
-wrapping). In an earlier run the same day sequence parallelism measured 130.7 ms against
-129.2 predicted: its compute was 20 ms under and its collectives about as much over.
+Tensor parallelism's aten ops take 28 ms more than data parallelism's, and the model's
+compute 8 ms more. The model does price what runs whole on every rank (attention and the
+layer norms on the whole batch: about 6 ms of the 8, from the op curves). An earlier
+profile (5 steps) put the measured difference at 16 ms by op: attention +6.7, the
+re-layouts' copies, cats and fills +4.9, the log-softmax on the gathered logits +1.7,
+the layer norms +1.2; the rest of the 28 is likely the profiler's own cost on the extra small
+ops (narrows, slices, views). The larger part of the shortfall is the collectives: 29
+per step take 71 ms profiled (2.5 ms each, their waits included) against the model's
+0.7 ms transfer, 1.2 ms per-collective cost and 0.1 ms wait each, and the conversions'
+autograd functions and subclass dispatch ("glue") 13 ms more than data parallelism's.
 """
 
 from __future__ import annotations
@@ -106,7 +117,21 @@ def rank_main(cases: list[str], profile: str | None, steps: int) -> dict[str, An
             inside.append(sum(timed))
             counts.append(len(timed))
         wall, comm = statistics.median(walls), statistics.median(inside)
+        # the same steps under torch's profiler: where the step's wall time is spent by
+        # kind of torch op (self times, so nothing counts twice); what no op's self time
+        # holds is Python (the runtime's, autograd functions') and waiting for the GIL
+        dist.barrier()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            start = time.perf_counter()
+            for _ in range(steps):
+                run(dparams, batch)
+            profiled = (time.perf_counter() - start) / steps
+        split = _profiled_split(prof.key_averages(), steps)
         out[name] = {
+            "profiled ms: step, ops, collectives, glue, rest": (
+                round(profiled * 1e3, 1), *(round(split[k] * 1e3, 1) for k in
+                                            ("ops", "collectives", "glue")),
+                round((profiled - sum(split.values())) * 1e3, 1)),
             "step ms (model, measured)": (round(plan.step_time_s * 1e3, 1),
                                          round(wall * 1e3, 1)),
             "compute ms (model, measured)": (round(priced["nocomm"] * 1e3, 1),
@@ -119,6 +144,26 @@ def rank_main(cases: list[str], profile: str | None, steps: int) -> dict[str, An
                 round((plan.step_time_s - priced["overhead"]) * 1e3, 1)),
             "collectives per step": max(counts)}
     return out
+
+
+COLLECTIVE_OPS = ("c10d::", "_c10d_functional::", "c10d_functional::")
+
+
+def _profiled_split(events: Any, steps: int) -> dict[str, float]:
+    """Seconds per step of profiled self time: `ops` (aten ops: what the model's compute
+    prices), `collectives` (the collectives' ops, their waits included) and `glue`
+    (everything else a profiler event holds: autograd functions such as the conversions',
+    tensor-subclass dispatch)."""
+    split = {"ops": 0.0, "collectives": 0.0, "glue": 0.0}
+    for e in events:
+        if e.key.startswith(COLLECTIVE_OPS):
+            kind = "collectives"
+        elif e.key.startswith("aten::"):
+            kind = "ops"
+        else:
+            kind = "glue"
+        split[kind] += e.self_cpu_time_total / 1e6 / steps
+    return split
 
 
 def main() -> None:
