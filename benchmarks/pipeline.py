@@ -21,8 +21,14 @@ Reported per schedule: the ratios measured span / predicted step time (goal: wit
 and measured / simulated bubble, plus a timeline picture of the measured run
 (`benchmarks/results/pipeline-<schedule>.png`) beside the simulated one.
 
+With `--posting N` it also times each schedule's step N times with the executor's
+receives posted ahead of their actions (the default on gloo,
+`pxform.runtime.pipeline._posted_ahead`) and N times posted at their actions (as before
+2026-11-27), alternately, and reports the slowest rank's median of each and their ratio.
+
     python benchmarks/pipeline.py                 # GPT "small", 2 ranks, batch 16, 8 microbatches
     python benchmarks/pipeline.py --quick         # a few seconds, smoke run
+    python benchmarks/pipeline.py --posting 40    # + receives posted ahead against at the action
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ import importlib.util
 import os
 import statistics
 import sys
+import time
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -42,11 +49,12 @@ SCHEDULES = [("gpipe", {}), ("1f1b", {}), ("interleaved", {"virtual_stages": 2})
 
 
 def rank_main(cfg_name: str, batch_size: int, microbatches: int, reps: int,
-              warmup: int) -> dict[str, Any]:
+              warmup: int, posting: int = 0) -> dict[str, Any]:
     harness.add_paths()
     import torch.distributed as dist
 
     import pxform
+    import pxform.runtime.pipeline as executor
 
     ranks = dist.get_world_size()
     cfg, params, batch, _, loss = harness.gpt_case(cfg_name, batch_size)
@@ -59,9 +67,21 @@ def rank_main(cfg_name: str, batch_size: int, microbatches: int, reps: int,
             value, _ = step(params, batch)
         assert abs(float(value) - float(ref_loss)) < 1e-4, (name, float(value), float(ref_loss))
         steps, events = harness.recorded_steps(functools.partial(step, params, batch), reps)
+        posted: dict[str, list[float]] = {"ahead": [], "at_action": []}
+        ahead = executor._posted_ahead
+        try:
+            for _ in range(posting):  # the two alternately: a drift falls on both
+                for key, rule in (("ahead", ahead), ("at_action", lambda place: False)):
+                    executor._posted_ahead = rule
+                    dist.barrier()
+                    start = time.perf_counter()
+                    step(params, batch)
+                    posted[key].append(time.perf_counter() - start)
+        finally:
+            executor._posted_ahead = ahead
         gathered: list[Any] = [None] * ranks
         dist.all_gather_object(gathered, {"steps": steps, "events": [
-            [(str(a), s, e) for a, s, e in rec] for rec in events]})
+            [(str(a), s, e) for a, s, e in rec] for rec in events], "posting": posted})
         out[name] = gathered
     return out
 
@@ -142,6 +162,9 @@ def analyse(name: str, options: dict[str, Any], per_rank: list[dict[str, Any]], 
 def main() -> None:
     p = harness.parser(__doc__, batch=16, reps=15, steps=1, ranks=True)
     p.add_argument("--microbatches", type=int, default=8)
+    p.add_argument("--posting", type=int, default=0,
+                   help="also time each step this many times with receives posted ahead "
+                        "and as many posted at their actions (module doc)")
     args = harness.parse(p)
     from pxform.tools.testing import World
 
@@ -149,7 +172,7 @@ def main() -> None:
     harness.pin_malloc(args)  # --malloc pinned
     with World(args.ranks) as world:
         results = world.run(rank_main, args.config, args.batch, args.microbatches, reps,
-                            1 if args.quick else args.warmup)[0]
+                            1 if args.quick else args.warmup, args.posting)[0]
     rows = {}
     for name, options in SCHEDULES:
         # (matplotlib is the `plot` extra: without it the figures come, the pictures not)
@@ -157,6 +180,13 @@ def main() -> None:
             else os.path.join(harness.RESULTS, f"pipeline-{name}.png")
         rows[name] = analyse(name, options, results[name], args.ranks, args.microbatches,
                              picture)
+        if args.posting:
+            # per variant the slowest rank's median step
+            med = {k: max(statistics.median(r["posting"][k]) for r in results[name])
+                   for k in ("ahead", "at_action")}
+            rows[name]["posting"] = {"ahead_s": med["ahead"], "at_action_s": med["at_action"],
+                                     "ahead_over_at_action": med["ahead"] / med["at_action"],
+                                     "calls": args.posting}
     print(f"GPT {args.config}, {args.ranks} gloo ranks, batch {args.batch}, "
           f"{args.microbatches} microbatches, {reps} timed steps per schedule")
     print(f"{'schedule':12} {'span ms':>8} {'sim ms':>8} {'span/sim':>9} {'step/sim':>9} "
@@ -165,6 +195,14 @@ def main() -> None:
         print(f"{name:12} {1e3 * r['span_s']:8.1f} {1e3 * r['predicted_s']:8.1f} "
               f"{r['span_over_predicted']:9.3f} {r['step_over_predicted']:9.3f} "
               f"{r['bubble']:7.3f} {r['predicted_bubble']:10.3f}")
+    if args.posting:
+        print(f"\nreceives posted ahead of their actions against at them, {args.posting} "
+              f"steps each, alternately (slowest rank's median)")
+        print(f"{'schedule':12} {'ahead ms':>9} {'at action ms':>13} {'ratio':>7}")
+        for name, r in rows.items():
+            q = r["posting"]
+            print(f"{name:12} {1e3 * q['ahead_s']:9.1f} {1e3 * q['at_action_s']:13.1f} "
+                  f"{q['ahead_over_at_action']:7.3f}")
     if not args.quick:
         harness.write_result("pipeline", {"config": args.config, "ranks": args.ranks,
                                           "batch": args.batch,

@@ -223,3 +223,35 @@ def sends_released(schedule):
             step(params, x)
         peaks[m] = meter.stats.peak_bytes - meter.stats.baseline_bytes
     return {"peaks": peaks, "boundary": 2 * 4096 * 8}  # one microbatch's boundary value
+
+
+def receives_posted(schedule, options):
+    """Per receive action of one recorded step of the example GPT in a 2-stage pipeline:
+    whether its receive was posted before the action started (`pxform.runtime.pipeline.
+    _posted_ahead`), and the loss against one process's."""
+    import time
+
+    import pxform
+    import pxform.runtime.pipeline as executor
+
+    cfg, params, data = gpt_setup()
+    posted: dict[str, float] = {}
+    real = executor._post_recv
+
+    def logged(shapes, place, frm, a, tag, device):
+        posted[str(a)] = time.time()
+        return real(shapes, place, frm, a, tag, device)
+
+    step = pxform.value_and_grad(pxform.pipeline(
+        lambda p, b: gpt_loss(p, b, cfg), stages=2, microbatches=4, schedule=schedule,
+        **options))
+    ref, _ = pxform.value_and_grad(lambda p, b: gpt_loss(p, b, cfg))(params, data)
+    step(params, data)
+    executor._post_recv = logged
+    try:
+        with executor.recording() as events:
+            value, _ = step(params, data)
+    finally:
+        executor._post_recv = real
+    ahead = [posted[str(a)] < start for a, start, _ in events if a.kind in ("RF", "RB")]
+    return {"ahead": ahead, "loss_err": abs(float(value) - float(ref))}

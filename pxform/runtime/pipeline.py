@@ -296,12 +296,49 @@ def run(program: PipelineProgram, actions: Sequence[Action | None], place: Pipel
         sl.outputs = ()
         sl.weight_grads = []
 
+    def receiving(a: Action) -> tuple[list[tuple[tuple[int, ...], torch.dtype]], int]:
+        """What receive `a` (RF or RB) gets, and from which pipeline rank."""
+        st = stage(a.stage)
+        if a.kind == "RF":
+            return ([(st.local_shape(v), v.type.dtype) for v in st.receives],
+                    (a.stage - 1) % place.size)
+        return ([(st.local_shape(v), v.type.dtype) for v in st.sends
+                 if v.type.dtype.is_floating_point], (a.stage + 1) % place.size)
+
+    # receives posted ahead of their actions (`_posted_ahead`): the next RF and the next
+    # RB of this rank's list each wait posted while the actions before them run
+    ahead = _posted_ahead(place)
+    upcoming = {kind: [a for a in actions if a is not None and a.kind == kind]
+                for kind in ("RF", "RB")} if ahead else {}
+    posted: dict[Action, tuple[list[torch.Tensor], list[Any]]] = {}
+
+    def post_ahead() -> None:
+        for kind, queue in upcoming.items():
+            if queue and not any(p.kind == kind for p in posted):
+                a = queue.pop(0)
+                shapes, frm = receiving(a)
+                posted[a] = _post_recv(shapes, place, frm, a, tag, device)
+
+    def received(a: Action) -> list[torch.Tensor]:
+        if a in posted:
+            bufs, works = posted.pop(a)
+        else:
+            shapes, frm = receiving(a)
+            bufs, works = _post_recv(shapes, place, frm, a, tag, device)
+        frm = receiving(a)[1]
+        for work in works:
+            _wait(work, place, f"receiving for {a} from pipeline rank {frm}")
+        return bufs
+
     record = _RECORD.get()
     for a in actions:
         if a is None:
             continue
         started = time.time() if record is not None else 0.0
         s, i = a.stage, a.microbatch
+        if a.kind in ("RF", "RB") and a not in posted and upcoming.get(a.kind):
+            # (a receive the lookahead has not reached: it is the next of its kind)
+            upcoming[a.kind].remove(a)
         if a.kind == "F":
             forward(s, i)
         elif a.kind == "B":
@@ -315,9 +352,7 @@ def run(program: PipelineProgram, actions: Sequence[Action | None], place: Pipel
             pending[a] = _send([o.detach() for o in outs], place, (s + 1) % place.size, a,
                                tag)
         elif a.kind == "RF":
-            st = stage(s)
-            slot(s, i).leaves = _recv([(st.local_shape(v), v.type.dtype) for v in st.receives],
-                                      place, (s - 1) % place.size, a, tag, device)
+            slot(s, i).leaves = received(a)
         elif a.kind == "SB":
             sl, st = slot(s, i), stage(s)
             grads = [g if g is not None else
@@ -327,17 +362,16 @@ def run(program: PipelineProgram, actions: Sequence[Action | None], place: Pipel
             pending[a] = _send(grads, place, (s - 1) % place.size, a, tag)
             sl.input_grads = []  # the slot itself may still wait for its W
         elif a.kind == "RB":
-            st = stage(s)
-            floats = [v for v in st.sends if v.type.dtype.is_floating_point]
-            got = iter(_recv([(st.local_shape(v), v.type.dtype) for v in floats], place,
-                             (s + 1) % place.size, a, tag, device))
+            got = iter(received(a))
             slot(s, i).recv_grads = [next(got) if v.type.dtype.is_floating_point else None
-                                     for v in st.sends]
+                                     for v in stage(s).sends]
         else:
             raise RuntimeError(f"pxform pipeline: unknown action {a}")
         for done in releases.get(a, ()):  # arrived: waiting frees their tensors now
             for work in pending.pop(done, ()):
                 _wait(work, place, f"sending {done}")
+        if ahead:
+            post_ahead()
         if record is not None:
             record.append((a, started, time.time()))
     for sent, works in pending.items():  # sends still in flight
@@ -399,17 +433,36 @@ def _send(tensors: list[torch.Tensor], place: PipelineGroup, to: int, a: Action,
     return list(dist.batch_isend_irecv(ops))
 
 
-def _recv(shapes: list[tuple[tuple[int, ...], torch.dtype]], place: PipelineGroup, frm: int,
-          a: Action, tag: Any, device: torch.device) -> list[torch.Tensor]:
+def _post_recv(shapes: list[tuple[tuple[int, ...], torch.dtype]], place: PipelineGroup,
+               frm: int, a: Action, tag: Any, device: torch.device
+               ) -> tuple[list[torch.Tensor], list[Any]]:
+    """Post the receives of `a` (not waited for): the buffers and their works."""
     if not shapes:
-        return []
+        return [], []
     peer = place.peer(frm)
     # on the stage's device: under NCCL a CPU buffer cannot receive
     bufs = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in shapes]
     ops = [dist.P2POp(dist.irecv, b, peer, place.group, tag(a, k)) for k, b in enumerate(bufs)]
-    for work in dist.batch_isend_irecv(ops):
-        _wait(work, place, f"receiving for {a} from pipeline rank {frm}")
-    return bufs
+    return bufs, list(dist.batch_isend_irecv(ops))
+
+
+def _posted_ahead(place: PipelineGroup) -> bool:
+    """Whether this rank posts its next receives ahead of their actions: on gloo.
+
+    A gloo receive is a rendezvous: the data moves only once the receiver has posted its
+    buffer and the sender's communication thread has answered. Posted when its action
+    comes, a receive of data the peer sent long before still waited for that thread,
+    which on a busy machine is asleep behind the peer's compute: on this project's
+    2-vCPU machine a GPipe step's receives of gradients sent 3-10 ms earlier took 3.1-6.9
+    ms each (2026-11-27, `pxform.runtime.pipeline.recording`), and GPipe's measured step
+    was 13-17 % over the simulated one in four runs of `benchmarks/pipeline.py`. Posted
+    one action ahead, the data lands while the rank computes. Gloo matches a receive to
+    its send by tag, so posting out of turn is safe there; NCCL matches transfers
+    between two ranks in the order they were issued (no tags), and a receive posted early
+    would hold up this rank's sends behind it, so NCCL posts at the action as before."""
+    if place.group is None or place.size < 2:
+        return False
+    return dist.get_backend(place.group) == "gloo"
 
 
 def _wait(work: Any, place: PipelineGroup, what: str) -> None:

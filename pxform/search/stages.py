@@ -418,14 +418,20 @@ def transfer_bytes(ctx: SearchContext, config: Config, idx: Sequence[int], last:
     sent and not yet known to have arrived. A stage that recomputes itself makes its
     outputs again (R): the sent ones stay beside them, one microbatch's (`held` is 1
     there). While a backward runs: the gradients of its boundary outputs, received for
-    it."""
+    it.
+
+    Each rank posts its next receive of either kind while the actions before it run
+    (`pxform.runtime.pipeline._posted_ahead`): one more microbatch's boundary inputs are
+    held, and the next boundary gradients' buffer waits beside the ones a backward reads.
+    (The executor does that on gloo only; under NCCL these two buffers are an
+    overestimate of one microbatch's boundary values each.)"""
     out = 0.0 if last else boundary_bytes(ctx, config, idx[-1])
     inp = boundary_bytes(ctx, config, idx[0] - 1) if idx[0] > 0 else 0.0
     grad_in = boundary_bytes(ctx, config, idx[0] - 1, floating=True) if idx[0] > 0 else 0.0
     grad_out = 0.0 if last else boundary_bytes(ctx, config, idx[-1], floating=True)
     forwards, backwards = sent
     held = inputs * inp + forwards * out + backwards * grad_in + (out if recomputes else 0.0)
-    return held, grad_out
+    return held + inp, 2 * grad_out
 
 
 def _p2p_time(ctx: SearchContext, config: Config, idx: list[int]) -> float:

@@ -21,30 +21,28 @@ world and returns the profile with them set:
   difference over 60.
 * `step_overhead_s`, per step: the K = 4 step less its 4 parameters, less what the cost
   model prices its ops and its all-reduce at.
-* `action_overhead_s`, per pipeline action (one stage's forward or backward of one
-  microbatch: the executor, the transfers posted, autograd's graph): a 2-stage 1F1B
-  pipeline of two tiny matmuls at 2 and at 8 microbatches. On 2 stages the step takes
-  `m + 1` forward-backward slots, so the difference over 2 x 6 actions, less a small
-  transfer's time (`Hardware.comm_time("p2p", ...)`), is one action's.
+* `action_overhead_s` and `op_action_overhead_s`, per pipeline action (one stage's
+  forward or backward of one microbatch: the executor, its transfers posted and waited
+  for, autograd building and walking the stage's graph anew each time) and per op of
+  the stage per action: the reference transformer at 2 and at 4 layers cut into 2
+  stages, its 1F1B pipeline at 2 and at 16 microbatches of the same batch. On 2 stages
+  the step takes `m + 1` forward-backward slots, so the measured difference less the one
+  the cost model predicts without these two costs, over 2 x 14 actions, is `per_action
+  + per_op x ops` at each depth (`_action_costs`). Until 2026-11-27 the per-action cost
+  came from a pipeline of two tiny matmuls at 2 and at 8 microbatches: it measured the
+  transfers' round trips, which stages with compute to do hide since the executor posts
+  its receives ahead (`pxform.runtime.pipeline._posted_ahead`), and 8-microbatch GPT
+  pipelines came out 5-21 % over.
 * `param_action_overhead_s`, per parameter tensor of a stage per pipeline action (its
-  conversion's autograd function, its gradient accumulated over microbatches): the same
-  pipeline with 16 parameters per stage instead of 1, the difference over 2 x 6 x 15.
+  conversion's autograd function, its gradient accumulated over microbatches): a 2-stage
+  1F1B pipeline of two tiny matmuls at 2 and at 8 microbatches, with 16 parameters per
+  stage and with 1: the difference of the two differences over 2 x 6 x 15.
 * `weight_op_overhead_s`, per weight op of a zero-bubble W action (the executor asks
   autograd for each weight op's gradient on its own, then hands it on): a 2-stage ZB-H1
   pipeline of chained tiny matmuls, 1 and 16 per stage, its W actions timed as they run
   (`pxform.runtime.pipeline.recording`): the difference of the median W over 15, less
   what the cost model already charges per parameter and action and for the op's weight
   gradient.
-* `op_action_overhead_s`, per op of a stage per pipeline action (the executor runs the
-  stage's graph once per microbatch and autograd builds and walks it anew each time,
-  beyond what a whole step per op costs): the reference transformer cut into 2 stages
-  after its first layer, a 1F1B pipeline at 2 and at 16 microbatches of the same batch;
-  the measured difference less the one the cost model predicts with the costs above,
-  over 2 x 14 actions x the stages' mean op count. Tiny stages (the action cost above)
-  do not show it: it grows with the ops a stage runs. (Until 2026-11-26, fifth session,
-  at 2 and 8 microbatches: six calibrations in a row gave 0-24 us, and the prediction
-  for one pinned 8-microbatch GPT pipeline moved by 37 % with it.)
-
 * `recompute_overhead_s`, per recompute region per microbatch (torch's non-reentrant
   checkpoint: its frame, the saved tensors' hooks, the RNG state, stopping the recompute;
   the region's re-entry into pxform's process groups): tiny residual layers, data
@@ -91,7 +89,7 @@ import dataclasses
 import functools
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import optree
@@ -202,7 +200,7 @@ def runtime_costs(hw: Hardware, repeats: int = 9) -> Hardware:
         ops += model.bucketed_all_reduce(few * _WIDTH * 4.0 * 2 * (n - 1) / n, "dp", axes)
     per_step = max(0.0, t_few - few * per_param - ops)
 
-    per_action = per_param_action = per_weight_op = 0.0
+    per_param_action = per_weight_op = 0.0
     if n >= 2 and n % 2 == 0:
         def two_stages(p: dict[str, list[torch.Tensor]], x: torch.Tensor) -> torch.Tensor:
             h = stage_boundary(x @ torch.stack(p["w1"]).sum(0))
@@ -223,8 +221,6 @@ def runtime_costs(hw: Hardware, repeats: int = 9) -> Hardware:
         # microbatch, its conversion's autograd function)
         _, slots = _paired(pp_step(2, 1), pp_step(8, 1), repeats)
         _, slots_many = _paired(pp_step(2, 16), pp_step(8, 16), repeats)
-        p2p = hw.comm_time("p2p", 2.0 * n * _WIDTH * 4.0, 2, hw.level(2))
-        per_action = max(0.0, slots / (2 * 6) - p2p)
         per_param_action = max(0.0, (slots_many - slots) / (2 * 6 * 15))
 
         def chained(p: dict[str, list[torch.Tensor]], x: torch.Tensor) -> torch.Tensor:
@@ -252,12 +248,12 @@ def runtime_costs(hw: Hardware, repeats: int = 9) -> Hardware:
                                              0.0, "matmul"))
         per_weight_op = max(0.0, (many_ops - one) / 15 - per_param_action - compute)
 
-    per_op_action = 0.0
+    per_action = per_op_action = 0.0
     if n >= 2 and n % 2 == 0:
-        per_op_action = _op_action(dataclasses.replace(
+        per_action, per_op_action = _action_costs(dataclasses.replace(
             hw, param_overhead_s=per_param, step_overhead_s=per_step,
-            action_overhead_s=per_action, collective_overhead_s=per_collective,
-            param_action_overhead_s=per_param_action), gen, repeats)
+            collective_overhead_s=per_collective, param_action_overhead_s=per_param_action),
+            gen, repeats)
 
     per_region = _recompute_region(dataclasses.replace(
         hw, param_overhead_s=per_param, step_overhead_s=per_step,
@@ -296,8 +292,12 @@ def _head(params: dict[str, Any], h: torch.Tensor, tokens: torch.Tensor) -> torc
     return F.cross_entropy(logits.flatten(0, 1), tokens.flatten())
 
 
-def _reference_params(gen: torch.Generator, device: torch.device) -> dict[str, Any]:
-    layers, d, vocab, _ = _reference_shape(device)
+def _reference_params(gen: torch.Generator, device: torch.device,
+                      layers: int | None = None) -> dict[str, Any]:
+    """The reference transformer's parameters (`_reference_shape`; `layers` of them when
+    given)."""
+    depth, d, vocab, _ = _reference_shape(device)
+    layers = depth if layers is None else layers
 
     def weight(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=gen) / shape[-1] ** 0.5
@@ -398,52 +398,86 @@ def _fit_scale(measured: list[float], modelled: list[float], ops: int
 
 
 def _staged(params: dict[str, Any], tokens: torch.Tensor) -> torch.Tensor:
-    """`_reference` with a pipeline stage boundary after its first layer."""
+    """`_reference` with a pipeline stage boundary after the first half of its layers."""
     h = params["embedding"][tokens]
-    for k, layer in enumerate(params["layers"]):
-        if k == 1:
+    layers = params["layers"]
+    for k, layer in enumerate(layers):
+        if k == len(layers) // 2:
             h = stage_boundary(h)
         h = _layer(layer, h)
     return _head(params, h, tokens)
 
 
-def _op_action(hw: Hardware, gen: torch.Generator, repeats: int) -> float:
-    """`op_action_overhead_s` (module doc): the reference transformer's 2-stage 1F1B
-    pipeline at `_ACTION_MICROBATCHES` microbatches of 16 sequences per data-parallel
-    replica, every rank at once; what the measured difference has beyond the cost
-    model's, per op of a stage and per action."""
+def _action_costs(hw: Hardware, gen: torch.Generator, repeats: int) -> tuple[float, float]:
+    """(`action_overhead_s`, `op_action_overhead_s`) (module doc): the reference
+    transformer at each depth of `_ACTION_DEPTHS`, cut into 2 stages, its 1F1B pipeline at
+    `_ACTION_MICROBATCHES` microbatches of 16 sequences per data-parallel replica (the
+    two timed alternately, every rank at once); per depth, what the measured difference
+    has beyond the cost model's without these two costs, over the `2 x 14` actions it
+    adds, is `per_action + per_op x ops` (ops: a stage's mean op count); the two depths
+    give both. Where that makes one negative, it is 0 and the other is fitted alone
+    (least squares through the origin)."""
     n = world.size()
     device = default_device()
-    params = _reference_params(gen, device)
     _, _, vocab, seq = _reference_shape(device)
     few, many = _ACTION_MICROBATCHES
     tokens = _on(torch.randint(0, vocab, (many * (n // 2), seq), generator=gen), device)
-    blocks = len(auto(_staged, mesh=abstract_mesh(n), hardware=hw,
-                      plan=Pin(stages=2)).plan(params, tokens).blocks)
-    calls, predicted, ops = [], [], 0
-    for m in (few, many):
-        piped = pipeline(_staged, stages=2, microbatches=m)
-        sharded = shard(piped, mesh=Mesh({"pp": 2, "dp": n // 2}), in_specs=(None, P("dp")))
-        step = value_and_grad(sharded)
-        calls.append(functools.partial(step, params, tokens))
-        # the same pipeline as the cost model prices it: data parallel, 1F1B
-        roles = (("outer", "dp"),) if n > 2 else ()
-        pin = Pin(stages=2, outer=n // 2, inner=1, microbatches=m, schedule=ScheduleChoice(),
-                  block_options=(Option(roles, False),) * blocks)
-        plan = auto(_staged, mesh=abstract_mesh(n), hardware=hw, memory_margin=0.0,
-                    plan=pin).plan(params, tokens)
-        predicted.append(plan.step_time_s)
-        ops = sum(b.stop - b.start for b in plan.blocks) // 2  # a stage's, on average
-    # thrice the repeats: a difference of steps of tens of milliseconds, each spread
-    # by a third on a loaded machine (five calibrations gave 0-19 us per op with 9)
-    _, longer = _paired(calls[0], calls[1], 3 * repeats)
-    # 2 stages: m + 1 forward-backward slots on the critical path, 2 actions each
-    return max(0.0, (longer - (predicted[1] - predicted[0])) / (2 * (many - few) * max(ops, 1)))
+    bare = dataclasses.replace(hw, action_overhead_s=0.0, op_action_overhead_s=0.0)
+    per_action, ops_per_stage = [], []
+    for depth in _ACTION_DEPTHS:
+        params = _reference_params(gen, device, depth)
+        blocks = len(auto(_staged, mesh=abstract_mesh(n), hardware=bare,
+                          plan=Pin(stages=2)).plan(params, tokens).blocks)
+        calls, predicted, ops = [], [], 0
+        for m in (few, many):
+            piped = pipeline(_staged, stages=2, microbatches=m)
+            sharded = shard(piped, mesh=Mesh({"pp": 2, "dp": n // 2}),
+                            in_specs=(None, P("dp")))
+            calls.append(functools.partial(value_and_grad(sharded), params, tokens))
+            # the same pipeline as the cost model prices it: data parallel, 1F1B
+            roles = (("outer", "dp"),) if n > 2 else ()
+            pin = Pin(stages=2, outer=n // 2, inner=1, microbatches=m,
+                      schedule=ScheduleChoice(), block_options=(Option(roles, False),) * blocks)
+            plan = auto(_staged, mesh=abstract_mesh(n), hardware=bare, memory_margin=0.0,
+                        plan=pin).plan(params, tokens)
+            predicted.append(plan.step_time_s)
+            ops = sum(b.stop - b.start for b in plan.blocks) / 2  # a stage's, on average
+        # twice the repeats: a difference of steps of tens of milliseconds, each spread
+        # by a third on a loaded machine
+        _, longer = _paired(calls[0], calls[1], 2 * repeats)
+        # 2 stages: m + 1 forward-backward slots on the critical path, 2 actions each
+        per_action.append((longer - (predicted[1] - predicted[0])) / (2 * (many - few)))
+        ops_per_stage.append(ops)
+    return _fit_action(per_action, ops_per_stage)
+
+
+def _fit_action(per_action: Sequence[float], ops: Sequence[float]) -> tuple[float, float]:
+    """(a, b) >= 0 with `per_action[k] = a + b x ops[k]` at two depths (`_action_costs`);
+    where that solution has one negative, it is 0 and the other fitted alone.
+
+    Example:
+        >>> _fit_action([3.0, 5.0], [10.0, 20.0])
+        (1.0, 0.2)
+        >>> _fit_action([3.0, 2.0], [10.0, 20.0])  # fewer per action with more ops
+        (2.5, 0.0)
+    """
+    (r0, r1), (o0, o1) = per_action, ops
+    b = (r1 - r0) / (o1 - o0) if o1 != o0 else 0.0
+    a = r0 - b * o0
+    if b < 0:
+        return max(0.0, (r0 + r1) / 2), 0.0
+    if a < 0:
+        square = o0 * o0 + o1 * o1
+        return 0.0, max(0.0, (r0 * o0 + r1 * o1) / square) if square > 0 else 0.0
+    return a, b
 
 
 _ACTION_MICROBATCHES = (2, 16)
-"""The microbatch counts `_op_action` compares: the wider apart, the more actions the
-per-op cost is read from (2 and 8 gave 0-24 us over six calibrations in a row)."""
+"""The microbatch counts `_action_costs` compares: the wider apart, the more actions the
+costs are read from (2 and 8 gave 0-24 us per op over six calibrations in a row)."""
+
+_ACTION_DEPTHS = (2, 4)
+"""The reference transformer's layer counts `_action_costs` pipelines: 1 and 2 per stage."""
 
 
 def _tiny_layers(ws: list[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
