@@ -904,8 +904,11 @@ def test_shifted_schedule_is_chosen_where_recompute_is_needed():
     from pxform.schedules import Costs, shifted_critical_path, simulate
     sim = simulate(shifted_critical_path(4, 4), Costs(
         forward=[s.forward_s for s in tight.stage_plans],
-        backward=[s.backward_s for s in tight.stage_plans]))
+        backward=[s.backward_s for s in tight.stage_plans],
+        recompute=[s.recompute_s for s in tight.stage_plans]))
     assert tight.step_time_s == pytest.approx(sim.step_time + 0.0, rel=1e-3)
+    # R has no transfer to wait for: less than a forward, which has one
+    assert all(0 < s.recompute_s < s.forward_s for s in tight.stage_plans[:3])
     # a block pinned to recompute rules the shifted schedule out
     redo = (Option((), True),) * len(tight.blocks)
     assert plan_schedule(residual_mlp, args, block_options=redo).schedule != "shifted"

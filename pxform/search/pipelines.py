@@ -240,17 +240,20 @@ def _held_closed(choice: ScheduleChoice, p: int, m: int) -> tuple[int, ...]:
 
 
 def step_time(choice: ScheduleChoice, p: int, m: int, forward: Sequence[float],
-              backward: Sequence[float], weight: Sequence[float]) -> float:
+              backward: Sequence[float], weight: Sequence[float],
+              recompute: Sequence[float] | None = None) -> float:
     """Seconds per step: per stage (virtual stages counted), `forward` and `backward` per
-    microbatch (the backward whole), `weight` its weight-gradient part (zero-bubble's W).
+    microbatch (the backward whole), `weight` its weight-gradient part (zero-bubble's W),
+    `recompute` an early recompute (the shifted schedule's R; default: `forward`).
 
     Example:
         >>> step_time(ScheduleChoice("zb"), 4, 8, [1.0] * 4, [2.0] * 4, [1.0] * 4)
         27.0
     """
+    redo = tuple(forward if recompute is None else recompute)
     timer = _timer(choice, p, m)
     if timer is not None:
-        return _timed(choice, p, m, tuple(forward), tuple(backward), tuple(weight))
+        return _timed(choice, p, m, tuple(forward), tuple(backward), tuple(weight), redo)
     per = [f + b for f, b in zip(forward, backward)]
     if choice.name == "zb":
         # m x the slowest stage, and a warm-up/drain of (F + B - W) per further stage
@@ -266,8 +269,8 @@ def step_time(choice: ScheduleChoice, p: int, m: int, forward: Sequence[float],
         # m x the slowest stage, its recompute counted, and Merak's (p - 2)(F + B) idle
         # time; a backward longer than two forwards waits that much more (the simulation
         # with equal stages: tests/test_search.py)
-        busy = [x + (f if choice.recomputes(s, p) else 0.0)
-                for s, (x, f) in enumerate(zip(per, forward))]
+        busy = [x + (r if choice.recomputes(s, p) else 0.0)
+                for s, (x, r) in enumerate(zip(per, redo))]
         f_mean, b_mean = sum(forward) / p, sum(backward) / p
         return m * max(busy) + max(p - 2, 0) * sum(per) / p + max(0.0, b_mean - 2 * f_mean)
     return one_f_one_b_time(forward, backward, m)
@@ -275,14 +278,16 @@ def step_time(choice: ScheduleChoice, p: int, m: int, forward: Sequence[float],
 
 @functools.lru_cache(maxsize=4096)
 def _timed(choice: ScheduleChoice, p: int, m: int, forward: tuple[float, ...],
-           backward: tuple[float, ...], weight: tuple[float, ...]) -> float:
+           backward: tuple[float, ...], weight: tuple[float, ...],
+           recompute: tuple[float, ...]) -> float:
     """`step_time` by the schedule's `Timer`, once per costs: the search prices the same
     stages again at several memory levels of the frontier."""
     timer = _timer(choice, p, m)
     assert timer is not None
     if choice.split:
-        return timer.step_time(forward, [b - w for b, w in zip(backward, weight)], weight)
-    return timer.step_time(forward, backward)
+        return timer.step_time(forward, [b - w for b, w in zip(backward, weight)], weight,
+                               recompute)
+    return timer.step_time(forward, backward, recompute=recompute)
 
 
 def bubble_bound(choice: ScheduleChoice, p: int, m: int, weight_share: float) -> float:

@@ -101,6 +101,9 @@ class StagePlan:
     param_bytes: float
     # of `backward_s`, the weight gradients: a zero-bubble schedule's W action
     weight_s: float = 0.0
+    # an early recompute of a microbatch (the shifted schedule's R): the forward's compute
+    # without its transfer and the waits for it
+    recompute_s: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -313,7 +313,7 @@ def _make_plan(c: Candidate, ctx: SearchContext, found: Sequence[Candidate], sec
                              c.options[b.index].reshard)
                    for b in a.blocks)
     stages = tuple(StagePlan(s.stage, s.blocks, s.forward, s.backward, s.memory, s.in_flight,
-                             s.param_bytes, s.weight) for s in c.stages)
+                             s.param_bytes, s.weight, s.recompute) for s in c.stages)
     tensor: dict[int, tuple] = {}
     specs: dict[str, P] = {}
     mesh = cfg.stage_mesh
@@ -418,7 +418,8 @@ def _simulated_step(c: Candidate, step_overhead: float) -> float:
     timeline = simulate(schedule, Costs(
         forward=[s.forward for s in c.stages],
         backward=[s.backward - (s.weight if split else 0.0) for s in c.stages],
-        weight=[s.weight if split else 0.0 for s in c.stages]))
+        weight=[s.weight if split else 0.0 for s in c.stages],
+        recompute=[s.recompute for s in c.stages]))
     # the runtime's per-step host cost, which `assemble` adds to the schedule's time
     return timeline.step_time + step_overhead
 

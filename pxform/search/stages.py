@@ -33,6 +33,7 @@ class StageResult:
     in_flight: int
     param_bytes: float
     weight: float = 0.0    # per microbatch, of `backward`: the weight gradients (zb's W)
+    recompute: float = 0.0  # per microbatch, an early recompute (the shifted schedule's R)
 
 
 @dataclass(frozen=True)
@@ -197,7 +198,7 @@ def assemble(ctx: SearchContext, config: Config, part: tuple[int, ...],
     block_time = [0.0] * len(part)
     block_mem = [0.0] * len(part)
     stages = []
-    fw, bw, wt = [], [], []
+    fw, bw, wt, rc = [], [], [], []
     for s, ((idx, _), (pt, mem)) in enumerate(zip(stage_points, picked)):
         wait = waits[s] if waits else 0
         sums = _stage_sums(ctx, config, idx, pt, tables, flights[s], wait, schedule.split)
@@ -214,10 +215,11 @@ def assemble(ctx: SearchContext, config: Config, part: tuple[int, ...],
         fw.append(sums.forward)
         bw.append(sums.backward)
         wt.append(sums.weight)
+        rc.append(sums.recompute)
         stages.append(StageResult(s, tuple(idx), pt.time, sums.forward, sums.backward, mem,
-                                  flights[s], pbytes, sums.weight))
+                                  flights[s], pbytes, sums.weight, sums.recompute))
     if config.stages > 1:
-        step = pipeline_step(schedule, config.stages, m, fw, bw, wt)
+        step = pipeline_step(schedule, config.stages, m, fw, bw, wt, rc)
     else:
         step = m * (fw[0] + bw[0])
     step += ctx.hardware.step_overhead_s
@@ -238,6 +240,7 @@ class _StageSums:
     backward: float  # (with the step's extra costs spread over the microbatches)
     weight: float
     param_bytes: float  # without parameters borrowed from other stages
+    recompute: float  # an early recompute (R) of a microbatch: no transfer, no wait
 
 
 def _stage_sums(ctx: SearchContext, config: Config, idx: list[int], pt: Point,
@@ -288,6 +291,11 @@ def _stage_sums(ctx: SearchContext, config: Config, idx: list[int], pt: Point,
     hw = ctx.hardware
     num_params = sum(len(a.blocks[k].params) for k in idx)
     extra += hw.param_overhead_s * num_params
+    # an early recompute (R, the shifted schedule) runs the stage's forward again from the
+    # inputs it kept: no receive to wait for, no send; of the per-action costs only those
+    # per parameter and per op (`action_overhead_s` is read from 1F1B steps, where each
+    # action has a transfer on the critical path: `runtime_costs._action_costs`)
+    r = f
     if config.stages > 1:
         # an action that starts from a transfer waits there for the stage that sends it,
         # after its own compute since the last (`Hardware.sync_wait`): a forward unless
@@ -302,6 +310,7 @@ def _stage_sums(ctx: SearchContext, config: Config, idx: list[int], pt: Point,
                   + hw.op_action_overhead_s * num_ops)
         f += action
         b += action
+        r += action - hw.action_overhead_s
         if split:
             weight_action = action + hw.weight_op_overhead_s * weight_ops
             b += weight_action
@@ -311,8 +320,9 @@ def _stage_sums(ctx: SearchContext, config: Config, idx: list[int], pt: Point,
     p2p = _p2p(ctx, config, idx) if config.stages > 1 else 0.0
     f += trans / 2 + p2p
     b += trans / 2 + p2p
+    r += trans / 2
     sums = _StageSums(tuple(options), tuple(costs), tuple(times), tuple(mems), f,
-                      b + extra / m, w, pbytes)
+                      b + extra / m, w, pbytes, r)
     ctx.stage_sums[key] = sums
     return sums
 
