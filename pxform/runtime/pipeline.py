@@ -320,25 +320,21 @@ def run(program: PipelineProgram, actions: Sequence[Action | None], place: Pipel
                 posted[a] = _post_recv(shapes, place, frm, a, tag, device)
 
     def received(a: Action) -> list[torch.Tensor]:
-        if a in posted:
-            bufs, works = posted.pop(a)
-        else:
-            shapes, frm = receiving(a)
-            bufs, works = _post_recv(shapes, place, frm, a, tag, device)
-        frm = receiving(a)[1]
+        shapes, frm = receiving(a)
+        bufs, works = posted.pop(a) if a in posted else \
+            _post_recv(shapes, place, frm, a, tag, device)
         for work in works:
             _wait(work, place, f"receiving for {a} from pipeline rank {frm}")
         return bufs
 
+    if ahead:
+        post_ahead()  # the first of each kind
     record = _RECORD.get()
     for a in actions:
         if a is None:
             continue
         started = time.time() if record is not None else 0.0
         s, i = a.stage, a.microbatch
-        if a.kind in ("RF", "RB") and a not in posted and upcoming.get(a.kind):
-            # (a receive the lookahead has not reached: it is the next of its kind)
-            upcoming[a.kind].remove(a)
         if a.kind == "F":
             forward(s, i)
         elif a.kind == "B":
