@@ -1088,3 +1088,24 @@ def test_least_work_charges_the_memory_that_forces_a_slower_option():
     assert got == pytest.approx(4 * 3.0 - 156 / 54, rel=1e-9)
     assert least_work([table] * 4, 1, 8, 100.0) == pytest.approx(4 * 2.0)
     assert least_work([table] * 4, 1, 1, 10.0) == float("inf")
+
+
+def test_a_weight_share_past_the_backward_is_capped_not_refused(monkeypatch):
+    """A zero-bubble W is a part of its stage's backward. A profile whose op curves put the
+    weight ops' share (each op's `min(forward, backward)`) past a stage's whole backward
+    (the median of 5 calibrations did, 2026-11-27) made B negative, and the schedule
+    simulator refused the plan: `pxform.auto` raised. The share is capped at the backward."""
+    import pxform.search.options as options
+
+    real = options.option_cost
+
+    def heavy(*args, **kwargs):
+        cost = real(*args, **kwargs)
+        return dataclasses.replace(cost, weight=3.0 * cost.backward + 1e-3)
+
+    monkeypatch.setattr(options, "option_cost", heavy)
+    args = mlp_args(d=256, layers=4, batch=512)
+    plan = plan_schedule(residual_mlp, args, schedule=ScheduleChoice("zb"))
+    assert plan.schedule == "zb" and plan.step_time_s > 0
+    for s in plan.stage_plans:
+        assert 0.0 <= s.weight_s <= s.backward_s + 1e-12, s

@@ -4,6 +4,7 @@ name the rank."""
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 import torch
@@ -61,3 +62,39 @@ def test_world_must_be_started():
 def test_four_ranks_on_two_cores():
     with World(4) as w4:
         assert w4.run(all_reduce_rank_plus, 0) == [6.0] * 4
+
+
+def abort_on_rank_one():
+    if dist.get_rank() == 1:
+        os.abort()  # what glibc does on a corrupted heap
+    return "fine"
+
+
+def sleep_on_rank_one(seconds):
+    if dist.get_rank() == 1:
+        time.sleep(seconds)
+    return "fine"
+
+
+@pytest.mark.timeout(120)
+def test_a_crashed_rank_is_named_with_its_signal_and_prints_its_stack(capfd):
+    died = (r"abort_on_rank_one got no answer from ranks \[1\] \(ranks died: pxform-rank1 "
+            r"\(killed by SIGABRT\)\).*Python stacks")
+    with World(2) as w, pytest.raises(WorkerError, match=died):
+        w.run(abort_on_rank_one)
+    err = capfd.readouterr().err
+    assert "Fatal Python error: Aborted" in err
+    assert "abort_on_rank_one" in err  # the frame the rank died in
+
+
+@pytest.mark.timeout(120)
+def test_a_hung_rank_prints_every_threads_stack_before_it_is_killed(capfd):
+    with World(2) as w:
+        w.timeout = 3  # started with the default (the process group's rendezvous)
+        start = time.monotonic()
+        with pytest.raises(WorkerError, match=r"sleep_on_rank_one got no answer from ranks "
+                                              r"\[1\] \(no answer within 3 s\)"):
+            w.run(sleep_on_rank_one, 60)
+        assert time.monotonic() - start < 30  # not the minute the rank sleeps
+    err = capfd.readouterr().err
+    assert "most recent call first" in err and "sleep_on_rank_one" in err  # where it hung

@@ -321,8 +321,15 @@ def _stage_sums(ctx: SearchContext, config: Config, idx: list[int], pt: Point,
     f += trans / 2 + p2p
     b += trans / 2 + p2p
     r += trans / 2
+    backward = max(0.0, b + extra / m)
+    # a W is a part of its stage's backward (zero-bubble splits it into the input gradients,
+    # B, and the weight gradients, W), so never more than it: a profile whose fixed costs
+    # and op curves came out so that the weight ops' share (each op's `min(forward,
+    # backward)`) passed the whole stage's backward made B negative, and the schedule
+    # simulator refused the plan (the median of 5 calibrations, 2026-11-27: B -0.4 ms)
+    w = max(0.0, min(w, backward))
     sums = _StageSums(tuple(options), tuple(costs), tuple(times), tuple(mems), f,
-                      b + extra / m, w, pbytes, r)
+                      backward, w, pbytes, r)
     ctx.stage_sums[key] = sums
     return sums
 

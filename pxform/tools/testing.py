@@ -15,7 +15,11 @@ module starts one `World` and reuses it for every test:
 `run(fn, *args)` pickles `fn` and its arguments to every rank (so `fn` must be importable:
 a module-level function), calls `fn(*args)` there with the default process group
 initialised (gloo over localhost TCP), and returns the results in rank order. An exception
-on any rank is re-raised here as `WorkerError` naming the rank, with its traceback.
+on any rank is re-raised here as `WorkerError` naming the rank, with its traceback. A rank
+that dies (a segfault, glibc's abort on a corrupted heap) is named with the signal that
+ended it and has printed every thread's Python stack to its stderr (`faulthandler`); one
+that gives no answer within the world's timeout is made to print them too before the world
+is shut down: a crash or hang in CI leaves where it happened.
 
 `torchrun(script, *args)` runs a script the way users launch it, under
 `python -m torch.distributed.run`, and kills torchrun *and its workers* on a timeout.
@@ -24,17 +28,20 @@ on any rank is re-raised here as `WorkerError` naming the rank, with its traceba
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import multiprocessing as mp
 import os
 import signal
 import socket
 import subprocess
 import sys
+import time
 import traceback
 from collections.abc import Callable, Iterator
 from typing import Any
 
 _STOP = "__stop__"
+_STACKS_SIGNAL = signal.SIGUSR1  # a worker dumps every thread's Python stack to stderr
 
 
 class WorkerError(RuntimeError):
@@ -50,6 +57,11 @@ def _free_port() -> int:
 def _worker(rank: int, world_size: int, port: int, timeout: float, inbox: Any,
             outbox: Any) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # 2-core machines: don't oversubscribe
+    # a rank that crashes (a fatal signal: a segfault, glibc's abort on a corrupted heap)
+    # prints its Python stacks, and one that hangs prints them when the parent gives up on
+    # it (`_STACKS_SIGNAL`): otherwise either leaves nothing but a missing answer
+    faulthandler.enable(all_threads=True)
+    faulthandler.register(_STACKS_SIGNAL, all_threads=True, chain=False)
     # meshes made in a test time out with the world, not after the default minute: four
     # ranks on two cores can compile a program for longer than that while a peer waits
     os.environ.setdefault("PXFORM_TIMEOUT_S", str(timeout))
@@ -146,10 +158,18 @@ class World:
                         if r in missing and not p.is_alive()]
                 if waited < self.timeout and not dead:
                     continue
+                if dead:
+                    why = "ranks died: " + ", ".join(
+                        f"{p.name} ({_exit_text(p.exitcode)})" for r, p in
+                        enumerate(self._procs) if r in missing and not p.is_alive())
+                else:
+                    why = f"no answer within {self.timeout:.0f} s"
+                    self._dump_stacks(missing)
                 self.close()
-                why = f"ranks died: {dead}" if dead else f"no answer within {self.timeout:.0f} s"
                 raise WorkerError(f"World: {what} got no answer from ranks {missing} ({why}); "
-                                  f"the world was shut down") from None
+                                  f"the world was shut down; the ranks' stderr has the Python "
+                                  f"stacks of every thread of a rank that crashed or hung") \
+                    from None
             if status == "error":
                 errors[rank] = payload
             else:
@@ -160,6 +180,16 @@ class World:
                               f"\n{errors[first]}")
         return [results[r] for r in range(self.num_ranks)]
 
+    def _dump_stacks(self, ranks: list[int]) -> None:
+        """Have the hung `ranks` print every thread's Python stack to their stderr (where
+        a run waits: a collective, a transfer, which thread), before they are killed."""
+        for r in ranks:
+            proc = self._procs[r]
+            if proc.is_alive() and proc.pid is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(proc.pid, _STACKS_SIGNAL)
+        time.sleep(1.0)  # faulthandler writes from its signal handler: at once
+
     def close(self) -> None:
         for inbox, proc in zip(self._inboxes, self._procs):
             if proc.is_alive():
@@ -169,6 +199,18 @@ class World:
             if proc.is_alive():
                 proc.kill()
         self._procs, self._inboxes = [], []
+
+
+def _exit_text(code: int | None) -> str:
+    """A dead worker's exit, in words: `exit 1`, or the signal that ended it (`SIGABRT`:
+    glibc aborts on a corrupted heap; `SIGKILL`: killed, e.g. out of memory)."""
+    if code is None:
+        return "running"
+    if code < 0:
+        with contextlib.suppress(ValueError):
+            return f"killed by {signal.Signals(-code).name}"
+        return f"killed by signal {-code}"
+    return f"exit {code}"
 
 
 @contextlib.contextmanager
