@@ -154,6 +154,11 @@ def rank_main(config: str, batch_size: int, steps: int, warmup: int, quick: bool
     for r in range(rounds):
         if recalibrate and r > 0:
             profiles.append(harness.calibrated(1, f"cpu-x{world}", sizes))
+            # one untimed call of every case first: the case measured right after a
+            # calibration (its big buffers freed, glibc's heap thresholds moved) ran 15-20 %
+            # slower than the same plan measured next (2026-11-27: 92.3 and 80.4 ms)
+            for _, step, _, dparams, _, _ in prepared:
+                pxform.value_and_grad(step)(dparams, batch)
         for k, (_, step, _, dparams, opt, _) in enumerate(prepared):
             per_case[k].append(pxform.measure(step, dparams, batch, optimizer=opt,
                                               steps=steps, warmup=warmup if r == 0 else 1))

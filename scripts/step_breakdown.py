@@ -12,6 +12,7 @@ three ways by the same profile:
     source .venv/bin/activate
     python scripts/step_breakdown.py                         # calibrates first (~30 s)
     python scripts/step_breakdown.py --cases tp,sp --profile p.json
+    python scripts/step_breakdown.py --fake --profile p.json  # no communication (below)
 
 Per rank and case it prints the measured step (median), the time inside collectives
 (median per step) and the rest ("compute": the ops, the runtime's glue between them),
@@ -40,6 +41,17 @@ ops (narrows, slices, views). The larger part of the shortfall is the collective
 per step take 71 ms profiled (2.5 ms each, their waits included) against the model's
 0.7 ms transfer, 1.2 ms per-collective cost and 0.1 ms wait each, and the conversions'
 autograd functions and subclass dispatch ("glue") 13 ms more than data parallelism's.
+
+`--fake`: the same steps in one process, rank 0 of torch's fake process group (every
+collective returns at once, moving nothing): compute and the runtime's host work alone.
+2026-11-27 (ninth session), the median profile of a 5-calibration accuracy run, 10 rounds,
+ms, measured / the model's compute / with its per-collective cost: dp 57.5 / 74.5 / 77.1,
+zero3 68.0 / 74.3 / 98.1, tp 79.4 / 87.0 / 121.9, tp+recompute 104.1 / 117.6 / 164.2, sp
+82.5 / 86.5 / 146.0. One process on two cores runs faster than the profile's two ranks side
+by side, so the ratios count: against data parallelism's, tensor parallelism's compute and
+host work come out 18 % over the model's (79.4 / 57.5 measured, 87.0 / 74.5 modelled),
+and most of `collective_overhead_s` is not paid without a peer (it is waiting and waking,
+not host work).
 """
 
 from __future__ import annotations
@@ -166,13 +178,82 @@ def _profiled_split(events: Any, steps: int) -> dict[str, float]:
     return split
 
 
+def fake_main(cases: list[str], profile: str, steps: int) -> dict[str, Any]:
+    """In this process, rank 0 of a fake 2-rank process group (torch's `fake_pg`: every
+    collective returns at once, moving nothing): each case's step is its compute and the
+    runtime's host work alone, against the model's compute (`nocomm`) plus its
+    per-collective cost (`overhead` less `transfer`). The steps of all cases run in turn,
+    `steps` rounds, medians."""
+    for sub in ("benchmarks", "examples", ""):
+        sys.path.insert(0, os.path.join(ROOT, sub))
+    import accuracy
+    import gpt
+    import torch
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    import pxform
+    from pxform.cost.hardware import hardware
+    from pxform.search import pin_of
+
+    torch.set_num_threads(1)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    hw = hardware(profile)
+    cfg = gpt.GPT_CONFIGS["small"]
+    params = gpt.init_params(cfg, dtype=torch.float32)
+    batch = gpt.make_batch(cfg, 16)
+
+    def gpt_loss(p: dict, b: dict) -> torch.Tensor:
+        return gpt.loss_fn(p, b, cfg)
+
+    free = tuple(dataclasses.replace(t, points=tuple((b, 1e-9) for b, _ in t.points))
+                 for t in hw.comm_tables)
+    nocomm = dataclasses.replace(hw, sync_wait=(), collective_overhead_s=0.0, comm_tables=free)
+    overhead = dataclasses.replace(hw, sync_wait=(), comm_tables=free)
+    pins = dict(accuracy.cases(2, 6))
+    calls, modelled = {}, {}
+    for name in cases:
+        plan = pxform.auto(gpt_loss, mesh=2, hardware=hw, plan=pins[name]).plan(params, batch)
+        priced = [pxform.auto(gpt_loss, mesh=pxform.Mesh.abstract(2), hardware=h,
+                              plan=pin_of(plan)).plan(params, batch).step_time_s
+                  for h in (nocomm, overhead)]
+        step = pxform.auto(gpt_loss, mesh=2, hardware=hw, plan=pins[name])
+        dparams, _ = step.distribute(params, batch)
+        run = pxform.value_and_grad(step)
+        calls[name] = (lambda run=run, dparams=dparams: run(dparams, batch))
+        modelled[name] = priced
+    for call in calls.values():
+        call()
+        call()
+    walls: dict[str, list[float]] = {name: [] for name in calls}
+    for _ in range(steps):
+        for name, call in calls.items():
+            start = time.perf_counter()
+            call()
+            walls[name].append(time.perf_counter() - start)
+    dist.destroy_process_group()
+    return {name: {"measured ms": round(statistics.median(walls[name]) * 1e3, 1),
+                   "model compute ms": round(modelled[name][0] * 1e3, 1),
+                   "model compute + per-collective cost ms": round(modelled[name][1] * 1e3, 1)}
+            for name in cases}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--cases", default="dp,zero3,tp,tp+recompute,sp",
                    help="names of benchmarks/accuracy.py's cases, comma-separated")
     p.add_argument("--profile", help="a saved pxform profile (JSON); default: calibrate")
     p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--fake", action="store_true",
+                   help="one process on a fake process group (no communication): compute and "
+                        "host work alone, against the model's (needs --profile)")
     args = p.parse_args()
+    if args.fake:
+        if not args.profile:
+            p.error("--fake needs --profile (a saved profile of the machine)")
+        for name, row in fake_main(args.cases.split(","), args.profile, args.steps).items():
+            print(f"fake {name}: {row}")
+        return
     sys.path.insert(0, os.path.join(ROOT, "scripts"))
     import step_breakdown  # this module by name, so that ranks can unpickle it
 
