@@ -10,8 +10,9 @@ and end is recorded on every rank (`pxform.runtime.pipeline.recording`). From th
                F and B with the mean time of the sends after them and the lower quartile
                of the receives before them (the executor's transfer actions hold their
                rank too)
-    predicted  `pxform.schedules.simulate(schedule, costs)`, a transfer costing the lower
-               quartile of the measured receive times
+    predicted  `pxform.schedules.simulate(schedule, costs)`, a transfer's latency the mean
+               over the receives that waited for their send of the time from the send
+               action's end to the receive's end
     measured   the span of the actions of one step (first start to last end, all ranks),
                and the whole step as the caller sees it (slicing the batch, counting
                targets, the final gradient reduction and output broadcast included)
@@ -127,11 +128,18 @@ def analyse(name: str, options: dict[str, Any], per_rank: list[dict[str, Any]], 
         got = sorted(durations.get((stage, kind), ()))
         return got[len(got) // 4] if got else 0.0
 
-    # a transfer's time: the lower quartile of receive times (a receive whose data was
-    # already there costs the transfer's local part; slower ones also waited for the sender)
+    # a transfer's latency (the simulator's `p2p`: a receive blocks its rank until the
+    # send's time plus it): from the end of the send action (the `isend` posted) to the end
+    # of its receive, over the receives that were waiting before the send was posted, their
+    # mean (the step is a sum of the hops on its critical path). It has a long tail here:
+    # 2026-11-27, interleaved, quartiles 0.13 / 0.22 / 1.2 ms, p90 3.4 ms (the receiving
+    # rank's communication thread woken behind its compute). Until then it was the lower
+    # quartile of all receive times (0.13 ms), and interleaved, whose critical path crosses
+    # ranks most, came out 1.10-1.15x its simulation in every run.
+    hops = _hop_latencies(per_rank)
     recv = sorted(e - s for data in per_rank for rec in data["events"] for text, s, e in rec
                   if "RF" in text or "RB" in text)
-    p2p = recv[len(recv) // 4] if recv else 0.0
+    p2p = statistics.fmean(hops) if hops else (recv[len(recv) // 4] if recv else 0.0)
     # the executor's own transfer actions keep their rank busy too: a send's host time
     # (median) after the action that made its tensor, and a receive's when its data is
     # already there (the lower quartile) before the action that reads it
@@ -157,6 +165,27 @@ def analyse(name: str, options: dict[str, Any], per_rank: list[dict[str, Any]], 
                          else round(1e3 * v, 3)
                          for k, v in (("F", costs.forward), ("B", costs.backward),
                                       ("W", costs.weight))}}
+
+
+def _hop_latencies(per_rank: list[dict[str, Any]]) -> list[float]:
+    """Seconds from each send action's end to its receive's end, for the receives that
+    began before their send ended (so waited for it), over every recorded step."""
+    from pxform.schedules import Action
+
+    out = []
+    for rep in range(len(per_rank[0]["events"])):
+        events = [(Action.parse(text), s, e) for data in per_rank
+                  for text, s, e in data["events"][rep]]
+        sent = {(a.kind, a.stage, a.microbatch): e for a, _, e in events
+                if a.kind in ("SF", "SB")}
+        for a, s, e in events:
+            if a.kind not in ("RF", "RB"):
+                continue
+            key = ("SF", a.stage - 1, a.microbatch) if a.kind == "RF" else \
+                ("SB", a.stage + 1, a.microbatch)
+            if key in sent and s < sent[key]:
+                out.append(e - sent[key])
+    return out
 
 
 def main() -> None:
