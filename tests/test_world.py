@@ -90,10 +90,11 @@ def test_a_crashed_rank_is_named_with_its_signal_and_prints_its_stack(capfd):
 @pytest.mark.timeout(120)
 def test_a_hung_rank_prints_every_threads_stack_before_it_is_killed(capfd):
     with World(2) as w:
-        w.timeout = 3  # started with the default (the process group's rendezvous)
+        w.timeout = 5  # started with the default (the process group's rendezvous)
         start = time.monotonic()
+        # (rank 0 answers at once; on a loaded machine it may be late too)
         with pytest.raises(WorkerError, match=r"sleep_on_rank_one got no answer from ranks "
-                                              r"\[1\] \(no answer within 3 s\)"):
+                                              r"\[(0, )?1\] \(no answer within 5 s\)"):
             w.run(sleep_on_rank_one, 60)
         assert time.monotonic() - start < 30  # not the minute the rank sleeps
     err = capfd.readouterr().err

@@ -41,7 +41,8 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 _STOP = "__stop__"
-_STACKS_SIGNAL = signal.SIGUSR1  # a worker dumps every thread's Python stack to stderr
+# a worker dumps every thread's Python stack to stderr on it (POSIX only)
+_STACKS_SIGNAL: signal.Signals | None = getattr(signal, "SIGUSR1", None)
 
 
 class WorkerError(RuntimeError):
@@ -61,7 +62,8 @@ def _worker(rank: int, world_size: int, port: int, timeout: float, inbox: Any,
     # prints its Python stacks, and one that hangs prints them when the parent gives up on
     # it (`_STACKS_SIGNAL`): otherwise either leaves nothing but a missing answer
     faulthandler.enable(all_threads=True)
-    faulthandler.register(_STACKS_SIGNAL, all_threads=True, chain=False)
+    if _STACKS_SIGNAL is not None:
+        faulthandler.register(_STACKS_SIGNAL, all_threads=True, chain=False)
     # meshes made in a test time out with the world, not after the default minute: four
     # ranks on two cores can compile a program for longer than that while a peer waits
     os.environ.setdefault("PXFORM_TIMEOUT_S", str(timeout))
@@ -183,6 +185,8 @@ class World:
     def _dump_stacks(self, ranks: list[int]) -> None:
         """Have the hung `ranks` print every thread's Python stack to their stderr (where
         a run waits: a collective, a transfer, which thread), before they are killed."""
+        if _STACKS_SIGNAL is None:
+            return
         for r in ranks:
             proc = self._procs[r]
             if proc.is_alive() and proc.pid is not None:
