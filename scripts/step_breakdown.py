@@ -73,7 +73,6 @@ def rank_main(cases: list[str], profile: str | None, steps: int) -> dict[str, An
     for sub in ("benchmarks", "examples", ""):
         sys.path.insert(0, os.path.join(ROOT, sub))
     import accuracy
-    import gpt
     import harness
     import torch
     import torch.distributed as dist
@@ -94,19 +93,8 @@ def rank_main(cases: list[str], profile: str | None, steps: int) -> dict[str, An
         return out
 
     collectives._run_step = timed_step
-    cfg = gpt.GPT_CONFIGS["small"]
-    params = gpt.init_params(cfg, dtype=torch.float32)
-    batch = gpt.make_batch(cfg, 16)
-
-    def gpt_loss(p: dict, b: dict) -> torch.Tensor:
-        return gpt.loss_fn(p, b, cfg)
-
-    free = tuple(dataclasses.replace(t, points=tuple((b, 1e-9) for b, _ in t.points))
-                 for t in hw.comm_tables)
-    variants = {"nocomm": dataclasses.replace(hw, sync_wait=(), collective_overhead_s=0.0,
-                                              comm_tables=free),
-                "transfer": dataclasses.replace(hw, sync_wait=(), collective_overhead_s=0.0),
-                "overhead": dataclasses.replace(hw, sync_wait=())}
+    params, batch, gpt_loss = _gpt_case()
+    variants = _variants(hw)
     pins = dict(accuracy.cases(2, 6))
     out = {}
     for name in cases:
@@ -178,6 +166,31 @@ def _profiled_split(events: Any, steps: int) -> dict[str, float]:
     return split
 
 
+def _gpt_case() -> tuple[Any, Any, Any]:
+    """The example GPT "small", its parameters, a batch of 16 and its loss."""
+    import gpt
+    import torch
+
+    cfg = gpt.GPT_CONFIGS["small"]
+
+    def gpt_loss(p: dict, b: dict) -> torch.Tensor:
+        return gpt.loss_fn(p, b, cfg)
+
+    return gpt.init_params(cfg, dtype=torch.float32), gpt.make_batch(cfg, 16), gpt_loss
+
+
+def _variants(hw: Any) -> dict[str, Any]:
+    """`hw` priced three ways (module doc): `nocomm` (comm tables at ~0, no per-collective
+    cost, no waits), `transfer` (with the comm tables), `overhead` (and the per-collective
+    cost; the plan's own prediction adds the waits)."""
+    free = tuple(dataclasses.replace(t, points=tuple((b, 1e-9) for b, _ in t.points))
+                 for t in hw.comm_tables)
+    return {"nocomm": dataclasses.replace(hw, sync_wait=(), collective_overhead_s=0.0,
+                                          comm_tables=free),
+            "transfer": dataclasses.replace(hw, sync_wait=(), collective_overhead_s=0.0),
+            "overhead": dataclasses.replace(hw, sync_wait=())}
+
+
 def fake_main(cases: list[str], profile: str, steps: int) -> dict[str, Any]:
     """In this process, rank 0 of a fake 2-rank process group (torch's `fake_pg`: every
     collective returns at once, moving nothing): each case's step is its compute and the
@@ -187,7 +200,6 @@ def fake_main(cases: list[str], profile: str, steps: int) -> dict[str, Any]:
     for sub in ("benchmarks", "examples", ""):
         sys.path.insert(0, os.path.join(ROOT, sub))
     import accuracy
-    import gpt
     import torch
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -199,17 +211,12 @@ def fake_main(cases: list[str], profile: str, steps: int) -> dict[str, Any]:
     torch.set_num_threads(1)
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
     hw = hardware(profile)
-    cfg = gpt.GPT_CONFIGS["small"]
-    params = gpt.init_params(cfg, dtype=torch.float32)
-    batch = gpt.make_batch(cfg, 16)
-
-    def gpt_loss(p: dict, b: dict) -> torch.Tensor:
-        return gpt.loss_fn(p, b, cfg)
-
-    free = tuple(dataclasses.replace(t, points=tuple((b, 1e-9) for b, _ in t.points))
-                 for t in hw.comm_tables)
-    nocomm = dataclasses.replace(hw, sync_wait=(), collective_overhead_s=0.0, comm_tables=free)
-    overhead = dataclasses.replace(hw, sync_wait=(), comm_tables=free)
+    params, batch, gpt_loss = _gpt_case()
+    variants = _variants(hw)
+    # compute, and compute with the per-collective cost (no transfers, no waits)
+    nocomm = variants["nocomm"]
+    overhead = dataclasses.replace(variants["nocomm"],
+                                   collective_overhead_s=hw.collective_overhead_s)
     pins = dict(accuracy.cases(2, 6))
     calls, modelled = {}, {}
     for name in cases:
