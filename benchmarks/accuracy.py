@@ -26,8 +26,8 @@ the first calibration's ("1st cal.") is what a user who calibrates once gets, dr
 included. Both are kept.
 
     source .venv/bin/activate
-    python benchmarks/accuracy.py                # GPT "small", batch 16, 2 ranks (~6 min)
-    python benchmarks/accuracy.py --once         # one calibration, before the rounds (~3 min)
+    python benchmarks/accuracy.py                # GPT "small", batch 16, 2 ranks (~7 min)
+    python benchmarks/accuracy.py --once         # one calibration, before the rounds (~4 min)
     python benchmarks/accuracy.py --quick        # two cases, nothing written
     python benchmarks/accuracy.py --ranks 4      # adds the 4-rank compositions
 
