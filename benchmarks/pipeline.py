@@ -96,7 +96,7 @@ def analyse(name: str, options: dict[str, Any], per_rank: list[dict[str, Any]], 
     compute = schedules.resolve(name, ranks, microbatches, **options)
     num_stages = 1 + max(a.stage for acts in compute.values() for a in acts if a is not None)
     durations: dict[tuple[int, str], list[float]] = {}
-    spans, bubbles, whole = [], [], []
+    spans, bubbles, whole, hops = [], [], [], []
     for rep in range(reps):
         events = []
         for rank, data in enumerate(per_rank):
@@ -104,6 +104,7 @@ def analyse(name: str, options: dict[str, Any], per_rank: list[dict[str, Any]], 
                 a = Action.parse(text)
                 events.append(Event(rank, a, s, e))
                 durations.setdefault((a.stage, a.kind), []).append(e - s)
+        hops += _hop_latencies(events)
         t0 = min(ev.start for ev in events)
         span = max(ev.end for ev in events) - t0
         busy = sum(ev.end - ev.start for ev in events if ev.action.is_compute)
@@ -136,7 +137,6 @@ def analyse(name: str, options: dict[str, Any], per_rank: list[dict[str, Any]], 
     # rank's communication thread woken behind its compute). Until then it was the lower
     # quartile of all receive times (0.13 ms), and interleaved, whose critical path crosses
     # ranks most, came out 1.10-1.15x its simulation in every run.
-    hops = _hop_latencies(per_rank)
     recv = sorted(e - s for data in per_rank for rec in data["events"] for text, s, e in rec
                   if "RF" in text or "RB" in text)
     p2p = statistics.fmean(hops) if hops else (recv[len(recv) // 4] if recv else 0.0)
@@ -167,24 +167,20 @@ def analyse(name: str, options: dict[str, Any], per_rank: list[dict[str, Any]], 
                                       ("W", costs.weight))}}
 
 
-def _hop_latencies(per_rank: list[dict[str, Any]]) -> list[float]:
+def _hop_latencies(events: list[Any]) -> list[float]:
     """Seconds from each send action's end to its receive's end, for the receives that
-    began before their send ended (so waited for it), over every recorded step."""
-    from pxform.schedules import Action
-
+    began before their send ended (so waited for it), over one step's `Event`s."""
+    sent = {(ev.action.kind, ev.action.stage, ev.action.microbatch): ev.end for ev in events
+            if ev.action.kind in ("SF", "SB")}
     out = []
-    for rep in range(len(per_rank[0]["events"])):
-        events = [(Action.parse(text), s, e) for data in per_rank
-                  for text, s, e in data["events"][rep]]
-        sent = {(a.kind, a.stage, a.microbatch): e for a, _, e in events
-                if a.kind in ("SF", "SB")}
-        for a, s, e in events:
-            if a.kind not in ("RF", "RB"):
-                continue
-            key = ("SF", a.stage - 1, a.microbatch) if a.kind == "RF" else \
-                ("SB", a.stage + 1, a.microbatch)
-            if key in sent and s < sent[key]:
-                out.append(e - sent[key])
+    for ev in events:
+        a = ev.action
+        if a.kind not in ("RF", "RB"):
+            continue
+        key = ("SF", a.stage - 1, a.microbatch) if a.kind == "RF" else \
+            ("SB", a.stage + 1, a.microbatch)
+        if key in sent and ev.start < sent[key]:
+            out.append(ev.end - sent[key])
     return out
 
 
