@@ -180,7 +180,9 @@ def _hop_latencies(events: list[Any]) -> list[float]:
         key = ("SF", a.stage - 1, a.microbatch) if a.kind == "RF" else \
             ("SB", a.stage + 1, a.microbatch)
         if key in sent and ev.start < sent[key]:
-            out.append(ev.end - sent[key])
+            # the send action ends once its `isend` is posted, which can come after the
+            # data has landed: no latency then, not a negative one
+            out.append(max(0.0, ev.end - sent[key]))
     return out
 
 
