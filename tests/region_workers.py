@@ -279,9 +279,10 @@ def overlap_order(variant="overlap"):
 
 
 def searched_memory(batch=16):
-    """The example GPT "small" in float32 under `pxform.auto`, every block data parallel,
-    with and without recompute (pinned): per case the plan's predicted peak and the peak
-    `pxform.measure` reads (SGD without momentum: no optimizer state on either side)."""
+    """The example GPT "small" in float32 under `pxform.auto`, every block data parallel
+    or every block tensor parallel, with and without recompute (pinned): per case the
+    plan's predicted peak and the peak `pxform.measure` reads (SGD without momentum: no
+    optimizer state on either side)."""
     import gpt
 
     from pxform.search import Pin
@@ -298,13 +299,15 @@ def searched_memory(batch=16):
     num_blocks = len(pxform.auto(loss, mesh=world, hardware="a100-40gb",
                                  optimizer="sgd").plan(params, data).blocks)
     out = {}
-    for recompute in (False, True):
-        pin = Pin(stages=1, outer=world, inner=1, microbatches=1,
-                  block_options=(Option((("outer", "dp"),), recompute),) * num_blocks)
+    for role, recompute in ((("outer", "dp"), False), (("outer", "dp"), True),
+                            (("inner", "tp"), False), (("inner", "tp"), True)):
+        outer, inner = (world, 1) if role[0] == "outer" else (1, world)
+        pin = Pin(stages=1, outer=outer, inner=inner, microbatches=1,
+                  block_options=(Option((role,), recompute),) * num_blocks)
         step = pxform.auto(loss, mesh=world, hardware="a100-40gb", plan=pin, optimizer="sgd")
         plan = step.plan(params, data)
         dparams, _ = step.distribute(params, data)
         measured = pxform.measure(step, dparams, data, steps=1, warmup=1)
-        out[recompute] = (plan.peak_memory_bytes,
-                          measured.ranks[torch.distributed.get_rank()].peak_memory_bytes)
+        out[role[1], recompute] = (plan.peak_memory_bytes,
+                                   measured.ranks[torch.distributed.get_rank()].peak_memory_bytes)
     return out

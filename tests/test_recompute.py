@@ -292,10 +292,17 @@ def test_the_predicted_peak_of_a_recomputed_plan_matches_the_measured(world2):
     """A recomputed block's backward peaks as its recompute ends, before its own parameter
     gradients exist (`cost.model.backward_extra`'s `ends`): counted on top, they put this
     recomputed GPT's predicted peak 6.5 % above the measured one (2.1 % without them; the
-    plain plan's is within 0.1 %)."""
+    plain plan's is within 0.1 %). Under tensor parallelism a recomputed block keeps more
+    input than it has gradients, and the blocks whose backward is done hold their
+    gradients alone (`backward_extra`'s `behind`): counted at max(kept, gradients), the
+    peak came out 9.0 % over (4.3 % with it: the loss block's recompute is priced above
+    what it reaches, within the issue's 5 %); the cross-entropy's backward makes a gradient
+    of its log-softmax beside its input's (`blockcost.walk`): without it, the
+    tensor-parallel plan came out 3.5 % under (0.4 % with it)."""
     for got in world2.run(R.searched_memory):
-        for recompute, (predicted, measured) in got.items():
-            assert abs(predicted / measured - 1) < 0.025, (recompute, predicted, measured)
+        for case, (predicted, measured) in got.items():
+            within = 0.05 if case == ("tp", True) else 0.025
+            assert abs(predicted / measured - 1) < within, (case, predicted, measured)
 
 
 def test_one_rank_data_parallel_mesh():

@@ -499,9 +499,11 @@ def backward_extra(activations: Sequence[float], grads: Sequence[float],
     Block k's backward holds its workspace (`workspace_bytes`) while the blocks before it
     have not run theirs: when every microbatch is in flight, those hold their activations
     where `peak_bytes` counted max(activations, gradients), so their gradients beyond their
-    activations are not there yet. After the last backward, data parallel's last gradient
-    bucket is packed into one buffer (`packed`: the all-reduced gradient bytes, at most one
-    bucket) while the activations are gone.
+    activations are not there yet; and the blocks after it have run theirs, so they hold
+    their gradients, their activations beyond those freed. The extra is then negative where
+    no moment holds every block's larger part. After the last backward, data parallel's
+    last gradient bucket is packed into one buffer (`packed`: the all-reduced gradient
+    bytes, at most one bucket) while the activations are gone.
 
     `ends`, per block: where given, its workspace peaks before the block's own gradients
     exist and its backward ends holding this much beside all of them. A recomputed block
@@ -520,18 +522,36 @@ def backward_extra(activations: Sequence[float], grads: Sequence[float],
         20.0
     """
     every = in_flight >= microbatches
-    extra = ahead = 0.0
-    for k, (act, grad, work) in enumerate(zip(activations, grads, workspaces)):
-        end = ends[k] if ends is not None else None
-        if end is not None and every:
-            work = max(work - (max(act, grad) - act), end)
-        extra = max(extra, work - ahead)
-        if every:
-            ahead += max(act, grad) - act
-    if every:
-        gone = sum((in_flight - 1) * a + max(a, g) - g for a, g in zip(activations, grads))
-    else:
+    if not every:
+        # gradients exist from the first backward on, and each block's activations are
+        # counted beside them: each block's workspace comes on top of everything
+        extra = max([0.0, *workspaces])
         gone = sum(in_flight * a for a in activations)
+        return max(extra, min(packed, BUCKET_BYTES) - gone)
+    # every microbatch in flight: `peak_bytes` counted each block at max(activations,
+    # gradients). While block k's backward runs on the first microbatch, the blocks before
+    # it still hold their activations (`ahead`: what the max counted beyond them) and the
+    # blocks after it hold their gradients alone, their activations freed (`behind`: what
+    # the max counted beyond those; a recomputed block keeps more input than it has
+    # gradients, and was counted 4-7 % over, `docs/benchmarks/accuracy.md`)
+    over_act = [max(a, g) - a for a, g in zip(activations, grads)]
+    over_grad = [max(a, g) - g for a, g in zip(activations, grads)]
+    extra = 0.0 if not activations else -math.inf
+    ahead, behind = 0.0, sum(over_grad)
+    for k, (act, grad, work) in enumerate(zip(activations, grads, workspaces)):
+        behind -= over_grad[k]
+        end = ends[k] if ends is not None else None
+        first = work if end is None else max(work - over_act[k], end)
+        extra = max(extra, first - ahead - behind)
+        ahead += over_act[k]
+    if in_flight >= 2:
+        # a later microbatch's backward of block k: every gradient exists, the blocks
+        # after k have freed this microbatch's activations, block k holds both
+        after = sum(activations)
+        for act, work in zip(activations, workspaces):
+            after -= act
+            extra = max(extra, work - after - sum(over_grad))
+    gone = sum((in_flight - 1) * a + max(a, g) - g for a, g in zip(activations, grads))
     return max(extra, min(packed, BUCKET_BYTES) - gone)
 
 

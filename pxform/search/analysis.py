@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from pxform.core.errors import PxformError
-from pxform.core.ir import Graph, Value
+from pxform.core.ir import Graph, Op, Value
 from pxform.core.layout import LOCAL_STEPS, Layout, plan_relayout
 from pxform.core.mesh import AbstractMesh
 from pxform.core.spec import P
@@ -129,12 +129,24 @@ def analyse(graph: Graph, batch_inputs: set[str], batch_dim: int = 0,
     kind_of = [ids.setdefault(block_signature(graph.ops[a:b]), len(ids)) for a, b, _ in blocks]
     saved: list[SavedBytes] = [SavedBytes((), (), 0)] * len(graph.ops)
     skip = set(batch) | set(params)
+    # per kind, at each position of the values its blocks read from outside, whether
+    # every block reads a stored value there (a parameter, a batch input such as a mask)
+    stored_at: dict[int, list[bool]] = {}
+    for (a, b, _), k in zip(blocks, kind_of):
+        here = [v.name in skip for v in _read_from_outside(graph.ops[a:b])]
+        before = stored_at.get(k)
+        stored_at[k] = here if before is None else [x and y for x, y in zip(before, here)]
     done: dict[int, list[SavedBytes]] = {}
     for (a, b, _), k in zip(blocks, kind_of):
         # (a kind's blocks share the first one's: its `stored` names that block's
-        # parameters, as the search walks the first block of each kind)
+        # parameters, as the search walks the first block of each kind). A value the first
+        # block reads from the batch where the others read an activation (a stack of
+        # layers, the first on the input) is counted as the others save it: skipped, the
+        # layer norm's saved input went uncounted in every block of the kind
         if k not in done:
-            done[k] = saved_bytes_per_op(graph, a, b, skip)
+            outside = _read_from_outside(graph.ops[a:b])
+            own = {v.name for v, kept in zip(outside, stored_at[k]) if not kept}
+            done[k] = saved_bytes_per_op(graph, a, b, (skip - own) | set(params))
         saved[a:b] = done[k]
     # the reference data axis: the smallest split of the batch there is (2 for even
     # batches), so the propagation can split it; which dims carry the batch is all it
@@ -239,3 +251,15 @@ def _block_infos(graph: Graph, blocks: Sequence[tuple[int, int, bool]], kind_of:
                                tuple(sorted(p for p, o in owner.items() if o == k)),
                                tuple(reads), crossing))
     return tuple(infos)
+
+
+def _read_from_outside(ops: Sequence[Op]) -> list[Value]:
+    """The values `ops` read that none of them makes, in the order first read (blocks of
+    one kind read theirs in the same order)."""
+    made = {v.name for op in ops for v in op.outputs}
+    out: dict[str, Value] = {}
+    for op in ops:
+        for v in op.inputs:
+            if v.name not in made and v.name not in out:
+                out[v.name] = v
+    return list(out.values())

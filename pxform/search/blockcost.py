@@ -242,6 +242,10 @@ def walk(a: Analysis, block: BlockInfo, strats: list[Strategy], outside: Mapping
             * _local_fraction(v, lay, cache)
             for v, lay in (*zip(op.inputs, s.inputs), *zip(op.outputs, s.outputs))
             if not (v.name in a.params and v.name in params and params[v.name] != lay))
+        # an op that runs as several (cross-entropy: log-softmax, then the loss) saves its
+        # own intermediates, and its backward makes a gradient of each beside its input's
+        # (the log-softmax's 2 MiB at the peak of GPT small's tensor-parallel step)
+        here += kept_by.other * sc / ways
         transient = max(transient, here)
         # a recomputed block's backward reaches this op holding what it and the ops before
         # it saved: torch's checkpoint frees each recomputed tensor once backward used it

@@ -117,13 +117,22 @@ def _least_workspace(tables: Sequence[OptionTable]) -> float:
 def memory_lower_bound(ctx: SearchContext, config: Config) -> float:
     """No plan of `config` needs less memory per device than this: every block at its
     least-memory option with one microbatch in flight, spread evenly over the p stages (the
-    peak is the largest stage's), plus the smallest workspace any block option has."""
+    peak is the largest stage's), plus the smallest workspace any block option has.
+
+    A block's least memory is counted twice over, and the larger total kept: its
+    parameters and state with its activations (the last block's backward starts while
+    every block holds them), and with its gradients (the first block's backward ends
+    beside every gradient). Not max(activations, gradients) per block: a stage whose
+    blocks keep more activations than they have gradients never holds both maxima at
+    once (`cost.model.backward_extra`)."""
     tables = block_tables(ctx, config)
     if tables is None:
         return math.inf
-    m = config.microbatches
-    total = sum(min(c.memory(1, o.recompute, m) for o, c in zip(t.options, t.costs))
-                for t in tables)
+    acts = grads = 0.0
+    for t in tables:
+        acts += min(c.params - c.grads + (c.kept if o.recompute else c.saved)
+                    for o, c in zip(t.options, t.costs))
+        grads += min(c.params for c in t.costs)
     # (the transient: a recomputed block's recompute may peak before its gradients
     # exist, `backward_extra`, and charges no less than it)
-    return total / config.stages + _least_workspace(tables)
+    return max(acts, grads) / config.stages + _least_workspace(tables)

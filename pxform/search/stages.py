@@ -169,17 +169,27 @@ def _extra(tables: Sequence[OptionTable], idx: list[int], choices: Sequence[int]
 def _least_extra(tables: Sequence[OptionTable], idx: list[int], flight: int, m: int
                  ) -> float:
     """A lower bound of `_extra` over every choice of options: each block's least
-    workspace, less the most the blocks before it may not yet hold."""
-    least = ahead = 0.0
-    for k in idx:
-        pairs = list(zip(tables[k].costs, tables[k].options))
-        # (a recomputed block's recompute may come before its gradients: its transient
-        # is what `backward_extra` charges it at least)
-        least = max(least, min(c.transient for c, o in pairs) - ahead)
-        if flight >= m:
-            ahead += max(max(c.grads - (c.kept if o.recompute else c.saved), 0.0)
-                         for c, o in pairs)
-    return least
+    workspace, less the most the blocks before it may not yet hold and, with every
+    microbatch in flight, the most the blocks after it no longer hold (`backward_extra`;
+    the bound may be negative, as the extra may)."""
+    def over(c: OptionCost, o: Option) -> tuple[float, float]:
+        act = c.kept if o.recompute else c.saved
+        return max(c.grads - act, 0.0), max(act - c.grads, 0.0)
+
+    pairs = [list(zip(tables[k].costs, tables[k].options)) for k in idx]
+    # (a recomputed block's recompute may come before its gradients: its transient is
+    # what `backward_extra` charges it at least)
+    least_work = [min(c.transient for c, _ in p) for p in pairs]
+    if flight < m:
+        return max([0.0, *least_work])
+    ahead = [max(over(c, o)[0] for c, o in p) for p in pairs]
+    behind = [max(over(c, o)[1] for c, o in p) for p in pairs]
+    least, before, after = -math.inf, 0.0, sum(behind)
+    for k, work in enumerate(least_work):
+        after -= behind[k]
+        least = max(least, work - before - after)
+        before += ahead[k]
+    return least if pairs else 0.0
 
 
 def assemble(ctx: SearchContext, config: Config, part: tuple[int, ...],
