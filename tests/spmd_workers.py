@@ -288,10 +288,12 @@ def bucket_packing():
     return errs
 
 
-def all_gathers_one_at_a_time(rounds=200):
-    """Every all-gather the runtime launches waits for the one in flight on its group
-    (gloo corrupts its heap with two at once): the earlier one is complete when the next
-    is launched, and each still gathers its own tensor."""
+def collectives_one_at_a_time(rounds=200):
+    """Every collective the runtime launches on a gloo group waits for the one in flight
+    there (gloo corrupts its heap or hangs with two at once): the earlier one is complete
+    when the next is launched, and each still computes its own result. All-gathers,
+    reduce-scatters and all-reduces, left running (`wait=False`) and waited at once, in
+    turn."""
     from pxform.core.layout import Step
     from pxform.runtime.collectives import AxisGroups, all_gather, run_step
     from pxform.runtime.mesh import Mesh
@@ -300,20 +302,29 @@ def all_gathers_one_at_a_time(rounds=200):
     group = mesh.group("dp")
     axes = AxisGroups({"dp": group}, mesh.coordinate(), {"dp": 2})
     rank = torch.distributed.get_rank()
-    completed_before_next = 0
-    wrong = 0
+    kinds = [("all_gather", lambda x: all_gather(x, 0, group)),
+             ("all_gather", lambda x: run_step(x, Step("all_gather", "dp", 0), axes, False)),
+             ("reduce_scatter", lambda x: run_step(x, Step("reduce_scatter", "dp", 0), axes,
+                                                   False)),
+             ("all_reduce", lambda x: run_step(x, Step("all_reduce", "dp"), axes, False)),
+             ("all_gather", lambda x: run_step(x, Step("all_gather", "dp", 0), axes)),
+             ("all_reduce", lambda x: run_step(x, Step("all_reduce", "dp"), axes))]
+    completed_before_next = launches = wrong = 0
     for k in range(rounds):
-        xs = [torch.full((64, 32), float(10 * k + j + rank)) for j in range(4)]
-        outs = [all_gather(xs[0], 0, group)]
-        for j, x in enumerate(xs[1:]):  # sync ones among async ones too
-            nxt = (all_gather(x, 0, group) if j % 2 else
-                   run_step(x, Step("all_gather", "dp", 0), axes, wait=False))
-            completed_before_next += bool(outs[-1].completed)
-            outs.append(nxt)
-        for j, out in enumerate(outs):
-            want = torch.cat([torch.full((64, 32), float(10 * k + j + r)) for r in (0, 1)])
+        outs = []
+        for j, (kind, start) in enumerate(kinds):
+            nxt = start(torch.full((64, 32), float(10 * k + j + rank)))
+            if outs:
+                launches += 1
+                completed_before_next += bool(getattr(outs[-1][1], "completed", True))
+            outs.append((kind, nxt))
+        for j, (kind, out) in enumerate(outs):
+            mine, other = (torch.full((64, 32), float(10 * k + j + r)) for r in (rank, 1 - rank))
+            want = {"all_gather": torch.cat([mine, other] if rank == 0 else [other, mine]),
+                    "reduce_scatter": (mine + other).chunk(2)[rank],
+                    "all_reduce": mine + other}[kind]
             wrong += not torch.equal(out + 0, want)
-    return {"completed_before_next": completed_before_next, "launches": 3 * rounds,
+    return {"completed_before_next": completed_before_next, "launches": launches,
             "wrong": wrong}
 
 

@@ -56,8 +56,8 @@ def test_data_parallel_buckets_fill_and_launch_during_backward(world2):
                             "bytes": 8 * (32 + 8 + 32) + 8}
 
 
-def test_all_gathers_on_one_group_never_run_together(world2):
-    for r in world2.run(W.all_gathers_one_at_a_time):
+def test_collectives_on_one_gloo_group_never_run_together(world2):
+    for r in world2.run(W.collectives_one_at_a_time):
         assert r["wrong"] == 0, r
         assert r["completed_before_next"] == r["launches"], r
 

@@ -538,7 +538,7 @@ def backward_extra(activations: Sequence[float], grads: Sequence[float],
     over_grad = [max(a, g) - g for a, g in zip(activations, grads)]
     extra = 0.0 if not activations else -math.inf
     ahead, behind = 0.0, sum(over_grad)
-    for k, (act, grad, work) in enumerate(zip(activations, grads, workspaces)):
+    for k, work in enumerate(workspaces):
         behind -= over_grad[k]
         end = ends[k] if ends is not None else None
         first = work if end is None else max(work - over_act[k], end)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -109,18 +109,21 @@ def _run_step(x: torch.Tensor, step: Step, axes: AxisGroups, wait: bool = True
     if step.kind == "reduce_scatter":
         assert step.dim is not None
         if step.dim == 0 or not wait:
-            return done(fc.reduce_scatter_single(x.contiguous(), "sum", step.dim, group))
+            return done(launch(group, lambda: fc.reduce_scatter_single(
+                x.contiguous(), "sum", step.dim, group)))
         # every rank's piece made contiguous along dim 0: a temporary the collective reads
         send = torch.cat(x.chunk(n, dim=step.dim))
-        out = fc.wait_tensor(fc.reduce_scatter_single(send, "sum", 0, group))
+        out = fc.wait_tensor(launch(group, lambda: fc.reduce_scatter_single(send, "sum", 0,
+                                                                              group)))
         free_now(send)
         return out
     if step.kind == "all_reduce":
-        return done(fc.all_reduce(x.contiguous(), "sum", group))
+        return done(launch(group, lambda: fc.all_reduce(x.contiguous(), "sum", group)))
     if step.kind == "all_to_all":
         assert step.dim is not None and step.to_dim is not None
         send = torch.stack(x.chunk(n, dim=step.to_dim), dim=0).contiguous()
-        recv = fc.wait_tensor(fc.all_to_all_single(send, None, None, group))
+        recv = fc.wait_tensor(launch(group, lambda: fc.all_to_all_single(send, None, None,
+                                                                           group)))
         out = torch.cat(list(recv.unbind(0)), dim=step.dim)
         free_now(send)
         free_now(recv)
@@ -154,27 +157,63 @@ def local_shard(full: torch.Tensor, layout: Any, axes: AxisGroups) -> torch.Tens
     return out.contiguous()
 
 
-# The all-gather each process group has in flight (`all_gather`).
-_GATHERING: dict[Any, weakref.ref] = {}
+# The collective each gloo process group has in flight (`launch`), and per group whether
+# it runs one at a time
+_IN_FLIGHT: dict[Any, weakref.ref] = {}
+_ONE_AT_A_TIME: dict[Any, bool] = {}
+
+
+def launch(group: Any, start: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """Launch a collective on `group` (`start()` returns its pending result: waited for
+    where it is used). Every collective of the runtime goes through here. On gloo (torch
+    2.13) collectives in flight together on one process group corrupt the heap or hang:
+    3,000 rounds of 2 or 6 concurrent `all_gather_single` calls killed 3 of 4 runs; with
+    all-reduces and reduce-scatters mixed in, 1 run in 3 hung; and on 2026-11-27 a
+    tensor-parallel chain whose parameters are gathered at use (its gradient buckets'
+    reduce-scatters in flight beside the next step's prefetched all-gather) hung within
+    1,500 steps, one rank waiting for a reduce-scatter its peer had finished. So on gloo a
+    collective first waits for the one before it on its group. Compute still overlaps the
+    collective in flight (a gradient bucket's all-reduce runs under the next blocks'
+    backward); only two collectives no longer overlap each other. NCCL runs a group's
+    collectives in order on one stream and needs no gate."""
+    if _one_at_a_time(group):
+        before = _IN_FLIGHT.pop(group, None)
+        pending = before() if before is not None else None
+        if pending is not None:
+            _wait_pending(pending)
+    out = start()
+    if _one_at_a_time(group):
+        _IN_FLIGHT[group] = weakref.ref(out)
+    return out
+
+
+def _wait_pending(pending: torch.Tensor) -> None:
+    """Wait for a launched collective (a functional collective's result, or the buffer of
+    an in-place one); waiting again where it is used does nothing more."""
+    if isinstance(pending, fc.AsyncCollectiveTensor):
+        if not pending.completed:
+            pending.trigger_wait()
+    else:
+        fc.wait_tensor(pending)
+
+
+def _one_at_a_time(group: Any) -> bool:
+    known = _ONE_AT_A_TIME.get(group)
+    if known is None:
+        import torch.distributed as dist
+
+        try:
+            known = dist.get_backend(group) == "gloo"
+        except (RuntimeError, ValueError, TypeError, AttributeError):  # not a process group
+            known = False
+        _ONE_AT_A_TIME[group] = known
+    return known
 
 
 def all_gather(x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
     """Launch an all-gather of `x` along `dim` over `group` (a functional collective: the
-    result is waited for where it is used). Every all-gather of the runtime goes through
-    here: on gloo (torch 2.13), all-gathers in flight together on one process group
-    corrupt the heap or hang. Measured with 3,000 rounds of 2 or 6 concurrent
-    `all_gather_single` calls: 3 of 4 runs died. With all-reduces and reduce-scatters
-    mixed in, 1 run in 3 hung. Rounds with one all-gather beside an all-reduce or
-    reduce-scatter, or with reduce-scatters alone, never failed (8 runs). So an all-gather
-    first waits for the one before it on its group. ZeRO-3's prefetch loses nothing by
-    it: it launches block g + 1's gather as it takes block g's."""
-    before = _GATHERING.get(group)
-    pending = before() if before is not None else None
-    if isinstance(pending, fc.AsyncCollectiveTensor) and not pending.completed:
-        pending.trigger_wait()
-    out = fc.all_gather_single(x, dim, group)
-    _GATHERING[group] = weakref.ref(out)
-    return out
+    result is waited for where it is used), one at a time on gloo (`launch`)."""
+    return launch(group, lambda: fc.all_gather_single(x, dim, group))
 
 
 def _chunks_view(x: torch.Tensor, dim: int) -> bool:
@@ -284,5 +323,7 @@ def all_reduce_sum(x: torch.Tensor, axes: Sequence[str], groups: AxisGroups) -> 
     """Sum `x` over the given mesh axes (no autograd: used for counts)."""
     for a in axes:
         if groups.sizes[a] > 1:
-            x = fc.wait_tensor(fc.all_reduce(x.contiguous(), "sum", groups.groups[a]))
+            group, send = groups.groups[a], x.contiguous()
+            x = fc.wait_tensor(launch(group, lambda g=group, t=send: fc.all_reduce(
+                t, "sum", g)))
     return x
