@@ -11,6 +11,7 @@ all-gather / reduce-scatter pair and sequence parallelism are all instances of i
 
 from __future__ import annotations
 
+import functools
 import math
 import weakref
 from collections.abc import Callable, Mapping, Sequence
@@ -109,8 +110,8 @@ def _run_step(x: torch.Tensor, step: Step, axes: AxisGroups, wait: bool = True
     if step.kind == "reduce_scatter":
         assert step.dim is not None
         if step.dim == 0 or not wait:
-            return done(launch(group, lambda: fc.reduce_scatter_single(
-                x.contiguous(), "sum", step.dim, group)))
+            return done(launch(group, functools.partial(
+                fc.reduce_scatter_single, x.contiguous(), "sum", step.dim, group)))
         # every rank's piece made contiguous along dim 0: a temporary the collective reads
         send = torch.cat(x.chunk(n, dim=step.dim))
         out = fc.wait_tensor(launch(group, lambda: fc.reduce_scatter_single(send, "sum", 0,
@@ -323,7 +324,7 @@ def all_reduce_sum(x: torch.Tensor, axes: Sequence[str], groups: AxisGroups) -> 
     """Sum `x` over the given mesh axes (no autograd: used for counts)."""
     for a in axes:
         if groups.sizes[a] > 1:
-            group, send = groups.groups[a], x.contiguous()
-            x = fc.wait_tensor(launch(group, lambda g=group, t=send: fc.all_reduce(
-                t, "sum", g)))
+            x = fc.wait_tensor(launch(groups.groups[a],
+                                      functools.partial(fc.all_reduce, x.contiguous(), "sum",
+                                                        groups.groups[a])))
     return x
