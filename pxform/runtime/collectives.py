@@ -166,7 +166,8 @@ _ONE_AT_A_TIME: dict[Any, bool] = {}
 
 def launch(group: Any, start: Callable[[], torch.Tensor]) -> torch.Tensor:
     """Launch a collective on `group` (`start()` returns its pending result: waited for
-    where it is used). Every collective of the runtime goes through here. On gloo (torch
+    where it is used). Every collective a program runs goes through here (conversions,
+    gradient buckets, prefetched gathers, loss counts). On gloo (torch
     2.13) collectives in flight together on one process group corrupt the heap or hang:
     3,000 rounds of 2 or 6 concurrent `all_gather_single` calls killed 3 of 4 runs; with
     all-reduces and reduce-scatters mixed in, 1 run in 3 hung; and on 2026-11-27 a

@@ -119,18 +119,21 @@ def memory_lower_bound(ctx: SearchContext, config: Config) -> float:
     least-memory option with one microbatch in flight, spread evenly over the p stages (the
     peak is the largest stage's), plus the smallest workspace any block option has.
 
-    A block's least memory is counted twice over, and the larger total kept: its
-    parameters and state with its activations (the last block's backward starts while
-    every block holds them), and with its gradients (the first block's backward ends
-    beside every gradient). Not max(activations, gradients) per block: a stage whose
-    blocks keep more activations than they have gradients never holds both maxima at
-    once (`cost.model.backward_extra`)."""
+    With several microbatches a block holds its parameters, state and gradients and one
+    microbatch's activations at least. With one, a block's least memory is counted twice
+    over and the larger total kept: its parameters and state with its activations (the
+    last block's backward starts while every block holds them), and with its gradients
+    (the first block's backward ends beside every gradient). Not max(activations,
+    gradients) per block: a stage whose blocks keep more activations than they have
+    gradients never holds both maxima at once (`cost.model.backward_extra`)."""
     tables = block_tables(ctx, config)
     if tables is None:
         return math.inf
+    m = config.microbatches
     acts = grads = 0.0
     for t in tables:
-        acts += min(c.params - c.grads + (c.kept if o.recompute else c.saved)
+        acts += min(c.params - (c.grads if m == 1 else 0.0)
+                    + (c.kept if o.recompute else c.saved)
                     for o, c in zip(t.options, t.costs))
         grads += min(c.params for c in t.costs)
     # (the transient: a recomputed block's recompute may peak before its gradients
