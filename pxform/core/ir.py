@@ -265,6 +265,23 @@ class Constant:
     data: torch.Tensor = field(repr=False, compare=False)
 
 
+def read_from_outside(ops: Sequence[Op]) -> list[Value]:
+    """The values a run of `ops` reads that none of them makes, in the order first read
+    (blocks of one kind read theirs in the same order).
+
+    Example:
+        >>> [v.name for v in read_from_outside(graph.ops[3:6])]
+        ['2', 'params.w']
+    """
+    made = {v.name for op in ops for v in op.outputs}
+    out: dict[str, Value] = {}
+    for op in ops:
+        for v in op.inputs:
+            if v.name not in made and v.name not in out:
+                out[v.name] = v
+    return list(out.values())
+
+
 @dataclass(frozen=True, slots=True)
 class Graph:
     """A function in SSA form.

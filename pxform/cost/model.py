@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from pxform.core.ir import Graph, Value
+from pxform.core.ir import Graph, read_from_outside
 from pxform.core.layout import LOCAL_STEPS, Relayout
 from pxform.frontend.trace import run_graph
 
@@ -387,12 +387,7 @@ def saved_bytes_per_op(graph: Graph, start: int, stop: int, skip: set[str]
     """
     ops = graph.ops[start:stop]
     mode = FakeTensorMode(allow_non_fake_inputs=True)
-    defined = {v.name for op in ops for v in op.outputs}
-    outside: dict[str, Value] = {}
-    for op in ops:
-        for v in op.inputs:
-            if v.name not in defined and v.name not in outside:
-                outside[v.name] = v
+    outside = {v.name: v for v in read_from_outside(ops)}
     consts = {c.value.name for c in graph.constants}
     inputs = [v for v in outside.values() if v.name not in consts]
     sub = Graph(tuple(inputs), ops, (), tuple(c for c in graph.constants

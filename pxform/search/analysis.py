@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from pxform.core.errors import PxformError
-from pxform.core.ir import Graph, Op, Value
+from pxform.core.ir import Graph, Value, read_from_outside
 from pxform.core.layout import LOCAL_STEPS, Layout, plan_relayout
 from pxform.core.mesh import AbstractMesh
 from pxform.core.spec import P
@@ -133,7 +133,7 @@ def analyse(graph: Graph, batch_inputs: set[str], batch_dim: int = 0,
     # every block reads a stored value there (a parameter, a batch input such as a mask)
     stored_at: dict[int, list[bool]] = {}
     for (a, b, _), k in zip(blocks, kind_of):
-        here = [v.name in skip for v in _read_from_outside(graph.ops[a:b])]
+        here = [v.name in skip for v in read_from_outside(graph.ops[a:b])]
         before = stored_at.get(k)
         stored_at[k] = here if before is None else [x and y for x, y in zip(before, here)]
     done: dict[int, list[SavedBytes]] = {}
@@ -144,7 +144,7 @@ def analyse(graph: Graph, batch_inputs: set[str], batch_dim: int = 0,
         # layers, the first on the input) is counted as the others save it: skipped, the
         # layer norm's saved input went uncounted in every block of the kind
         if k not in done:
-            outside = _read_from_outside(graph.ops[a:b])
+            outside = read_from_outside(graph.ops[a:b])
             own = {v.name for v, kept in zip(outside, stored_at[k]) if not kept}
             done[k] = saved_bytes_per_op(graph, a, b, (skip - own) | set(params))
         saved[a:b] = done[k]
@@ -252,14 +252,3 @@ def _block_infos(graph: Graph, blocks: Sequence[tuple[int, int, bool]], kind_of:
                                tuple(reads), crossing))
     return tuple(infos)
 
-
-def _read_from_outside(ops: Sequence[Op]) -> list[Value]:
-    """The values `ops` read that none of them makes, in the order first read (blocks of
-    one kind read theirs in the same order)."""
-    made = {v.name for op in ops for v in op.outputs}
-    out: dict[str, Value] = {}
-    for op in ops:
-        for v in op.inputs:
-            if v.name not in made and v.name not in out:
-                out[v.name] = v
-    return list(out.values())
