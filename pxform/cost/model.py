@@ -532,7 +532,8 @@ def backward_extra(activations: Sequence[float], grads: Sequence[float],
     over_act = [max(a, g) - a for a, g in zip(activations, grads)]
     over_grad = [max(a, g) - g for a, g in zip(activations, grads)]
     extra = 0.0 if not activations else -math.inf
-    ahead, behind = 0.0, sum(over_grad)
+    freed = sum(over_grad)  # what the max counted beyond every block's gradients
+    ahead, behind = 0.0, freed
     for k, work in enumerate(workspaces):
         behind -= over_grad[k]
         end = ends[k] if ends is not None else None
@@ -545,7 +546,7 @@ def backward_extra(activations: Sequence[float], grads: Sequence[float],
         after = sum(activations)
         for act, work in zip(activations, workspaces):
             after -= act
-            extra = max(extra, work - after - sum(over_grad))
+            extra = max(extra, work - after - freed)
     gone = sum((in_flight - 1) * a + max(a, g) - g for a, g in zip(activations, grads))
     return max(extra, min(packed, BUCKET_BYTES) - gone)
 

@@ -178,14 +178,14 @@ def launch(group: Any, start: Callable[[], torch.Tensor]) -> torch.Tensor:
     collective in flight (a gradient bucket's all-reduce runs under the next blocks'
     backward); only two collectives no longer overlap each other. NCCL runs a group's
     collectives in order on one stream and needs no gate."""
-    if _one_at_a_time(group):
-        before = _IN_FLIGHT.pop(group, None)
-        pending = before() if before is not None else None
-        if pending is not None:
-            _wait_pending(pending)
+    if not _one_at_a_time(group):
+        return start()
+    before = _IN_FLIGHT.pop(group, None)
+    pending = before() if before is not None else None
+    if pending is not None:
+        _wait_pending(pending)
     out = start()
-    if _one_at_a_time(group):
-        _IN_FLIGHT[group] = weakref.ref(out)
+    _IN_FLIGHT[group] = weakref.ref(out)
     return out
 
 
