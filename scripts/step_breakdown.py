@@ -79,17 +79,27 @@ def rank_main(cases: list[str], profile: str | None, steps: int) -> dict[str, An
 
     import pxform
     import pxform.runtime.collectives as collectives
+    from pxform.runtime.calibrate import sent_bytes
     from pxform.search import pin_of
 
+    measuring = False
     hw = harness.profile_or_calibrated(profile, "cpu-x2")
     timed: list[float] = []
+    # (kind, bytes of the input on this rank) -> seconds of each such collective
+    by_kind: dict[tuple[str, int], list[float]] = {}
+    by_position: dict[int, list[tuple[str, float]]] = {}
     run_step = collectives._run_step
 
     def timed_step(x: Any, step: Any, axes: Any, wait: bool = True) -> Any:
         start = time.perf_counter()
         out = run_step(x, step, axes, wait)
         if step.kind not in LOCAL:
-            timed.append(time.perf_counter() - start)
+            took = time.perf_counter() - start
+            timed.append(took)
+            if measuring:
+                key = (step.kind, x.numel() * x.element_size())
+                by_kind.setdefault(key, []).append(took)
+                by_position.setdefault(len(timed) - 1, []).append((step.kind, took))
         return out
 
     collectives._run_step = timed_step
@@ -108,6 +118,9 @@ def rank_main(cases: list[str], profile: str | None, steps: int) -> dict[str, An
         for _ in range(2):
             run(dparams, batch)
         walls, inside, counts = [], [], []
+        by_kind.clear()
+        by_position.clear()
+        measuring = True
         for _ in range(steps):
             dist.barrier()
             timed.clear()
@@ -116,7 +129,16 @@ def rank_main(cases: list[str], profile: str | None, steps: int) -> dict[str, An
             walls.append(time.perf_counter() - start)
             inside.append(sum(timed))
             counts.append(len(timed))
+        measuring = False
         wall, comm = statistics.median(walls), statistics.median(inside)
+        n = dist.get_world_size()
+        # each kind and size of collective: per step, its median time against the comm
+        # table's transfer (`sent_bytes`: the ring volume of its input)
+        kinds = {f"{kind} {nbytes // 1024} KiB": (
+            len(ts) // steps, round(statistics.median(ts) * 1e3, 2),
+            round(statistics.mean(ts) * 1e3, 2),
+            round(hw.comm_time(kind, sent_bytes(kind, float(nbytes), n), n, 0) * 1e3, 2))
+            for (kind, nbytes), ts in sorted(by_kind.items())}
         # the same steps under torch's profiler: where the step's wall time is spent by
         # kind of torch op (self times, so nothing counts twice); what no op's self time
         # holds is Python (the runtime's, autograd functions') and waiting for the GIL
@@ -142,7 +164,12 @@ def rank_main(cases: list[str], profile: str | None, steps: int) -> dict[str, An
                 round((priced["transfer"] - priced["nocomm"]) * 1e3, 1),
                 round((priced["overhead"] - priced["transfer"]) * 1e3, 1),
                 round((plan.step_time_s - priced["overhead"]) * 1e3, 1)),
-            "collectives per step": max(counts)}
+            "collectives per step": max(counts),
+            "per kind and size: count per step, median ms, mean ms, comm table ms": kinds,
+            "per position in the step: kind, median ms, mean ms": [
+                (ks[0][0], round(statistics.median(t for _, t in ks) * 1e3, 2),
+                 round(statistics.mean(t for _, t in ks) * 1e3, 2))
+                for _, ks in sorted(by_position.items())]}
     return out
 
 
@@ -167,7 +194,8 @@ def _profiled_split(events: Any, steps: int) -> dict[str, float]:
 
 
 def _gpt_case() -> tuple[Any, Any, Any]:
-    """The example GPT "small", its parameters, a batch of 16 and its loss."""
+    """The example GPT "small", its parameters, a batch (16 sequences, or `BATCH` when
+    set from `--batch`) and its loss."""
     import gpt
     import torch
 
@@ -176,7 +204,8 @@ def _gpt_case() -> tuple[Any, Any, Any]:
     def gpt_loss(p: dict, b: dict) -> torch.Tensor:
         return gpt.loss_fn(p, b, cfg)
 
-    return gpt.init_params(cfg, dtype=torch.float32), gpt.make_batch(cfg, 16), gpt_loss
+    return (gpt.init_params(cfg, dtype=torch.float32),
+            gpt.make_batch(cfg, int(os.environ.get("PXFORM_BREAKDOWN_BATCH", "16"))), gpt_loss)
 
 
 def _variants(hw: Any) -> dict[str, Any]:
@@ -251,10 +280,13 @@ def main() -> None:
                    help="names of benchmarks/accuracy.py's cases, comma-separated")
     p.add_argument("--profile", help="a saved pxform profile (JSON); default: calibrate")
     p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--batch", type=int, default=16, help="sequences per step (global)")
     p.add_argument("--fake", action="store_true",
                    help="one process on a fake process group (no communication): compute and "
                         "host work alone, against the model's (needs --profile)")
     args = p.parse_args()
+    # read by `_gpt_case` here and on the spawned ranks (they inherit the environment)
+    os.environ["PXFORM_BREAKDOWN_BATCH"] = str(args.batch)
     if args.fake:
         if not args.profile:
             p.error("--fake needs --profile (a saved profile of the machine)")

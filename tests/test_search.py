@@ -8,6 +8,7 @@ import dataclasses
 import itertools
 import math
 import re
+from typing import Any
 
 import numpy as np
 import optree
@@ -759,15 +760,16 @@ def test_a_pipeline_action_waits_for_the_stage_it_receives_from():
     assert one_paid.step_time_s - one.step_time_s == pytest.approx(1e-3, abs=1e-12)
 
 
-def _tensor_parallel_waits(role: str, batch: int, sync_wait: tuple) -> tuple[float, int]:
+def _tensor_parallel_waits(role: str, batch: int, sync_wait: tuple, base: Any = None
+                           ) -> tuple[float, int]:
     """(seconds GPT small's step on 2 ranks, every block pinned to `role` on the inner
-    axis, gains with `sync_wait` against the a100-80gb preset; the lowered program's
-    collectives on activations, forward and backward)."""
+    axis, gains with `sync_wait` against `base` (the a100-80gb preset by default); the
+    lowered program's collectives on activations, forward and backward)."""
     import gpt
 
     from pxform.cost.hardware import hardware
 
-    base = hardware("a100-80gb")
+    base = hardware("a100-80gb") if base is None else base
     cfg = gpt.GPT_CONFIGS["small"]
     params, data = gpt.init_params(cfg, device="meta"), gpt.make_batch(cfg, batch,
                                                                        device="meta")
@@ -810,6 +812,49 @@ def test_tensor_parallel_collectives_wait_for_the_ranks_after_their_compute():
     assert 0 < small < large
     assert _tensor_parallel_waits("tp", 2, flat)[0] == \
         pytest.approx(_tensor_parallel_waits("tp", 64, flat)[0])
+
+
+def test_a_run_of_conversions_after_compute_pays_the_relayout_overhead():
+    """`Hardware.relayout_overhead_s` (what `runtime_costs` measures a conversion's
+    collectives to cost in a step beyond the model's transfers and per-collective cost):
+    on a profile where the compute between a GPT layer's conversions takes milliseconds,
+    1 ms of it adds a whole number of ms to a tensor- or sequence-parallel step, at least
+    two per layer and direction and at most one per collective on activations; sequence
+    parallelism's all-to-alls, a few views after its all-gathers, join their run. Data
+    parallelism (but for its loss's mean over the ranks) and a pipeline of whole stages
+    run no conversion between compute, and pay nothing."""
+    import gpt
+
+    from pxform.cost.hardware import hardware
+    from pxform.search.blockcost import RELAYOUT_GAP_S
+
+    # every op 1,000 times the preset's: the compute between conversions is milliseconds
+    slow = dataclasses.replace(hardware("a100-80gb"), op_time_scale=1000.0)
+    cfg = gpt.GPT_CONFIGS["small"]
+    params, data = gpt.init_params(cfg, device="meta"), gpt.make_batch(cfg, 16,
+                                                                       device="meta")
+
+    def added(pin: Pin) -> float:
+        times = [pxform.auto(gpt.loss_fn, mesh=pxform.Mesh.abstract(2), hardware=hw,
+                             plan=pin).plan(params, data, cfg).step_time_s
+                 for hw in (slow, dataclasses.replace(slow, relayout_overhead_s=1e-3))]
+        return (times[1] - times[0]) / 1e-3
+
+    runs = {}
+    for role in ("tp", "sp"):
+        runs[role] = added(Pin(stages=1, outer=1, inner=2, microbatches=1,
+                               block_options=(Option((("inner", role),), False),) * 6))
+        _, count = _tensor_parallel_waits(role, 16, (), slow)
+        assert runs[role] == pytest.approx(round(runs[role]), abs=1e-6), (role, runs)
+        assert 2 * 2 * 4 <= round(runs[role]) <= count, (role, runs, count)
+        if role == "sp":
+            assert round(runs[role]) < count - 8, (runs, count)  # the all-to-alls joined
+    # data parallelism: at most its loss's all-reduce (the mean over the ranks)
+    assert added(Pin(stages=1, outer=2, inner=1, microbatches=1,
+                     block_options=(Option((("outer", "dp"),), False),) * 6)) in (
+        pytest.approx(0.0, abs=1e-9), pytest.approx(1.0))
+    assert added(Pin(stages=2, microbatches=4, schedule=ScheduleChoice())) == 0.0
+    assert 0 < RELAYOUT_GAP_S < 1e-3
 
 
 def test_sync_waits_pay_once_per_run_of_collectives_after_the_compute_before_it():

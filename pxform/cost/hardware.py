@@ -198,7 +198,8 @@ def _power_law(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
 
 _FIXED_COSTS = ("step_overhead_s", "param_overhead_s", "action_overhead_s",
                 "collective_overhead_s", "param_action_overhead_s", "weight_op_overhead_s",
-                "op_step_overhead_s", "op_action_overhead_s", "recompute_overhead_s")
+                "op_step_overhead_s", "op_action_overhead_s", "recompute_overhead_s",
+                "relayout_overhead_s")
 """The runtime's own fixed costs a profile may carry (`Hardware`)."""
 
 OP_CLASSES = ("matmul", "attention", "gelu", "gelu_tanh", "silu", "softmax",
@@ -384,6 +385,15 @@ class Hardware:
             tensors' hooks, the RNG state, the stop of the recompute, and the region's
             entry into pxform's process groups): a chain of tiny recomputed layers
             against the same without recompute; 0: not measured.
+        relayout_overhead_s: seconds each run of re-layout collectives that follows
+            compute (a synchronous conversion inside a block: tensor or sequence
+            parallelism's) costs in a training step beyond its transfers,
+            `collective_overhead_s` and `sync_wait`: the conversions' autograd functions
+            and tensor wrapping between the collectives, the communication threads' CPU
+            time taken from the ranks' compute, and the wake-ups of a rank that waited.
+            `pxform.tools.runtime_costs` measures it on the reference transformer under
+            tensor parallelism, against the model; pipeline transfers and ZeRO-3's
+            prefetched gathers do not pay it; 0: not measured.
         source: where the numbers come from.
 
     Example:
@@ -417,6 +427,7 @@ class Hardware:
     op_step_overhead_s: float = 0.0
     op_action_overhead_s: float = 0.0
     recompute_overhead_s: float = 0.0
+    relayout_overhead_s: float = 0.0
     sync_wait: tuple[tuple[float, float], ...] = ()
 
     def __post_init__(self) -> None:
@@ -961,7 +972,7 @@ _MEDIAN_FIELDS = ("efficiency", "memory_bandwidth", "op_overhead_s", "overlap_sl
                   "step_overhead_s", "param_overhead_s", "action_overhead_s",
                   "collective_overhead_s", "param_action_overhead_s", "weight_op_overhead_s",
                   "op_time_scale", "op_step_overhead_s", "op_action_overhead_s",
-                  "recompute_overhead_s")
+                  "recompute_overhead_s", "relayout_overhead_s")
 
 
 def median_profile(profiles: Sequence[Hardware]) -> Hardware:

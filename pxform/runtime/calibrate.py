@@ -885,7 +885,9 @@ def summary(hw: Hardware) -> str:
                      f"pipeline action, {hw.op_action_overhead_s * 1e6:.3g} us per stage op "
                      f"and pipeline action, {hw.weight_op_overhead_s * 1e6:.3g} us per weight "
                      f"op of a zero-bubble W, {hw.recompute_overhead_s * 1e6:.3g} us per "
-                     f"recompute region and microbatch")
+                     f"recompute region and microbatch, "
+                     f"{hw.relayout_overhead_s * 1e6:.3g} us per run of a conversion's "
+                     f"collectives after compute")
     if hw.sync_wait:
         lines.append("  sync wait: " + ", ".join(f"{w * 1e3:.3g} ms after {g * 1e3:.3g} ms"
                                                  for g, w in hw.sync_wait)

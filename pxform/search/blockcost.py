@@ -49,6 +49,12 @@ pattern is found with 4; more costs time for nothing on the models tested)."""
 
 ROLES = ("dp", "sdp", "tp", "sp")
 
+RELAYOUT_GAP_S = 2.5e-4
+"""Compute between two conversions' collectives below which they count as one run
+(`Hardware.relayout_overhead_s`): a sequence-parallel GPT block's all-to-alls follow its
+all-gathers after 0.05-0.09 ms of views, and in a step they cost 0.5 ms beyond the comm
+table against 1-1.3 ms for the collectives after a matmul or a norm."""
+
 
 @dataclass
 class RelayoutCache:
@@ -322,8 +328,18 @@ def walk(a: Analysis, block: BlockInfo, strats: list[Strategy], outside: Mapping
             bwd_comm += cache.time(v, gradient_layout(want), gradient_layout(have), vs)
             bwd_seq.append((0.0, cache.collectives(v, gradient_layout(want),
                                                    gradient_layout(have))))
-    fwd_comm += sync_waits(fwd_seq, model.hardware.sync_wait_s)
-    bwd_comm += sync_waits(bwd_seq[::-1], model.hardware.sync_wait_s)
+    hw = model.hardware
+
+    def meet(gap: float) -> float:
+        # the ranks meet after compute: the wait, and the runtime's cost of a
+        # conversion's collectives in a step beyond the comm tables' and
+        # `collective_overhead_s` (`Hardware.relayout_overhead_s`); a few views between
+        # two conversions leave the ranks together
+        return hw.sync_wait_s(gap) + (hw.relayout_overhead_s if gap > RELAYOUT_GAP_S
+                                      else 0.0)
+
+    fwd_comm += sync_waits(fwd_seq, meet)
+    bwd_comm += sync_waits(bwd_seq[::-1], meet)
     kept = 0.0
     vals = a.values()
     for name in block.reads:
