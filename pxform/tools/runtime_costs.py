@@ -51,7 +51,7 @@ world and returns the profile with them set:
 
 * `relayout_overhead_s`, per run of a conversion's collectives after compute (what tensor
   and sequence parallelism pay in a step beyond the transfers, the per-collective cost
-  and the sync wait): the reference transformer (below) at 8 sequences of 64 tokens,
+  and the sync wait): the reference transformer (below) at 16 sequences of 64 tokens,
   every block tensor parallel, paired with the same step on one device per rank; the
   measured difference less the model's, over the runs the model counts
   (`_relayout_overhead`).
@@ -534,7 +534,11 @@ def _recompute_region(hw: Hardware, gen: torch.Generator, repeats: int) -> float
     return max(0.0, (longer - (predicted[1] - predicted[0])) / regions)
 
 
-_RELAYOUT_SIZE = (8, 64)  # (sequences, tokens) of `_relayout_overhead`'s reference step
+# (sequences, tokens) of `_relayout_overhead`'s reference step: at 8 sequences its
+# compute between conversions is short (10 runs after more than `RELAYOUT_GAP_S`), and
+# the figure came out 0.3 ms under GPT small's at 16 (0.6-0.9 against 0.8-1.1 ms per run,
+# same profile); at 16, 14 runs and 0.9-1.4 ms
+_RELAYOUT_SIZE = (16, 64)
 
 
 def _relayout_overhead(hw: Hardware, gen: torch.Generator, repeats: int) -> float:
@@ -574,7 +578,8 @@ def _relayout_overhead(hw: Hardware, gen: torch.Generator, repeats: int) -> floa
     step = auto(_reference, mesh=n, hardware=hw, memory_margin=0.0, plan=pin)
     sharded = functools.partial(value_and_grad(step), *step.distribute(params, tokens))
     one_device = functools.partial(value_and_grad(_reference), params, tokens)
-    _, longer = _paired(one_device, sharded, 2 * repeats)
+    # a run costs about a millisecond, noisy from one pair to the next: thrice the repeats
+    _, longer = _paired(one_device, sharded, 3 * repeats)
     return max(0.0, (longer - (priced(0.0) - alone)) / runs)
 
 
