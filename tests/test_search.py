@@ -820,9 +820,10 @@ def test_a_run_of_conversions_after_compute_pays_the_relayout_overhead():
     on a profile where the compute between a GPT layer's conversions takes milliseconds,
     1 ms of it adds a whole number of ms to a tensor- or sequence-parallel step, at least
     two per layer and direction and at most one per collective on activations; sequence
-    parallelism's all-to-alls, a few views after its all-gathers, join their run. Data
-    parallelism (but for its loss's mean over the ranks) and a pipeline of whole stages
-    run no conversion between compute, and pay nothing."""
+    parallelism's all-to-alls, a few views after its all-gathers, join their run; a
+    recomputed block pays its forward's runs again. Data parallelism (but for its loss's
+    mean over the ranks) and a pipeline of whole stages run no conversion between compute,
+    and pay nothing."""
     import gpt
 
     from pxform.cost.hardware import hardware
@@ -849,6 +850,11 @@ def test_a_run_of_conversions_after_compute_pays_the_relayout_overhead():
         assert 2 * 2 * 4 <= round(runs[role]) <= count, (role, runs, count)
         if role == "sp":
             assert round(runs[role]) < count - 8, (runs, count)  # the all-to-alls joined
+    # recomputed, a block runs its forward's conversions again inside backward: more runs,
+    # fewer than twice as many (backward's own are not replayed)
+    again = added(Pin(stages=1, outer=1, inner=2, microbatches=1,
+                      block_options=(Option((("inner", "tp"),), True),) * 6))
+    assert runs["tp"] + 4 <= round(again) < 2 * runs["tp"], (again, runs)
     # data parallelism: at most its loss's all-reduce (the mean over the ranks)
     assert added(Pin(stages=1, outer=2, inner=1, microbatches=1,
                      block_options=(Option((("outer", "dp"),), False),) * 6)) in (

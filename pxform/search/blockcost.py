@@ -196,6 +196,7 @@ def walk(a: Analysis, block: BlockInfo, strats: list[Strategy], outside: Mapping
     redo = bwd_compute = weight_compute = weight_out = weight_ops = weight_held = 0.0
     # the forward so far, and up to where a recompute must run (`WalkCost.redo_fwd`)
     ran = redo_until = 0.0
+    redo_runs = 0  # the forward's `fwd_seq` up to there: its collectives meet again
     # values made from parameters alone (a transposed or cast weight): weights too
     weights = set(a.params) | set(a.param_casts)
     classes = a.op_classes or ("elementwise",) * len(a.graph.ops)
@@ -302,7 +303,7 @@ def walk(a: Analysis, block: BlockInfo, strats: list[Strategy], outside: Mapping
         # (this op's forward: its compute and the re-layouts of its inputs, `fwd_comm`)
         ran = fwd_compute + fwd_comm
         if kept_by.packs:
-            redo_until = ran
+            redo_until, redo_runs = ran, len(fwd_seq)
     gather_time = sum(model.step_time(kind, axis, sent, axes)
                       for (kind, axis), sent in gathers.items())
     fwd_comm += gather_time
@@ -340,6 +341,10 @@ def walk(a: Analysis, block: BlockInfo, strats: list[Strategy], outside: Mapping
 
     fwd_comm += sync_waits(fwd_seq, meet)
     bwd_comm += sync_waits(bwd_seq[::-1], meet)
+    # a recompute runs the forward's conversions again, inside backward: the ranks meet
+    # there as in the forward (tensor parallelism with recompute had been priced 13-24 %
+    # under, its replayed collectives paying their transfers alone)
+    redo_until += sync_waits(fwd_seq[:redo_runs], meet)
     kept = 0.0
     vals = a.values()
     for name in block.reads:
