@@ -54,6 +54,34 @@ def test_errors_name_the_rank_and_keep_the_world_usable(world):
     assert world.run(all_reduce_rank_plus, 0) == [1.0, 1.0]
 
 
+def meshes_made_again():
+    """Meshes over the same ranks made again and again (as `runtime_costs` and every
+    `auto(mesh=n)` do): (the threads of this process after the first and after ten more,
+    whether the same axis shares a group and another timeout does not, a sum over the
+    shared group)."""
+    import pxform
+
+    first = pxform.Mesh({"dp": 2})
+    threads = len(os.listdir("/proc/self/task"))
+    for _ in range(10):
+        again = pxform.Mesh({"dp": 2})
+    after = len(os.listdir("/proc/self/task"))
+    other = pxform.Mesh({"dp": 2}, timeout=30)
+    t = torch.ones(1)
+    dist.all_reduce(t, group=again.group("dp"))
+    return (threads, after,
+            first.group("dp") is again.group("dp"), other.group("dp") is first.group("dp"),
+            t.item())
+
+
+def test_meshes_over_the_same_ranks_share_their_process_groups(world):
+    """A gloo process group holds threads and sockets until destroyed: `Mesh` reuses the
+    group of an earlier mesh over the same ranks and timeout (`runtime_costs` had left 81
+    more threads per rank after each call)."""
+    for before, after, shared, other_shared, total in world.run(meshes_made_again):
+        assert after == before and shared and not other_shared and total == 2.0
+
+
 def test_world_must_be_started():
     with pytest.raises(RuntimeError, match="the world is not started"):
         World(2).run(rank_and_pid)

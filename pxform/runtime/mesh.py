@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import os
+import weakref
 from collections.abc import Callable, Mapping
 from datetime import timedelta
 from typing import Any, overload
@@ -28,16 +29,43 @@ def default_timeout(backend: str) -> float:
     return 600.0 if backend == "nccl" else 60.0
 
 
+# Process groups made for meshes, per (ranks, timeout), in the world they were made in
+# (`_group`): a weak reference to that world's default group, and the groups.
+_GROUPS: dict[tuple[tuple[int, ...], float], Any] = {}
+_GROUPS_WORLD: list[Any] = [None]
+
+
+def _group(ranks: list[int], timeout_s: float) -> Any:
+    """The process group over `ranks` with `timeout_s`: made once per world and reused
+    by every mesh that needs it. A gloo group holds threads and a socket per peer until
+    destroyed, and torch never destroys one by itself: every `Mesh` making its own leaked
+    81 threads per rank on each `runtime_costs` (its meshes, 2 ranks; 333 threads after
+    four), and on a large world it would run out of sockets. Every rank makes the same
+    meshes in the same order (SPMD), so every rank finds or makes each group alike
+    (`new_group` is collective)."""
+    world = dist.distributed_c10d._get_default_group()
+    known = _GROUPS_WORLD[0]() if _GROUPS_WORLD[0] is not None else None
+    if known is not world:  # a new world (or the first): the old groups are gone with it
+        _GROUPS.clear()
+        _GROUPS_WORLD[0] = weakref.ref(world)
+    key = (tuple(ranks), timeout_s)
+    group = _GROUPS.get(key)
+    if group is None or group not in dist.distributed_c10d._world.pg_map:
+        group = _GROUPS[key] = dist.new_group(ranks, timeout=timedelta(seconds=timeout_s))
+    return group
+
+
 def _mesh_with_timeout(device: str, abstract: AbstractMesh, timeout_s: float) -> DeviceMesh:
     """A DeviceMesh over process groups made with `timeout_s` (`init_device_mesh` gives
-    torch's default, 30 minutes on gloo). Every rank makes every group, in one order."""
+    torch's default, 30 minutes on gloo), shared with the meshes before it over the same
+    ranks (`_group`). Every rank makes every group, in one order."""
     shape = abstract.shape
     grid = torch.arange(math.prod(shape)).view(shape)
     me = dist.get_rank()
     mine = []
     for d in range(len(shape)):
         for ranks in grid.movedim(d, -1).reshape(-1, shape[d]).tolist():
-            group = dist.new_group(ranks, timeout=timedelta(seconds=timeout_s))
+            group = _group(ranks, timeout_s)
             if me in ranks:
                 mine.append(group)
     return DeviceMesh.from_group(mine, device, mesh=grid, mesh_dim_names=abstract.names)
