@@ -16,7 +16,11 @@ three ways by the same profile:
 
 Per rank and case it prints the measured step (median), the time inside collectives
 (median per step) and the rest ("compute": the ops, the runtime's glue between them),
-against the model's compute and its collectives (prediction less `nocomm`). Then the same
+against the model's compute and its collectives (prediction less `nocomm`); each kind and
+size of collective (count per step, median and mean ms, the comm table's ms); and what
+the collectives cost beyond the comm table, split by whether compute (more than
+`pxform.search.blockcost.RELAYOUT_GAP_S`) or another collective came before each.
+`--batch N` runs N sequences a step instead of 16. Then the same
 steps under torch's profiler, split by profiled self time: aten ops, the collectives' ops
 (their waits included), other events ("glue": autograd functions such as the
 conversions', tensor-subclass dispatch), and the rest of the wall time (Python outside

@@ -100,6 +100,15 @@ def test_searched_plan_runs_on_4_ranks(world4):
     _check(world4.run(W.run_plan, None))
 
 
+def test_the_relayout_overhead_is_measured_on_4_ranks(world4):
+    """`runtime_costs` measures `relayout_overhead_s` on any even world: the reference
+    transformer tensor parallel over pairs of ranks, data parallel across the pairs. With
+    2 devices per node, tensor parallelism over all 4 ranks has no plan (the inner axis
+    stays within a node), and calibrating failed."""
+    per_run = world4.run(W.relayout_overhead)
+    assert all(isinstance(x, float) and x >= 0.0 for x in per_run), per_run
+
+
 def test_pipeline_of_tensor_parallel_stages_on_4_ranks(world4):
     r = _check(world4.run(W.run_plan, W.pin(2, 1, 2, 4, (("inner", "tp"),))))
     assert r["config"].startswith("pp=2 outer=1 inner=2 microbatches=4")

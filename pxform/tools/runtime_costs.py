@@ -51,10 +51,10 @@ world and returns the profile with them set:
 
 * `relayout_overhead_s`, per run of a conversion's collectives after compute (what tensor
   and sequence parallelism pay in a step beyond the transfers, the per-collective cost
-  and the sync wait): the reference transformer (below) at 16 sequences of 64 tokens,
-  every block tensor parallel, paired with the same step on one device per rank; the
-  measured difference less the model's, over the runs the model counts
-  (`_relayout_overhead`).
+  and the sync wait): the reference transformer (below) at 16 sequences of 64 tokens per
+  pair of ranks, every block tensor parallel over pairs (and data parallel across them),
+  paired with a pair's sequences on one device per rank; the measured difference less the
+  model's, over the runs the model counts (`_relayout_overhead`; 0 on an odd world).
 
 * `op_time_scale` and `op_step_overhead_s`, a factor on every op's time and a time per
   op: a reference training step (a 2-layer transformer language model: embedding, layer
@@ -115,6 +115,7 @@ from pxform.runtime.mesh import Mesh
 from pxform.runtime.pipeline import recording
 from pxform.search.context import Pin
 from pxform.search.pipelines import ScheduleChoice
+from pxform.search.solve import SearchError
 from pxform.search.space import Option
 from pxform.transforms.auto import auto
 from pxform.transforms.grad import value_and_grad
@@ -542,10 +543,11 @@ _RELAYOUT_SIZE = (16, 64)
 
 
 def _relayout_overhead(hw: Hardware, gen: torch.Generator, repeats: int) -> float:
-    """`relayout_overhead_s` (module doc): the reference transformer at `_RELAYOUT_SIZE`,
-    every block tensor parallel over the world (planned and run by `auto`), paired with the
-    same step on one device per rank (every rank at once); the measured difference less
-    the one the cost model predicts, over the runs of collectives after compute that the
+    """`relayout_overhead_s` (module doc): the reference transformer at `_RELAYOUT_SIZE`
+    per pair of ranks, every block tensor parallel over pairs and data parallel across
+    them (planned and run by `auto`), paired with a pair's sequences on one device per
+    rank (every rank at once); the measured difference less the one the cost model
+    predicts, over the runs of collectives after compute that the
     model counts in the tensor-parallel step (the derivative of its prediction in
     `relayout_overhead_s`). The chain `collective_overhead_s` is timed on runs its
     collectives back to back; in a step each conversion's collectives follow compute, and
@@ -555,32 +557,42 @@ def _relayout_overhead(hw: Hardware, gen: torch.Generator, repeats: int) -> floa
     gloo's threads taking 22 ms of CPU per step from the ranks' compute (2 ms under data
     parallelism)."""
     n = world.size()
+    if n % 2:
+        return 0.0  # (tensor parallel pairs need an even world)
     device = default_device()
     _, _, vocab, _ = _reference_shape(device)
     rows, seq = _RELAYOUT_SIZE
     params = _reference_params(gen, device)
-    tokens = _on(torch.randint(0, vocab, (rows, seq), generator=gen), device)
+    # tensor parallel over pairs of ranks (the reference's 4 heads split no further),
+    # data parallel across the pairs: each pair runs `rows` sequences, as 2 ranks do
+    tokens = _on(torch.randint(0, vocab, (rows * n // 2, seq), generator=gen), device)
     mesh = abstract_mesh(n)
-    blocks = len(auto(_reference, mesh=mesh, hardware=hw).plan(params, tokens).blocks)
-    pin = Pin(stages=1, outer=1, inner=n, microbatches=1,
-              block_options=(Option((("inner", "tp"),), False),) * blocks)
+    roles = (("inner", "tp"),) if n == 2 else (("outer", "dp"), ("inner", "tp"))
+    try:
+        blocks = len(auto(_reference, mesh=mesh, hardware=hw).plan(params, tokens).blocks)
+        pin = Pin(stages=1, outer=n // 2, inner=2, microbatches=1,
+                  block_options=(Option(roles, False),) * blocks)
 
-    def priced(per_run: float) -> float:
-        at = dataclasses.replace(hw, relayout_overhead_s=per_run)
-        return auto(_reference, mesh=mesh, hardware=at, memory_margin=0.0,
-                    plan=pin).plan(params, tokens).step_time_s
+        def priced(per_run: float) -> float:
+            at = dataclasses.replace(hw, relayout_overhead_s=per_run)
+            return auto(_reference, mesh=mesh, hardware=at, memory_margin=0.0,
+                        plan=pin).plan(params, tokens).step_time_s
 
-    runs = (priced(1e-3) - priced(0.0)) / 1e-3  # what the model charges the per-run cost
+        runs = (priced(1e-3) - priced(0.0)) / 1e-3  # what the model charges per run
+        base = priced(0.0)
+    except SearchError:  # (every rank alike: planning is deterministic)
+        return 0.0
     if runs < 0.5:
         return 0.0
+    # the same work on one device per rank: a pair's sequences
     alone = auto(_reference, mesh=abstract_mesh(1), hardware=hw,
-                 memory_margin=0.0).plan(params, tokens).step_time_s
+                 memory_margin=0.0).plan(params, tokens[:rows]).step_time_s
     step = auto(_reference, mesh=n, hardware=hw, memory_margin=0.0, plan=pin)
     sharded = functools.partial(value_and_grad(step), *step.distribute(params, tokens))
-    one_device = functools.partial(value_and_grad(_reference), params, tokens)
+    one_device = functools.partial(value_and_grad(_reference), params, tokens[:rows])
     # a run costs about a millisecond, noisy from one pair to the next: thrice the repeats
     _, longer = _paired(one_device, sharded, 3 * repeats)
-    return max(0.0, (longer - (priced(0.0) - alone)) / runs)
+    return max(0.0, (longer - (base - alone)) / runs)
 
 
 def _weight_action(call: Callable[[], Any], repeats: int) -> float:
