@@ -209,8 +209,8 @@ def _profiled_split(events: Any, steps: int) -> dict[str, float]:
 
 
 def _gpt_case() -> tuple[Any, Any, Any]:
-    """The example GPT "small", its parameters, a batch (16 sequences, or `BATCH` when
-    set from `--batch`) and its loss."""
+    """The example GPT "small", its parameters, a batch (16 sequences, or `--batch`'s
+    count, passed to the ranks as `PXFORM_BREAKDOWN_BATCH`) and its loss."""
     import gpt
     import torch
 
