@@ -9,7 +9,8 @@ strategy: data parallel, ZeRO-3, tensor parallel with and without sequence paral
 between blocks, pipelines under 1F1B, zero-bubble, interleaved and shifted schedules,
 recompute),
 lay the parameters out per the plan, take one AdamW step (so Adam's state exists); then, in
-`--rounds` rounds over all cases in turn (the machine drifts by 10-20 % over a run), run
+`--rounds` rounds over all cases in turn, the order rotated by one each round (the machine
+drifts by 10-20 % over a run, in spells of seconds), run
 `pxform.measure` on each (`--steps` timed `value_and_grad` calls per rank after `--warmup`
 in the first round, one in later ones; the median over all rounds counts; peak memory
 metered by `pxform.MemoryMeter` plus the optimizer's state, per rank the largest over the
@@ -19,14 +20,15 @@ step (the slowest rank) and for the rank whose memory prediction is furthest off
 
 The machine's speed drifts by 10-20 % over minutes (one calibration's op time scale came out
 1.10 and the next 1.52, 2026-11-27): a profile measured before the rounds prices the machine
-as it was then. So, unless `--once`, the ranks calibrate again before each later round, and
+as it was then. So, unless `--once`, the ranks calibrate again before every
+`--calibrate-every`-th round (2: 5 calibrations over the default 10 rounds), and
 every plan (pinned as it was chosen) is priced again with the median of all the run's
 calibrations: that error ("error") is the model's against the machine the rounds ran on;
 the first calibration's ("1st cal.") is what a user who calibrates once gets, drift
 included. Both are kept.
 
     source .venv/bin/activate
-    python benchmarks/accuracy.py                # GPT "small", batch 16, 2 ranks (~7 min)
+    python benchmarks/accuracy.py                # GPT "small", batch 16, 2 ranks (~9 min)
     python benchmarks/accuracy.py --once         # one calibration, before the rounds (~4 min)
     python benchmarks/accuracy.py --quick        # two cases, nothing written
     python benchmarks/accuracy.py --ranks 4      # adds the 4-rank compositions
@@ -97,10 +99,11 @@ def cases(ranks: int, num_blocks: int) -> list[tuple[str, Any]]:
 
 def rank_main(config: str, batch_size: int, steps: int, warmup: int, quick: bool,
               sizes: tuple[int, ...], rounds: int = 3, calibrations: int = 1,
-              recalibrate: bool = True) -> dict[str, Any]:
+              recalibrate: int = 1) -> dict[str, Any]:
     """On every rank: calibrate, then plan and run each case, and measure them all in
-    `rounds` rounds of `steps` timed calls each; with `recalibrate`, one more calibration
-    before each round after the first, and every plan priced again with their median."""
+    `rounds` rounds of `steps` timed calls each, the cases' order rotated by one each
+    round; with `recalibrate` k > 0, one more calibration before every k-th round after
+    the first, and every plan priced again with their median."""
     harness.add_paths()
     import dataclasses
 
@@ -152,30 +155,43 @@ def rank_main(config: str, batch_size: int, steps: int, warmup: int, quick: bool
     per_case: list[list[Any]] = [[] for _ in prepared]
     profiles = [hw]
     for r in range(rounds):
-        if recalibrate and r > 0:
+        if recalibrate and r > 0 and r % recalibrate == 0:
             profiles.append(harness.calibrated(1, f"cpu-x{world}", sizes))
             # one untimed call of every case first: the case measured right after a
             # calibration (its big buffers freed, glibc's heap thresholds moved) ran 15-20 %
             # slower than the same plan measured next (2026-11-27: 92.3 and 80.4 ms)
             for _, step, _, dparams, _, _ in prepared:
                 pxform.value_and_grad(step)(dparams, batch)
-        for k, (_, step, _, dparams, opt, _) in enumerate(prepared):
+        # the order rotated each round: the machine's slow spells last seconds, and in a
+        # fixed order they fell on the same neighbouring cases round after round
+        for k in _rotated(len(prepared), r):
+            _, step, _, dparams, opt, _ = prepared[k]
             per_case[k].append(pxform.measure(step, dparams, batch, optimizer=opt,
                                               steps=steps, warmup=warmup if r == 0 else 1))
     # the machine's speed drifts by 10-20 % over minutes (`docs/benchmarks/accuracy.md`):
     # a plan priced with the median of calibrations taken between the rounds is priced
     # for the machine the rounds ran on, the first calibration's for the machine as it
     # was before them (what a user who calibrates once gets; both are reported)
+    # (the representative calibration, kept whole, as `pxform calibrate --runs` writes;
+    # beside it, each calibration's prices and the median of every number, which mixed
+    # calibrations' numbers measured against each other's scales)
     from pxform.cost.hardware import median_profile
-    over_run = median_profile(profiles) if len(profiles) > 1 else hw
+    from pxform.tools.runtime_costs import representative_profile
+    over_run = representative_profile(profiles)
+    by_field = median_profile(profiles)
+
+    def priced(plan: Any, profile: Any) -> Any:
+        return plan if profile is hw else pxform.auto(
+            gpt_loss, mesh=pxform.Mesh.abstract(world), hardware=profile,
+            plan=pin_of(plan)).plan(params, batch)
+
     rows = []
     for (name, _, plan, _, _, unsynced_s), got in zip(prepared, per_case):
         measured = _merged(got)
         first = plan.report(measured)
-        repriced = plan if over_run is hw else pxform.auto(
-            gpt_loss, mesh=pxform.Mesh.abstract(world), hardware=over_run,
-            plan=pin_of(plan)).plan(params, batch)
-        report = repriced.report(measured)
+        report = priced(plan, over_run).report(measured)
+        each = [priced(plan, p).report(measured).time_error for p in profiles]
+        fields = priced(plan, by_field).report(measured).time_error
         # the spread of the slowest rank's steps (the rank whose median is the step's)
         slowest = max(measured.ranks, key=lambda r: statistics.median(r.step_times_s))
         low, high = _band(slowest.step_times_s)
@@ -187,6 +203,8 @@ def rank_main(config: str, batch_size: int, steps: int, warmup: int, quick: bool
                      "time_error": report.time_error,
                      "predicted_first_calibration_s": first.predicted_time_s,
                      "time_error_first_calibration": first.time_error,
+                     "time_error_each_calibration": each,
+                     "time_error_median_of_fields": fields,
                      "predicted_without_sync_wait_s": unsynced_s,
                      "time_error_without_sync_wait": unsynced_s / report.measured_time_s - 1,
                      "memory_error": report.memory_error,
@@ -195,9 +213,20 @@ def rank_main(config: str, batch_size: int, steps: int, warmup: int, quick: bool
                      "step_times_s": [list(r.step_times_s) for r in measured.ranks],
                      "text": str(report)})
     return {"rows": rows, "calibrate_s": calibrate_s, "hardware": over_run.to_json(),
+            "profiles": [p.to_json() for p in profiles], "representative": over_run.source,
             "first_hardware": hw.to_json(), "calibrations_over_run": len(profiles),
             "op_time_scales": [h.op_time_scale for h in profiles],
             "threads": torch.get_num_threads()}
+
+
+def _rotated(n: int, r: int) -> list[int]:
+    """0..n-1 starting at r mod n (round r's order of the cases).
+
+    Example:
+        >>> _rotated(4, 5)
+        [1, 2, 3, 0]
+    """
+    return [(r + k) % n for k in range(n)]
 
 
 def _band(times: Any) -> tuple[float, float]:
@@ -255,16 +284,20 @@ def main() -> None:
     p.add_argument("--ranks", type=int, default=2)
     p.add_argument("--steps", type=int, default=3,
                    help="timed calls per case, rank and round")
-    p.add_argument("--rounds", type=int, default=5,
-                   help="rounds over all cases (each measured once per round, in turn)")
+    p.add_argument("--rounds", type=int, default=10,
+                   help="rounds over all cases (each measured once per round, in turn, "
+                        "the order rotated by one each round)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--calibrations", type=int, default=1,
                    help="calibrations whose median profile the plans are priced with, as "
                         "`pxform calibrate --runs` (default 1)")
     p.add_argument("--once", action="store_true",
                    help="calibrate once, before the rounds, and price with that profile "
-                        "only (default: once more before each later round, and price with "
-                        "the median of them all as well)")
+                        "only (default: once more before every --calibrate-every-th round, "
+                        "and price with the median of them all as well)")
+    p.add_argument("--calibrate-every", type=int, default=2,
+                   help="rounds per calibration between the rounds (default 2: 5 "
+                        "calibrations over 10 rounds)")
     p.add_argument("--quick", action="store_true", help="two cases, 2 steps; writes nothing")
     p.add_argument("--malloc", choices=("default", "pinned"), default="default",
                    help="glibc's heap thresholds on every rank (`harness.pin_malloc`)")
@@ -282,8 +315,9 @@ def main() -> None:
     sizes = harness.CALIBRATION_SIZES
     cfg = gpt.GPT_CONFIGS[args.config]
     malloc = harness.pin_malloc(args)
-    recalibrate = not args.once
-    timeout = 300 + 60 * args.calibrations + (60 * (args.rounds - 1) if recalibrate else 0)
+    recalibrate = 0 if args.once else max(1, args.calibrate_every)
+    timeout = 300 + 60 * args.calibrations + 30 * args.rounds + (
+        60 * ((args.rounds - 1) // recalibrate) if recalibrate else 0)
     with World(args.ranks, timeout=timeout) as world:
         per_rank = world.run(accuracy.rank_main, args.config, args.batch, args.steps,
                              args.warmup, args.quick, sizes, args.rounds, args.calibrations,
@@ -293,12 +327,13 @@ def main() -> None:
           f"{args.batch} x {cfg.seq_len} tokens, float32, {args.ranks} gloo ranks x "
           f"{r0['threads']} thread; profile measured by pxform.runtime.calibrate in "
           f"{r0['calibrate_s']:.1f} s; per case the median of {args.rounds} rounds x "
-          f"{args.steps} steps, the cases in turn each round")
+          f"{args.steps} steps, the cases in turn each round (rotated)")
     over = r0["calibrations_over_run"]
     if over > 1:
-        print(f"  priced with the median of {over} calibrations, one before each round "
-              f"(op time scales {', '.join(f'{s:.2f}' for s in r0['op_time_scales'])}); "
-              f"'1st cal.': the error with the first one alone")
+        print(f"  priced with the representative of {over} calibrations (the first, then "
+              f"one more every {recalibrate} rounds; op time scales "
+              f"{', '.join(f'{s:.2f}' for s in r0['op_time_scales'])}): "
+              f"{r0['representative']}; '1st cal.': the error with the first one alone")
     head = ("case", "plan", "time pred", "measured", "p10-p90", "error", "1st cal.",
             "memory error", "peak spread")
     table = [head] + [(r["case"], r["config"].replace(" schedule=1f1b", ""),
@@ -322,6 +357,16 @@ def main() -> None:
     if over > 1:
         print(f"  priced with the first calibration alone: {met_first}/{len(first_errors)} "
               f"within {GOAL_TIME:.0%} (median {sorted(first_errors)[len(first_errors) // 2]:.1%})")
+        fields = [abs(r["time_error_median_of_fields"]) for r in r0["rows"]]
+        print(f"  priced with the median of every number over the calibrations "
+              f"(`median_profile`): {sum(e <= GOAL_TIME for e in fields)}/{len(fields)} "
+              f"within {GOAL_TIME:.0%} (median {sorted(fields)[len(fields) // 2]:.1%})")
+        for k in range(over):
+            errs = [abs(r["time_error_each_calibration"][k]) for r in r0["rows"]]
+            signed = sorted(r["time_error_each_calibration"][k] for r in r0["rows"])
+            print(f"  priced with calibration {k + 1} alone: "
+                  f"{sum(e <= GOAL_TIME for e in errs)}/{len(errs)} within {GOAL_TIME:.0%} "
+                  f"(errors {signed[0]:+.1%} to {signed[-1]:+.1%})")
     # how far the machine's own spread reaches: a prediction inside the measured steps'
     # 10th-90th percentiles is as close as this machine can tell
     inside = sum(r["measured_p10_s"] <= r["predicted_time_s"] <= r["measured_p90_s"]
@@ -347,6 +392,7 @@ def main() -> None:
                    "malloc_env": malloc},
         "calibrate_s": r0["calibrate_s"], "hardware": r0["hardware"],
         "first_hardware": r0["first_hardware"], "op_time_scales": r0["op_time_scales"],
+        "profiles": r0["profiles"], "representative": r0["representative"],
         "cases": r0["rows"],
         "summary": {"time_within_goal": met_t, "memory_within_goal": met_m,
                     "time_within_goal_first_calibration": met_first,

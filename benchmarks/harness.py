@@ -99,15 +99,15 @@ CALIBRATION_SIZES = (2**10, 2**14, 2**18, 2**20, 2**22)  # accuracy.py and stabi
 
 def calibrated(runs: int, name: str, sizes: tuple[int, ...] = CALIBRATION_SIZES,
                repeats: int = 15) -> Any:
-    """On every rank: the profile `pxform calibrate --runs runs` writes, the median
-    (`pxform.cost.hardware.median_profile`) of `runs` calibrations with the runtime's
-    fixed costs (`calibrate`, then `runtime_costs`)."""
-    from pxform.cost.hardware import median_profile
+    """On every rank: the profile `pxform calibrate --runs runs` writes, the
+    representative (`pxform.tools.runtime_costs.representative_profile`) of `runs`
+    calibrations with the runtime's fixed costs (`calibrate`, then `runtime_costs`)."""
     from pxform.runtime.calibrate import calibrate
-    from pxform.tools.runtime_costs import runtime_costs
+    from pxform.tools.runtime_costs import representative_profile, runtime_costs
 
-    return median_profile([runtime_costs(calibrate(sizes=sizes, repeats=repeats, name=name))
-                           for _ in range(runs)])
+    return representative_profile([
+        runtime_costs(calibrate(sizes=sizes, repeats=repeats, name=name))
+        for _ in range(runs)])
 
 
 def profile_or_calibrated(path: str | None, name: str) -> Any:

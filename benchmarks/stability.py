@@ -3,8 +3,8 @@ gives, with and without `auto`'s tolerance.
 
 `--ranks` gloo processes (a `pxform.testing.World`) make a profile `--runs` times in a
 row, each as `pxform calibrate` and `benchmarks/accuracy.py` do: `pxform.runtime.calibrate`
-and `pxform.tools.runtime_costs`, or the median (`median_profile`) of `--calibrations`
-such runs. After each profile they plan the example GPT twice over
+and `pxform.tools.runtime_costs`, or the representative (`representative_profile`) of
+`--calibrations` such runs. After each profile they plan the example GPT twice over
 (searched, and with 2 pipeline stages pinned, the microbatch count and schedule
 searched), once with `tolerance=0` (the
 fastest predicted plan) and once with the default tolerance (the simplest plan within 5 %
@@ -17,7 +17,7 @@ whole are recorded.
 
     source .venv/bin/activate
     python benchmarks/stability.py               # GPT "small", batch 16, 2 ranks, 6 runs
-    python benchmarks/stability.py --calibrations 3   # each profile a median of 3
+    python benchmarks/stability.py --calibrations 3   # each profile the representative of 3
     python benchmarks/stability.py --quick       # 2 profiles, nothing written
 """
 
@@ -123,7 +123,8 @@ def main() -> None:
                       "; ".join(f"{plan} ({n})" for plan, n in taken.most_common()),
                       f"{min(times):.1f}-{max(times):.1f} ms"))
     print(f"GPT {args.config}, global batch {args.batch}, {args.ranks} gloo ranks, "
-          f"{args.runs} profiles in a row, each the median of {args.calibrations} calibrations "
+          f"{args.runs} profiles in a row, each the representative of {args.calibrations} "
+          f"calibrations "
           f"({sum(r['calibrate_s'] for r in runs) / len(runs):.1f} s each)")
     print("\n".join(format_table(table, align="lllrl", indent="  ")))
     print("  action overhead per run: " + ", ".join(f"{r['action_overhead_s'] * 1e3:.2f} ms"

@@ -480,15 +480,21 @@ def _measure_overlap(device: torch.device, repeats: int, say: Callable[[str], No
 
 
 # Compute between two synchronous all-reduces (`_measure_sync_wait`): seconds, aimed at
-_SYNC_GAPS = (2.5e-4, 2e-3, 8e-3)
+# (until 2026-11-27 the last was 8 ms and the curve flat beyond: measured here the wait
+# kept growing, 0.6-1.7 ms after 6-8 ms of compute, 1.6-1.7 after 24-32 ms and 1.6-3.0
+# after 48-65 ms, and a data-parallel step meets at its last bucket after 30 ms or more
+# of backward)
+_SYNC_GAPS = (2.5e-4, 2e-3, 8e-3, 3.2e-2)
 _SYNC_BYTES = 2**18  # the all-reduce's message: a tensor-parallel activation's order
-_SYNC_CALLS = 8  # loop iterations per timing
+_SYNC_CALLS = 8  # loop iterations per timing, at most
+_SYNC_SPAN_S = 0.064  # ... and fewer where that many would take longer (at least 2)
 
 
 def _measure_sync_wait(device: torch.device, repeats: int, say: Callable[[str], None]
                        ) -> tuple[tuple[float, float], ...]:
     """`Hardware.sync_wait`: per gap g of `_SYNC_GAPS`, every rank runs matmuls for about g
-    then a blocking all-reduce of `_SYNC_BYTES`, `_SYNC_CALLS` times, and the same matmuls
+    then a blocking all-reduce of `_SYNC_BYTES`, `_SYNC_CALLS` times (fewer, at least 2,
+    where the loop would take longer than `_SYNC_SPAN_S`), and the same matmuls
     alone as often, the two loops in alternation after a barrier, `repeats` times; the
     collective's cost at g is the median difference per iteration. What the curve keeps
     is that cost less its cost at the smallest gap (the transfer and the runtime's own
@@ -513,17 +519,20 @@ def _measure_sync_wait(device: torch.device, repeats: int, say: Callable[[str], 
     synchronize(device)
     one, _ = _timed_median(lambda: matmuls(1), device, 5)
     # every rank the same counts (rank 0's): a rank that computed more would wait less
-    counts = torch.tensor([max(1, round(g / one)) for g in _SYNC_GAPS], dtype=torch.int64)
-    dist.broadcast(counts, 0)
+    # (and the calls per timing: a rank that looped more often would hang its peer)
+    counts = [max(1, round(g / one)) for g in _SYNC_GAPS]
+    loops = torch.tensor([(c, max(2, min(_SYNC_CALLS, round(_SYNC_SPAN_S / (c * one)))))
+                          for c in counts], dtype=torch.int64, device=device)  # (NCCL)
+    dist.broadcast(loops, 0)
     gaps, costs = [], []
-    for count in dict.fromkeys(int(c) for c in counts):  # (distinct, in order)
+    for count, calls in dict.fromkeys((c, k) for c, k in loops.tolist()):  # (distinct)
 
-        def alone(count: int = count) -> None:
-            for _ in range(_SYNC_CALLS):
+        def alone(count: int = count, calls: int = calls) -> None:
+            for _ in range(calls):
                 matmuls(count)
 
-        def synced(count: int = count) -> None:
-            for _ in range(_SYNC_CALLS):
+        def synced(count: int = count, calls: int = calls) -> None:
+            for _ in range(calls):
                 matmuls(count)
                 dist.all_reduce(buf)
 
@@ -533,8 +542,8 @@ def _measure_sync_wait(device: torch.device, repeats: int, say: Callable[[str], 
             t_alone = _timed_once(alone, device)
             dist.barrier()
             t_synced = _timed_once(synced, device)
-            diffs.append((t_synced - t_alone) / _SYNC_CALLS)
-            spans.append(t_alone / _SYNC_CALLS)
+            diffs.append((t_synced - t_alone) / calls)
+            spans.append(t_alone / calls)
         gaps.append(statistics.median(spans))
         costs.append(statistics.median(diffs))
     waits = _non_decreasing([c - costs[0] for c in costs])
@@ -790,16 +799,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--name", default=None,
                         help="the profile's name (default: device name and world size)")
     parser.add_argument("--runs", type=int, default=1,
-                        help="calibrations in a row; the profile keeps the median of every "
-                             "measured number (default: 1)")
+                        help="calibrations in a row; the profile written is the one whose "
+                             "predictions sit in the middle of theirs (default: 1)")
 
 
 def main(args: argparse.Namespace,
-         refine: Callable[[Hardware], Hardware] | None = None) -> int:
+         refine: Callable[[Hardware], Hardware] | None = None,
+         combine: Callable[[Sequence[Hardware]], Hardware] = median_profile) -> int:
     """`pxform calibrate`: measure, print a summary on rank 0, write the profile there.
     `refine` (on every rank) adds what only higher floors can measure: the CLI passes
     `pxform.tools.runtime_costs`, the runtime's own fixed costs. With `--runs N` it
-    calibrates N times in a row and writes the median profile (`median_profile`), which
+    calibrates N times in a row and writes one profile of them, `combine`'s (on every
+    rank): by default the median of every number (`median_profile`); the CLI passes
+    `pxform.tools.runtime_costs.representative_profile`, the calibration whose
+    predictions sit in the middle, kept whole (the fixed costs are measured against
+    each calibration's own scale, and field-by-field medians mixed them). Either
     drops a fit that caught a short slow or fast spell of the machine. It does not help
     against a drift over minutes: on this project's CPU machine, profiles that were each
     the median of 3 calibrations in a row moved a pinned plan's prediction as much as
@@ -832,7 +846,7 @@ def main(args: argparse.Namespace,
             if refine is not None:
                 hw = refine(hw)
             profiles.append(hw)
-        hw = median_profile(profiles)
+        hw = combine(profiles)
         if rank == 0:
             print(summary(hw))
             hw.save(args.out)

@@ -47,7 +47,7 @@ from pxform.runtime import calibrate
 from pxform.runtime.worker import exit_worker
 from pxform.search import SearchError
 from pxform.search.plan import FrontierPoint, Plan, schedule_text
-from pxform.tools.runtime_costs import runtime_costs
+from pxform.tools.runtime_costs import representative_profile, runtime_costs
 from pxform.transforms.auto import DEFAULT_MEMORY_MARGIN, auto
 
 __all__ = ["build_parser", "frontier_table", "load_factory", "main", "write_plots"]
@@ -137,7 +137,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "torchrun for collectives) and write a hardware profile for "
                     "`pxform plan --hardware PATH`.")
     calibrate.add_arguments(cal)
-    cal.set_defaults(run=functools.partial(calibrate.main, refine=runtime_costs))
+    cal.set_defaults(run=functools.partial(calibrate.main, refine=runtime_costs,
+                                           combine=representative_profile))
     return parser
 
 

@@ -94,6 +94,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -122,7 +123,7 @@ from pxform.transforms.grad import value_and_grad
 from pxform.transforms.pipeline import pipeline
 from pxform.transforms.shard import shard
 
-__all__ = ["runtime_costs"]
+__all__ = ["representative_profile", "runtime_costs"]
 
 _WIDTH = 8  # elements per tiny parameter
 _COLLECTIVE_ROWS = 2048  # rows of the tensor-parallel chain's activations (64 KiB)
@@ -141,7 +142,10 @@ def runtime_costs(hw: Hardware, repeats: int = 9) -> Hardware:
     # the programs run where training will: this rank's GPU under NCCL (the device
     # `calibrate` measured), else the CPU; the random values are drawn on the CPU
     device = default_device()
-    fit = _op_time_scale(hw, gen, repeats)
+    # thrice the repeats (under a second here): every prediction's compute scales with
+    # this figure, and at 9 a slow spell of the machine carried whole calibrations (op
+    # time scales 1.71, 1.02, 1.31, 1.13, 0.94 in one run)
+    fit = _op_time_scale(hw, gen, 3 * repeats)
     scale, per_op = world.gather_objects(fit)[0] if n > 1 else fit
     hw = dataclasses.replace(hw, op_time_scale=scale, op_step_overhead_s=per_op)
 
@@ -281,6 +285,77 @@ def runtime_costs(hw: Hardware, repeats: int = 9) -> Hardware:
                                param_action_overhead_s=kept[4], weight_op_overhead_s=kept[5],
                                op_action_overhead_s=kept[6], recompute_overhead_s=kept[7],
                                relayout_overhead_s=kept[8])
+
+
+def representative_profile(profiles: Sequence[Hardware]) -> Hardware:
+    """The one of `profiles` (calibrations of one machine, same sizes) whose predictions
+    sit in the middle of theirs, kept whole: each prices the reference transformer's
+    steps on one node of its devices (`_representative_steps`: data parallel, tensor
+    parallel over pairs, 2 pipeline stages of 8 microbatches), and the profile whose
+    predictions are nearest the median prediction per step (the sum of their absolute
+    log ratios; the first on a tie) is returned, its `source` saying so.
+
+    Not the median of every number (`pxform.cost.hardware.median_profile`): one
+    calibration's numbers hang together. The runtime's fixed costs are each measured
+    against the model with that calibration's op time scale and per-collective cost, so a
+    slow spell that raised one lowered the next, and field-by-field medians mixed them
+    into a profile faster than the calibrations it came from (2026-11-27: 5 calibrations
+    with op time scales 1.16, 1.01, 1.46, 1.19, 1.34; the median of every number priced
+    every plan of `benchmarks/accuracy.py` 3-20 % below the first calibration alone).
+    Call it on every rank alike (it plans, it runs nothing). `pxform calibrate --runs N`
+    writes this profile.
+
+    Example:
+        >>> hw = runtime_costs(calibrate())
+        >>> representative_profile([hw]) is hw
+        True
+    """
+    if not profiles:
+        raise ValueError("representative_profile: no profiles given; pass the profiles of "
+                         "one or more calibrations of the same machine")
+    if len(profiles) == 1:
+        return profiles[0]
+    predicted = [_representative_steps(hw) for hw in profiles]
+    middle = [statistics.median(p[k] for p in predicted) for k in range(len(predicted[0]))]
+    distance = [sum(abs(math.log(t / m)) for t, m in zip(p, middle) if t > 0 and m > 0)
+                for p in predicted]
+    best = distance.index(min(distance))
+    chosen = profiles[best]
+    return dataclasses.replace(chosen, source=(
+        f"calibration {best + 1} of {len(profiles)}, the one whose predictions sit in "
+        f"the middle of theirs; {chosen.source}"))
+
+
+def _representative_steps(hw: Hardware) -> list[float]:
+    """`hw`'s predicted seconds for the reference transformer (8 sequences per device) on
+    one node of `hw.devices_per_node` devices: data parallel; with an even count, tensor
+    parallel over pairs (data parallel across them) and a 2-stage 1F1B pipeline of 8
+    microbatches (`representative_profile`); a step the search cannot plan is left out
+    alike for every profile."""
+    n = max(1, hw.devices_per_node)
+    gen = torch.Generator().manual_seed(0)
+    device = default_device()
+    _, _, vocab, seq = _reference_shape(device)
+    params = _reference_params(gen, torch.device("cpu"))  # (planned only: never run)
+    tokens = torch.randint(0, vocab, (8 * n, seq), generator=gen)
+    mesh = abstract_mesh(n)
+    blocks = len(auto(_reference, mesh=mesh, hardware=hw).plan(params, tokens).blocks)
+    pins = [Pin(stages=1, outer=n, inner=1, microbatches=1,
+                block_options=(Option((("outer", "dp"),) if n > 1 else (), False),) * blocks)]
+    if n % 2 == 0:
+        roles = (("inner", "tp"),) if n == 2 else (("outer", "dp"), ("inner", "tp"))
+        pins += [Pin(stages=1, outer=n // 2, inner=2, microbatches=1,
+                     block_options=(Option(roles, False),) * blocks),
+                 Pin(stages=2, outer=n // 2, inner=1, microbatches=8,
+                     schedule=ScheduleChoice())]
+    out = []
+    for pin in pins:
+        try:
+            out.append(auto(_reference, mesh=mesh, hardware=hw, memory_margin=0.0,
+                            plan=pin).plan(params, tokens).step_time_s)
+        except SearchError:  # (the same for every profile of one machine: not counted)
+            out.append(0.0)
+    return out
 
 
 def _reference(params: dict[str, Any], tokens: torch.Tensor) -> torch.Tensor:
