@@ -345,10 +345,9 @@ def test_calibrate_on_two_gloo_ranks(world, tmp_path):
     assert 1.0 <= hw.overlap_slowdown <= 2.0
     assert "op class" in summary(hw) and "overlap slowdown" in summary(hw)
     # what a blocking all-reduce waits after compute: from 0 right after another, at
-    # gaps up to about 32 ms (a data-parallel backward's length: the wait still grows
-    # there), non-decreasing, and milliseconds at most, not seconds
+    # gaps up to about 8 ms, non-decreasing, and milliseconds at most, not seconds
     gaps, waits = zip(*hw.sync_wait)
-    assert len(gaps) >= 2 and waits[0] == 0.0 and gaps[0] < 1e-3 and gaps[-1] > 0.012
+    assert len(gaps) >= 2 and waits[0] == 0.0 and gaps[0] < 1e-3 < gaps[-1]
     assert list(gaps) == sorted(gaps) and list(waits) == sorted(waits) and waits[-1] < 0.02
     assert "sync wait" in summary(hw)
     assert hw.links[0].latency_s > 0 and 0 < hw.links[0].bandwidth < math.inf

@@ -479,22 +479,21 @@ def _measure_overlap(device: torch.device, repeats: int, say: Callable[[str], No
     return s
 
 
-# Compute between two synchronous all-reduces (`_measure_sync_wait`): seconds, aimed at
-# (until 2026-11-27 the last was 8 ms and the curve flat beyond: measured here the wait
-# kept growing, 0.6-1.7 ms after 6-8 ms of compute, 1.6-1.7 after 24-32 ms and 1.6-3.0
-# after 48-65 ms, and a data-parallel step meets at its last bucket after 30 ms or more
-# of backward)
-_SYNC_GAPS = (2.5e-4, 2e-3, 8e-3, 3.2e-2)
+# Compute between two synchronous all-reduces (`_measure_sync_wait`): seconds, aimed at.
+# (A point at 32 ms was tried on 2026-11-27: the wait kept growing there, 0.75-5.0 ms over
+# five calibrations against 0.4-1.5 at 8 ms, but two calls a timing left it the noisiest
+# point, and it priced the accuracy run's plans no closer: with the representative
+# calibration 9 of 13 within 10 % against 10 of 13 without, on the same measurements,
+# data parallelism +8.0 % against +1.4 %, the 2-microbatch pipeline +26.6 % and +18.8 %.)
+_SYNC_GAPS = (2.5e-4, 2e-3, 8e-3)
 _SYNC_BYTES = 2**18  # the all-reduce's message: a tensor-parallel activation's order
-_SYNC_CALLS = 8  # loop iterations per timing, at most
-_SYNC_SPAN_S = 0.064  # ... and fewer where that many would take longer (at least 2)
+_SYNC_CALLS = 8  # loop iterations per timing
 
 
 def _measure_sync_wait(device: torch.device, repeats: int, say: Callable[[str], None]
                        ) -> tuple[tuple[float, float], ...]:
     """`Hardware.sync_wait`: per gap g of `_SYNC_GAPS`, every rank runs matmuls for about g
-    then a blocking all-reduce of `_SYNC_BYTES`, `_SYNC_CALLS` times (fewer, at least 2,
-    where the loop would take longer than `_SYNC_SPAN_S`), and the same matmuls
+    then a blocking all-reduce of `_SYNC_BYTES`, `_SYNC_CALLS` times, and the same matmuls
     alone as often, the two loops in alternation after a barrier, `repeats` times; the
     collective's cost at g is the median difference per iteration. What the curve keeps
     is that cost less its cost at the smallest gap (the transfer and the runtime's own
@@ -519,20 +518,19 @@ def _measure_sync_wait(device: torch.device, repeats: int, say: Callable[[str], 
     synchronize(device)
     one, _ = _timed_median(lambda: matmuls(1), device, 5)
     # every rank the same counts (rank 0's): a rank that computed more would wait less
-    # (and the calls per timing: a rank that looped more often would hang its peer)
-    counts = [max(1, round(g / one)) for g in _SYNC_GAPS]
-    loops = torch.tensor([(c, max(2, min(_SYNC_CALLS, round(_SYNC_SPAN_S / (c * one)))))
-                          for c in counts], dtype=torch.int64, device=device)  # (NCCL)
-    dist.broadcast(loops, 0)
+    # (on the device: NCCL broadcasts no CPU tensor)
+    counts = torch.tensor([max(1, round(g / one)) for g in _SYNC_GAPS], dtype=torch.int64,
+                          device=device)
+    dist.broadcast(counts, 0)
     gaps, costs = [], []
-    for count, calls in dict.fromkeys((c, k) for c, k in loops.tolist()):  # (distinct)
+    for count in dict.fromkeys(counts.tolist()):  # (distinct, in order)
 
-        def alone(count: int = count, calls: int = calls) -> None:
-            for _ in range(calls):
+        def alone(count: int = count) -> None:
+            for _ in range(_SYNC_CALLS):
                 matmuls(count)
 
-        def synced(count: int = count, calls: int = calls) -> None:
-            for _ in range(calls):
+        def synced(count: int = count) -> None:
+            for _ in range(_SYNC_CALLS):
                 matmuls(count)
                 dist.all_reduce(buf)
 
@@ -542,8 +540,8 @@ def _measure_sync_wait(device: torch.device, repeats: int, say: Callable[[str], 
             t_alone = _timed_once(alone, device)
             dist.barrier()
             t_synced = _timed_once(synced, device)
-            diffs.append((t_synced - t_alone) / calls)
-            spans.append(t_alone / calls)
+            diffs.append((t_synced - t_alone) / _SYNC_CALLS)
+            spans.append(t_alone / _SYNC_CALLS)
         gaps.append(statistics.median(spans))
         costs.append(statistics.median(diffs))
     waits = _non_decreasing([c - costs[0] for c in costs])
