@@ -22,10 +22,12 @@ The machine's speed drifts by 10-20 % over minutes (one calibration's op time sc
 1.10 and the next 1.52, 2026-11-27): a profile measured before the rounds prices the machine
 as it was then. So, unless `--once`, the ranks calibrate again before every
 `--calibrate-every`-th round (2: 5 calibrations over the default 10 rounds), and
-every plan (pinned as it was chosen) is priced again with the median of all the run's
-calibrations: that error ("error") is the model's against the machine the rounds ran on;
-the first calibration's ("1st cal.") is what a user who calibrates once gets, drift
-included. Both are kept.
+every plan (pinned as it was chosen) is priced again with the run's representative
+calibration (`pxform.tools.runtime_costs.representative_profile`, kept whole, as `pxform
+calibrate --runs` writes): that error ("error") is the model's against the machine the
+rounds ran on; the first calibration's ("1st cal.") is what a user who calibrates once
+gets, drift included. Both are kept, with each calibration's and that of the median of
+every number (`median_profile`, what the benchmark priced with until 2026-11-27).
 
     source .venv/bin/activate
     python benchmarks/accuracy.py                # GPT "small", batch 16, 2 ranks (~9 min)
@@ -289,12 +291,12 @@ def main() -> None:
                         "the order rotated by one each round)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--calibrations", type=int, default=1,
-                   help="calibrations whose median profile the plans are priced with, as "
-                        "`pxform calibrate --runs` (default 1)")
+                   help="calibrations in a row before the rounds, their representative "
+                        "priced with, as `pxform calibrate --runs` (default 1)")
     p.add_argument("--once", action="store_true",
                    help="calibrate once, before the rounds, and price with that profile "
                         "only (default: once more before every --calibrate-every-th round, "
-                        "and price with the median of them all as well)")
+                        "and price with their representative as well)")
     p.add_argument("--calibrate-every", type=int, default=2,
                    help="rounds per calibration between the rounds (default 2: 5 "
                         "calibrations over 10 rounds)")

@@ -122,9 +122,10 @@ def main() -> None:
         table.append((case, "0" if how == "fastest" else "0.05 (default)", str(len(taken)),
                       "; ".join(f"{plan} ({n})" for plan, n in taken.most_common()),
                       f"{min(times):.1f}-{max(times):.1f} ms"))
+    each = "one calibration" if args.calibrations == 1 else \
+        f"the representative of {args.calibrations} calibrations"
     print(f"GPT {args.config}, global batch {args.batch}, {args.ranks} gloo ranks, "
-          f"{args.runs} profiles in a row, each the representative of {args.calibrations} "
-          f"calibrations "
+          f"{args.runs} profiles in a row, each {each} "
           f"({sum(r['calibrate_s'] for r in runs) / len(runs):.1f} s each)")
     print("\n".join(format_table(table, align="lllrl", indent="  ")))
     print("  action overhead per run: " + ", ".join(f"{r['action_overhead_s'] * 1e3:.2f} ms"
