@@ -105,7 +105,7 @@ def rank_main(config: str, batch_size: int, steps: int, warmup: int, quick: bool
     """On every rank: calibrate, then plan and run each case, and measure them all in
     `rounds` rounds of `steps` timed calls each, the cases' order rotated by one each
     round; with `recalibrate` k > 0, one more calibration before every k-th round after
-    the first, and every plan priced again with their median."""
+    the first, and every plan priced again with their representative."""
     harness.add_paths()
     import dataclasses
 
@@ -171,12 +171,12 @@ def rank_main(config: str, batch_size: int, steps: int, warmup: int, quick: bool
             per_case[k].append(pxform.measure(step, dparams, batch, optimizer=opt,
                                               steps=steps, warmup=warmup if r == 0 else 1))
     # the machine's speed drifts by 10-20 % over minutes (`docs/benchmarks/accuracy.md`):
-    # a plan priced with the median of calibrations taken between the rounds is priced
-    # for the machine the rounds ran on, the first calibration's for the machine as it
-    # was before them (what a user who calibrates once gets; both are reported)
-    # (the representative calibration, kept whole, as `pxform calibrate --runs` writes;
-    # beside it, each calibration's prices and the median of every number, which mixed
-    # calibrations' numbers measured against each other's scales)
+    # a plan priced with the representative of calibrations taken between the rounds
+    # (kept whole, as `pxform calibrate --runs` writes) is priced for the machine the
+    # rounds ran on, the first calibration's for the machine as it was before them (what
+    # a user who calibrates once gets); both are reported, and beside them each
+    # calibration's prices and the median of every number (which mixed calibrations'
+    # numbers, each measured against its own calibration's scale)
     from pxform.cost.hardware import median_profile
     from pxform.tools.runtime_costs import representative_profile
     over_run = representative_profile(profiles)

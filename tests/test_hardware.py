@@ -504,6 +504,8 @@ def test_representative_profile_keeps_the_middle_calibration_whole():
     assert len(_representative_steps(one)) == 1  # data parallel over one device only
     with pytest.raises(ValueError, match="representative_profile: no profiles given"):
         representative_profile([])
+    with pytest.raises(ValueError, match="not of one machine .* 1 devices per node"):
+        representative_profile([fast, one])
 
 
 def test_arguments_reject_bad_sizes(capsys):
