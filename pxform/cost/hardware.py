@@ -541,7 +541,7 @@ class Hardware:
         unknown).
 
         Example:
-            >>> hardware("h100-80gb").memory_time(3.35e12)
+            >>> hardware("h100-80gb").memory_time(2.68e12)  # (the preset's achieved rate)
             1.0
         """
         return nbytes / self.memory_bandwidth if self.memory_bandwidth > 0 else 0.0
@@ -975,6 +975,24 @@ _MEDIAN_FIELDS = ("efficiency", "memory_bandwidth", "op_overhead_s", "overlap_sl
                   "recompute_overhead_s", "relayout_overhead_s")
 
 
+def check_one_machine(profiles: Sequence[Hardware], what: str) -> None:
+    """Raise ValueError, naming `what`, unless every profile has the first's devices per
+    node and memory: calibrations of one machine and world (`median_profile`,
+    `pxform.tools.runtime_costs.representative_profile`).
+
+    Example:
+        >>> check_one_machine([hardware("a100-80gb")] * 2, "merge")
+    """
+    first = profiles[0]
+    for p in profiles[1:]:
+        if (p.devices_per_node, p.memory_bytes) != (first.devices_per_node, first.memory_bytes):
+            raise ValueError(
+                f"{what}: they are not of one machine ({p.name!r} has {p.devices_per_node} "
+                f"devices per node and {p.memory_bytes} bytes, {first.name!r} "
+                f"{first.devices_per_node} and {first.memory_bytes}); pass calibrations of "
+                f"the same machine and world only")
+
+
 def median_profile(profiles: Sequence[Hardware]) -> Hardware:
     """One profile from several calibrations of the same machine: every measured number
     the median of the profiles' (the comm tables' and op curves' times point by point, the
@@ -1008,13 +1026,7 @@ def median_profile(profiles: Sequence[Hardware]) -> Hardware:
     if len(profiles) == 1:
         return first
     what = f"median_profile of {len(profiles)} profiles of {first.name!r}"
-    for p in profiles[1:]:
-        if (p.devices_per_node, p.memory_bytes) != (first.devices_per_node, first.memory_bytes):
-            raise ValueError(
-                f"{what}: they are not of one machine ({p.name!r} has {p.devices_per_node} "
-                f"devices per node and {p.memory_bytes} bytes, {first.name!r} "
-                f"{first.devices_per_node} and {first.memory_bytes}); merge calibrations of "
-                f"the same machine and world only")
+    check_one_machine(profiles, what)
     med = statistics.median
     fields: dict[str, Any] = {f: med([getattr(p, f) for p in profiles]) for f in _MEDIAN_FIELDS}
     for name in ("peak_flops", "compute_flops"):

@@ -106,7 +106,7 @@ import torch.nn.functional as F
 
 from pxform.core.mesh import abstract_mesh
 from pxform.core.spec import P
-from pxform.cost.hardware import Hardware
+from pxform.cost.hardware import Hardware, check_one_machine
 from pxform.cost.model import CostModel
 from pxform.frontend.boundary import stage_boundary
 from pxform.runtime import world
@@ -316,14 +316,8 @@ def representative_profile(profiles: Sequence[Hardware]) -> Hardware:
                          "one or more calibrations of the same machine")
     if len(profiles) == 1:
         return profiles[0]
-    first = profiles[0]
-    for p in profiles[1:]:
-        if (p.devices_per_node, p.memory_bytes) != (first.devices_per_node, first.memory_bytes):
-            raise ValueError(
-                f"representative_profile of {len(profiles)} profiles of {first.name!r}: they "
-                f"are not of one machine ({p.name!r} has {p.devices_per_node} devices per "
-                f"node and {p.memory_bytes} bytes, {first.name!r} {first.devices_per_node} "
-                f"and {first.memory_bytes}); pass calibrations of the same machine and world")
+    check_one_machine(profiles, f"representative_profile of {len(profiles)} profiles of "
+                                f"{profiles[0].name!r}")
     predicted = [_representative_steps(hw) for hw in profiles]
     middle = [statistics.median(p[k] for p in predicted) for k in range(len(predicted[0]))]
     distance = [sum(abs(math.log(t / m)) for t, m in zip(p, middle) if t > 0 and m > 0)
