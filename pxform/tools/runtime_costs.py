@@ -301,7 +301,7 @@ def representative_profile(profiles: Sequence[Hardware]) -> Hardware:
     slow spell that raised one lowered the next, and field-by-field medians mixed them
     into a profile faster than the calibrations it came from (2026-11-27, two runs of
     `benchmarks/accuracy.py` with 5 calibrations each: priced with the median of every
-    number 1 and 2 of 13 plans came out within 10 %, every plan under; with this
+    number 1 and 2 of 13 plans came out within 10 %, all but one under; with this
     profile 8 and 9).
     Call it on every rank alike (it plans, it runs nothing). `pxform calibrate --runs N`
     writes this profile.
