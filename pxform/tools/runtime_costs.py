@@ -349,9 +349,7 @@ def _representative_steps(hw: Hardware) -> list[float]:
     pins = [Pin(stages=1, outer=n, inner=1, microbatches=1,
                 block_options=(Option((("outer", "dp"),) if n > 1 else (), False),) * blocks)]
     if n % 2 == 0:
-        roles = (("inner", "tp"),) if n == 2 else (("outer", "dp"), ("inner", "tp"))
-        pins += [Pin(stages=1, outer=n // 2, inner=2, microbatches=1,
-                     block_options=(Option(roles, False),) * blocks),
+        pins += [_pairs_pin(n, blocks),
                  Pin(stages=2, outer=n // 2, inner=1, microbatches=8,
                      schedule=ScheduleChoice())]
     out = []
@@ -362,6 +360,20 @@ def _representative_steps(hw: Hardware) -> list[float]:
         except SearchError:  # (the same for every profile of one machine: not counted)
             out.append(0.0)
     return out
+
+
+def _pairs_pin(n: int, blocks: int) -> Pin:
+    """Every block tensor parallel over pairs of `n` ranks (even), data parallel across the
+    pairs (`_relayout_overhead`, `_representative_steps`): the reference's 4 heads split
+    no further, and an inner axis of 2 stays within a node of 2 devices.
+
+    Example:
+        >>> _pairs_pin(4, 3).block_options[0].roles
+        (('outer', 'dp'), ('inner', 'tp'))
+    """
+    roles = (("inner", "tp"),) if n == 2 else (("outer", "dp"), ("inner", "tp"))
+    return Pin(stages=1, outer=n // 2, inner=2, microbatches=1,
+               block_options=(Option(roles, False),) * blocks)
 
 
 def _reference(params: dict[str, Any], tokens: torch.Tensor) -> torch.Tensor:
@@ -648,11 +660,9 @@ def _relayout_overhead(hw: Hardware, gen: torch.Generator, repeats: int) -> floa
     # data parallel across the pairs: each pair runs `rows` sequences, as 2 ranks do
     tokens = _on(torch.randint(0, vocab, (rows * n // 2, seq), generator=gen), device)
     mesh = abstract_mesh(n)
-    roles = (("inner", "tp"),) if n == 2 else (("outer", "dp"), ("inner", "tp"))
     try:
         blocks = len(auto(_reference, mesh=mesh, hardware=hw).plan(params, tokens).blocks)
-        pin = Pin(stages=1, outer=n // 2, inner=2, microbatches=1,
-                  block_options=(Option(roles, False),) * blocks)
+        pin = _pairs_pin(n, blocks)
 
         def priced(per_run: float) -> float:
             at = dataclasses.replace(hw, relayout_overhead_s=per_run)
