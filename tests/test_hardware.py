@@ -747,3 +747,83 @@ def test_runtime_costs_time_the_gpu_under_nccl(monkeypatch):
         dist.destroy_process_group()
     assert placed == {"cuda"}
     assert 0.3 < hw.op_time_scale < 2.0, hw.op_time_scale
+
+
+def test_host_overlaps_round_trips_and_is_checked():
+    """`Hardware.host_overlaps` (kernels run asynchronously to the host: CUDA) travels in
+    the JSON profile; a profile written before it loads as False (host and device add, as
+    on CPUs); anything but a bool is refused, naming the key."""
+    from dataclasses import replace
+
+    hw = replace(measured(), host_overlaps=True)
+    d = hw.to_json()
+    assert d["host_overlaps"] is True and Hardware.from_json(d) == hw
+    del d["host_overlaps"]
+    assert Hardware.from_json(d).host_overlaps is False
+    with pytest.raises(ValueError, match="'host_overlaps' must be true or false, got 1"):
+        Hardware.from_json({**hw.to_json(), "host_overlaps": 1})
+    with pytest.raises(ValueError, match="host_overlaps must be True or False"):
+        replace(hw, host_overlaps="yes")
+
+
+def test_fit_overlapped_recovers_the_scale_and_the_host_time():
+    """On an asynchronous device the reference step is fitted as each pass taking the
+    longer of the device's time (scale x the op model's) and the host's (ops x per op, a
+    third forward, two thirds backward): from steps made that way, host-bound at the small
+    sizes and device-bound at the large, the fit gives back both numbers; the linear fit
+    (host and device added, right on CPUs) does not."""
+    from pxform.tools.runtime_costs import _fit_overlapped, _fit_scale
+
+    ops = 300
+    passes = [(c, 2.1 * c) for c in (2e-4, 1e-3, 4e-3, 1.6e-2, 6.4e-2)]
+    for scale, per_op in [(0.8, 4e-5), (1.3, 1.5e-5), (2.0, 0.0)]:
+        host = ops * per_op
+        steps = [max(scale * f, host / 3) + max(scale * b, 2 * host / 3) for f, b in passes]
+        got_scale, got_per_op = _fit_overlapped(steps, passes, ops)
+        assert got_scale == pytest.approx(scale, rel=2e-3)
+        assert got_per_op == pytest.approx(per_op, rel=2e-3, abs=1e-8)
+    linear, _ = _fit_scale(steps, [f + b for f, b in passes], ops)  # (the last case)
+    assert linear == pytest.approx(2.0, rel=2e-3)  # no host time: the two agree
+    host = ops * 4e-5
+    steps = [max(0.8 * f, host / 3) + max(0.8 * b, 2 * host / 3) for f, b in passes]
+    linear, _ = _fit_scale(steps, [f + b for f, b in passes], ops)
+    assert abs(linear - 0.8) > 0.01
+
+
+def test_a_pass_on_an_overlapping_device_takes_the_longer_of_host_and_device():
+    """With `host_overlaps`, a stage's forward and backward are each the longer of their
+    device time and their host time per op (`op_step_overhead_s` on every op, a third
+    forward, two thirds backward), not the sum: host-bound when the host time dominates,
+    the device's alone when it is small; without it the two add (CPUs)."""
+    from dataclasses import replace
+
+    import gpt
+
+    import pxform
+
+    cfg = gpt.GPT_CONFIGS["small"]
+    params = gpt.init_params(cfg, device="meta")
+    batch = gpt.make_batch(cfg, 8, device="meta")
+
+    def loss(p, b):
+        return gpt.loss_fn(p, b, cfg)
+
+    def plan(hw):
+        return pxform.auto(loss, mesh=pxform.Mesh.abstract(1), hardware=hw).plan(params, batch)
+
+    base = replace(measured(devices_per_node=1, op_curves=()), op_time_scale=1.0,
+                   step_overhead_s=0.0, param_overhead_s=0.0)
+    bare = plan(replace(base, op_step_overhead_s=0.0)).stage_plans[0]
+    for per_op in (1e-7, 1e-3):
+        added = plan(replace(base, op_step_overhead_s=per_op))
+        ops = sum(b.stop - b.start for b in added.blocks)
+        host_f, host_b = ops * per_op / 3, ops * per_op * 2 / 3
+        st = added.stage_plans[0]
+        assert st.forward_s == pytest.approx(bare.forward_s + host_f)
+        assert st.backward_s == pytest.approx(bare.backward_s + host_b)
+        over = plan(replace(base, op_step_overhead_s=per_op, host_overlaps=True))
+        st = over.stage_plans[0]
+        assert st.forward_s == pytest.approx(max(bare.forward_s, host_f))
+        assert st.backward_s == pytest.approx(max(bare.backward_s, host_b))
+        assert over.step_time_s < added.step_time_s
+    assert host_f > bare.forward_s  # the second case is host-bound

@@ -394,6 +394,14 @@ class Hardware:
             `pxform.tools.runtime_costs` measures it on the reference transformer under
             tensor parallelism, against the model; pipeline transfers and ZeRO-3's
             prefetched gathers do not pay it; 0: not measured.
+        host_overlaps: the device runs kernels asynchronously to the host (CUDA): the
+            host's time per op (`op_step_overhead_s`) runs while the device computes,
+            so a stage's forward or backward pass takes the longer of the two, not their
+            sum (`pxform.search.stages`), and `pxform.tools.runtime_costs` fits the
+            reference step that way. On an H200, GPT 125M-760M steps priced as the sum
+            came out 37-74 % over: they are host-bound there. False (CPUs, where one
+            thread does both): they add. `pxform.runtime.calibrate` sets it from the
+            device it measured.
         source: where the numbers come from.
 
     Example:
@@ -428,6 +436,7 @@ class Hardware:
     op_action_overhead_s: float = 0.0
     recompute_overhead_s: float = 0.0
     relayout_overhead_s: float = 0.0
+    host_overlaps: bool = False
     sync_wait: tuple[tuple[float, float], ...] = ()
 
     def __post_init__(self) -> None:
@@ -470,6 +479,9 @@ class Hardware:
                                                       or self.overlap_slowdown >= 1):
             raise ValueError(f"{what}: overlap_slowdown must be 0 (not measured) or >= 1, "
                              f"got {self.overlap_slowdown!r}")
+        if not isinstance(self.host_overlaps, bool):
+            raise ValueError(f"{what}: host_overlaps must be True or False, got "
+                             f"{self.host_overlaps!r}")
         if not _number(self.op_time_scale) or self.op_time_scale <= 0:
             raise ValueError(f"{what}: op_time_scale must be a number > 0 (1: not measured), "
                              f"got {self.op_time_scale!r}")
@@ -667,6 +679,7 @@ class Hardware:
             "overlap_slowdown": self.overlap_slowdown,
             **{key: getattr(self, key) for key in _FIXED_COSTS},
             "op_time_scale": self.op_time_scale,
+            "host_overlaps": self.host_overlaps,
             "sync_wait": [list(p) for p in self.sync_wait],
             "source": self.source,
         }
@@ -738,7 +751,7 @@ def _from_json(d: Any, where: str) -> Hardware:
     known = {"format", "name", "devices_per_node", "memory_bytes", "peak_flops",
              "efficiency", "links", "comm_tables", "compute_flops", "source",
              "memory_bandwidth", "op_overhead_s", "op_curves", "overlap_slowdown",
-             "op_time_scale", "sync_wait", *_FIXED_COSTS}
+             "op_time_scale", "host_overlaps", "sync_wait", *_FIXED_COSTS}
     for key in d:
         if key not in known:
             raise bad(key, f"is not a profile key (known: {', '.join(sorted(known))})")
@@ -756,6 +769,7 @@ def _from_json(d: Any, where: str) -> Hardware:
             "an object of dtype name -> FLOP/s": lambda v: isinstance(v, Mapping)
             and all(isinstance(k, str) and _number(x) for k, x in v.items()),
             "a list": lambda v: isinstance(v, list),
+            "true or false": lambda v: isinstance(v, bool),
         }
         if not checks[kind](value):
             raise bad(key, f"must be {kind}, got {value!r}")
@@ -775,6 +789,7 @@ def _from_json(d: Any, where: str) -> Hardware:
     curves_json = get("op_curves", "a list", [], required=False)
     overlap = get("overlap_slowdown", "a number", 0.0, required=False)
     scale = get("op_time_scale", "a number", 1.0, required=False)
+    host_overlaps = get("host_overlaps", "true or false", False, required=False)
     fixed = {key: float(get(key, "a number", 0.0, required=False))
              for key in _FIXED_COSTS}
     sync_json = get("sync_wait", "a list", [], required=False)
@@ -831,6 +846,7 @@ def _from_json(d: Any, where: str) -> Hardware:
                         source=source, memory_bandwidth=float(bandwidth),
                         op_overhead_s=float(overhead), op_curves=tuple(curves),
                         overlap_slowdown=float(overlap), op_time_scale=float(scale),
+                        host_overlaps=host_overlaps,
                         sync_wait=tuple((float(g), float(w)) for g, w in sync_json), **fixed)
     except ValueError as e:
         raise ValueError(f"Hardware.load: {where}: {e}; {_FIX}") from None

@@ -60,6 +60,7 @@ from pxform.cost.hardware import (
     ring_steps,
 )
 from pxform.runtime.graph_module import synchronize
+from pxform.runtime.world import barrier as world_barrier
 
 __all__ = ["add_arguments", "calibrate", "main", "lower_quartile", "sent_bytes", "summary"]
 
@@ -152,7 +153,7 @@ def calibrate(*, sizes: Sequence[int] = (2**10, 2**14, 2**18, 2**22), repeats: i
     # every rank computes at once, as in training: ranks sharing cores and a memory bus
     # (CPU) share their rate; rank 0's figures are kept
     if distributed and world >= 2:
-        dist.barrier()
+        world_barrier()
     bandwidth = _measure_bandwidth(device, say)
     overhead = _measure_op_overhead(say) if device.type == "cpu" else 0.0
     compute = _measure_compute(device, say)
@@ -179,7 +180,8 @@ def calibrate(*, sizes: Sequence[int] = (2**10, 2**14, 2**18, 2**22), repeats: i
             peak_flops=(), efficiency=1.0,  # compute_flops are achieved rates already
             links=links, comm_tables=tuple(tables), compute_flops=tuple(compute.items()),
             source=source, memory_bandwidth=bandwidth, op_overhead_s=overhead,
-            op_curves=curves, overlap_slowdown=overlap, sync_wait=sync)
+            op_curves=curves, overlap_slowdown=overlap, sync_wait=sync,
+            host_overlaps=cuda)  # kernels run asynchronously to the host there
         profile = hw.to_json()
     if distributed and world >= 2:
         box = [profile]
@@ -458,12 +460,12 @@ def _measure_overlap(device: torch.device, repeats: int, say: Callable[[str], No
     synchronize(device)
     slowdowns = []
     for _ in range(repeats):
-        dist.barrier()
+        world_barrier()
         g, _ = _timed_median(comm, device, 3)
         one, _ = _timed_median(lambda: matmuls(1), device, 3)
         count = max(1, round(g / one))
         c, _ = _timed_median(functools.partial(matmuls, count), device, 3)
-        dist.barrier()
+        world_barrier()
         synchronize(device)
         start = time.perf_counter()
         work = dist.all_reduce(buf, async_op=True)
@@ -536,9 +538,9 @@ def _measure_sync_wait(device: torch.device, repeats: int, say: Callable[[str], 
 
         diffs, spans = [], []
         for _ in range(repeats):
-            dist.barrier()
+            world_barrier()
             t_alone = _timed_once(alone, device)
-            dist.barrier()
+            world_barrier()
             t_synced = _timed_once(synced, device)
             diffs.append((t_synced - t_alone) / _SYNC_CALLS)
             spans.append(t_alone / _SYNC_CALLS)
@@ -907,4 +909,8 @@ def summary(hw: Hardware) -> str:
     if hw.op_time_scale != 1.0:
         lines.append(f"  op time scale: {hw.op_time_scale:.3f} (a reference training step "
                      f"over its ops timed alone)")
+    if hw.host_overlaps:
+        lines.append(f"  the host runs ahead of the device: a pass takes the longer of its "
+                     f"device time and its host time ({hw.op_step_overhead_s * 1e6:.3g} us "
+                     f"per op)")
     return "\n".join(lines)

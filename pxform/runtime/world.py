@@ -13,6 +13,7 @@ from __future__ import annotations
 import datetime
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 
@@ -37,8 +38,18 @@ def backend() -> str:
 
 
 def barrier() -> None:
-    """Wait for every rank (nothing without a process group)."""
-    if initialized():
+    """Wait for every rank (nothing without a process group). Under NCCL, on this rank's
+    current CUDA device, named: without it torch warns that it guesses the device (and a
+    guess can hang ranks that map to devices differently).
+
+    Example:
+        >>> world.barrier()
+    """
+    if not initialized():
+        return
+    if "nccl" in backend() and torch.cuda.is_available():
+        dist.barrier(device_ids=[torch.cuda.current_device()])
+    else:
         dist.barrier()
 
 

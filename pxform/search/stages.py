@@ -10,7 +10,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pxform.cost.model import backward_extra
+from pxform.cost.hardware import Hardware
+from pxform.cost.model import BACKWARD_RATIO, backward_extra
+from pxform.search.analysis import BlockInfo
 from pxform.search.context import OptionCost, OptionTable, SearchContext, StagePoint
 from pxform.search.frontier import Point, chain_frontier
 from pxform.search.options import transition
@@ -238,6 +240,34 @@ def assemble(ctx: SearchContext, config: Config, part: tuple[int, ...],
                      tuple(block_mem), ctx.global_batch, schedule)
 
 
+def host_overlapped(hw: Hardware, blocks: Sequence[BlockInfo], options: Sequence[Option],
+                    forward: float, backward: float) -> tuple[float, float]:
+    """A stage's (forward, backward) per microbatch on a device that runs kernels
+    asynchronously to the host (`Hardware.host_overlaps`): `forward` and `backward` are
+    the sums over its ops of the device's time and the host's time per op
+    (`CostModel.op_times` adds `op_step_overhead_s` to every op, a third forward, two
+    thirds backward); there the host enqueues while the device computes, and each pass
+    takes the longer of its two parts. A recomputed block's backward runs its forward's
+    ops again, and the checkpoint's own host time (`recompute_overhead_s`), on the host.
+
+    Example (one block of 400 ops, 30 us of host time each: 4 ms forward, 8 backward):
+        >>> hw = dataclasses.replace(hardware("h100-80gb"), host_overlaps=True,
+        ...                          op_step_overhead_s=3e-5)
+        >>> f, b = host_overlapped(hw, [block], [Option((("outer", "dp"),))], 0.03, 0.05)
+        >>> round(f, 6), round(b, 6)
+        (0.026, 0.042)
+    """
+    per_op = hw.op_step_overhead_s / (1 + BACKWARD_RATIO)  # the forward's share
+    host_f = host_b = 0.0
+    for block, option in zip(blocks, options):
+        ops = block.stop - block.start
+        host_f += ops * per_op
+        host_b += ops * per_op * BACKWARD_RATIO
+        if option.recompute:
+            host_b += ops * per_op + hw.recompute_overhead_s
+    return max(forward - host_f, host_f), max(backward - host_b, host_b)
+
+
 @dataclass(frozen=True)
 class _StageSums:
     """A stage's share of `assemble` that depends on its own blocks and point only."""
@@ -284,6 +314,8 @@ def _stage_sums(ctx: SearchContext, config: Config, idx: list[int], pt: Point,
         pbytes += oc.params
         outer += oc.packed_outer
         inner += oc.packed_inner
+    if ctx.hardware.host_overlaps:
+        f, b = host_overlapped(ctx.hardware, [a.blocks[k] for k in idx], options, f, b)
     # the stage's packed all-reduces priced whole (its buckets, the last one exposed)
     # instead of as the blocks' shares (`SearchContext.packed_rate`)
     axes = ctx.axes(config)
