@@ -13,6 +13,7 @@ reference step's `op_time_scale`, the recompute), not the communication model
 
     python benchmarks/accuracy_gpu.py               # writes benchmarks/results/
     python benchmarks/accuracy_gpu.py --quick       # GPT small only, writes nothing
+    python benchmarks/accuracy_gpu.py --params plain  # plain tensors, not DTensors
 
 Cases: GPT small (float32, batch 64 x 64 tokens), GPT 125M, 350M and 760M (bfloat16,
 sequences of 1,024 tokens, batch 8, 8 and 4).
@@ -34,7 +35,8 @@ CASES = (("small", 64, None, "float32"), ("125M", 8, 1024, "bfloat16"),
          ("350M", 8, 1024, "bfloat16"), ("760M", 4, 1024, "bfloat16"))
 
 
-def run(cases: tuple[tuple[str, int, int | None, str], ...], steps: int) -> dict[str, Any]:
+def run(cases: tuple[tuple[str, int, int | None, str], ...], steps: int,
+        params_as: str = "distributed") -> dict[str, Any]:
     harness.add_paths()
     import gpt
     import optree
@@ -74,14 +76,21 @@ def run(cases: tuple[tuple[str, int, int | None, str], ...], steps: int) -> dict
                           block_options=(Option((), redo),) * blocks)
                 step = pxform.auto(loss, mesh=1, hardware=hw, plan=pin)
                 plan = step.plan(params, data)
-                opt = torch.optim.AdamW(optree.tree_leaves(params), lr=1e-4, foreach=False)
-                _, grads = pxform.value_and_grad(step)(params, data)
-                for p, g in zip(optree.tree_leaves(params), optree.tree_leaves(grads)):
+                # by default the parameters laid out as `auto`'s users run them
+                # (`distribute` or `init`: DTensors), as `runtime_costs` times its
+                # per-parameter cost and `accuracy.py` runs its plans; `--params plain`
+                # passes the tensors themselves (what this did until 2026-11-27)
+                laid_out = (step.distribute(params, data)[0] if params_as == "distributed"
+                            else params)
+                owned = optree.tree_leaves(laid_out)
+                opt = torch.optim.AdamW(owned, lr=1e-4, foreach=False)
+                _, grads = pxform.value_and_grad(step)(laid_out, data)
+                for p, g in zip(owned, optree.tree_leaves(grads)):
                     p.grad = g
                 opt.step()
                 opt.zero_grad(set_to_none=True)
-                measured = pxform.measure(step, params, data, optimizer=opt, steps=steps,
-                                          warmup=3)
+                measured = pxform.measure(step, laid_out, data, optimizer=opt,
+                                          steps=steps, warmup=3)
                 report = plan.report(measured)
                 rows.append({"model": size, "batch": batch, "seq_len": cfg.seq_len,
                              "dtype": dtype_name, "recompute": redo,
@@ -94,10 +103,11 @@ def run(cases: tuple[tuple[str, int, int | None, str], ...], steps: int) -> dict
                       f"{r['predicted_time_s'] * 1e3:7.2f} ms, measured "
                       f"{r['measured_time_s'] * 1e3:7.2f} ms ({r['time_error']:+.1%}); "
                       f"memory {r['memory_error']:+.1%}", flush=True)
-                del opt, grads
+                del opt, grads, laid_out, owned
             del params, data
             torch.cuda.empty_cache()
         return {"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
+                "params": params_as,
                 "calibrate_s": calibrate_s, "hardware": hw.to_json(), "cases": rows}
     finally:
         dist.destroy_process_group()
@@ -108,12 +118,15 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=10, help="timed steps per case")
     p.add_argument("--quick", action="store_true", help="GPT small only; writes nothing")
     p.add_argument("--out", default=harness.RESULTS)
+    p.add_argument("--params", choices=("distributed", "plain"), default="distributed",
+                   help="parameters as `step.distribute` lays them out (DTensors, the "
+                        "default) or the plain tensors")
     args = p.parse_args()
     import torch
 
     if not torch.cuda.is_available():
         sys.exit("accuracy_gpu.py: needs a CUDA GPU (this machine has none)")
-    result = run(CASES[:1] if args.quick else CASES, args.steps)
+    result = run(CASES[:1] if args.quick else CASES, args.steps, args.params)
     errors = [abs(r["time_error"]) for r in result["cases"]]
     print(f"  {result['device']}: |time error| <= 10 % in {sum(e <= 0.10 for e in errors)}/"
           f"{len(errors)} cases (median {sorted(errors)[len(errors) // 2]:.1%})")
