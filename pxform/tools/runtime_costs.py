@@ -18,7 +18,10 @@ world and returns the profile with them set:
 * `param_overhead_s`, per parameter tensor per step: its local piece, its gradient hook
   and bucket slot, its gradient laid out and regrouped. A data-parallel step over K tiny
   parameters read by one `stack` (so the ops do not grow with K), at K = 4 and K = 64: the
-  difference over 60.
+  difference over 60. The parameters are laid out by `distribute` (DTensors), as `init`
+  and `distribute` give them to `auto`'s users: unwrapping each and wrapping its gradient
+  is most of this cost (until 2026-11-27 plain tensors, and data-parallel plans came out
+  5-15 % under).
 * `step_overhead_s`, per step: the K = 4 step less its 4 parameters, less what the cost
   model prices its ops and its all-reduce at.
 * `action_overhead_s` and `op_action_overhead_s`, per pipeline action (one stage's
@@ -66,7 +69,10 @@ world and returns the profile with them set:
   curves are timed on ops alone, in chains; in a step the same ops run slower (their
   inputs come cold from memory, the allocator churns, autograd's engine walks a bigger
   graph, and copies, fills and sums run that no traced op stands for). This is measured
-  first, and the fixed costs below are taken against the model with it.
+  first, and the fixed costs below are taken against the model with it. On a device
+  whose kernels run asynchronously to the host (`Hardware.host_overlaps`: CUDA) the fit
+  is `t = max(scale f, ops per_op / 3) + max(scale b, 2 ops per_op / 3)` per pass
+  instead (`_fit_overlapped`), as the search prices such a device.
 
 The programs run where training runs: on this rank's GPU under NCCL (the device
 `calibrate` measured; their random values are drawn on the CPU and moved), else on the
