@@ -106,6 +106,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
 import optree
 import torch
 import torch.nn.functional as F
@@ -113,8 +114,7 @@ import torch.nn.functional as F
 from pxform.core.mesh import abstract_mesh
 from pxform.core.spec import P
 from pxform.cost.hardware import Hardware, check_one_machine
-from pxform.cost.model import BACKWARD_RATIO as _BACKWARD_RATIO
-from pxform.cost.model import CostModel
+from pxform.cost.model import BACKWARD_RATIO, CostModel
 from pxform.frontend.boundary import stage_boundary
 from pxform.runtime import world
 from pxform.runtime.calibrate import sent_bytes
@@ -542,14 +542,12 @@ def _fit_overlapped(measured: Sequence[float], passes: Sequence[tuple[float, flo
         >>> round(scale, 3), round(per_op * 1e6, 1)   # host-bound, mixed, device-bound
         (1.2, 30.0)
     """
-    import numpy as np  # (numpy is torch's dependency; a grid of 10^5 cases at once)
-
     t = np.asarray(measured, dtype=float)
     f = np.asarray([p[0] for p in passes], dtype=float)
     b = np.asarray([p[1] for p in passes], dtype=float)
     if ops <= 0 or not (f + b).any() or not (t > 0).all():
         return _fit_scale(list(measured), [x + y for x, y in passes], ops)
-    share = 1.0 / (1.0 + _BACKWARD_RATIO)
+    share = 1.0 / (1.0 + BACKWARD_RATIO)  # the forward's part of the host time
 
     def best(scales: Any, per_ops: Any) -> tuple[float, float]:
         s = scales[:, None, None]
