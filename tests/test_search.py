@@ -1179,3 +1179,30 @@ def test_a_weight_share_past_the_backward_is_capped_not_refused(monkeypatch):
     assert plan.schedule == "zb" and plan.step_time_s > 0
     for s in plan.stage_plans:
         assert 0.0 <= s.weight_s <= s.backward_s + 1e-12, s
+
+
+def test_zero3_reduce_scatters_cost_the_compute_thread_their_launch():
+    """ZeRO-3's per-block gradient reduce-scatters overlap the backward that follows with
+    their transfers only: what each costs the rank's own thread (`collective_overhead_s`:
+    wrapping and launching it, and on gloo waiting for the group's previous collective)
+    joins the backward, as the forward's gathers' does. On a profile whose compute hides
+    every transfer (overlap slowdown 1: a shorter collective under compute is free), 1 ms
+    more per collective adds about 1 ms per gather and per reduce-scatter to a ZeRO-3
+    step that keeps what forward gathered (6 blocks: 6 gathers, 6 reduce-scatters, and the
+    loss's all-reduce); overlapped, the reduce-scatters had added nothing (6, not 12)."""
+    import gpt
+
+    from pxform.cost.hardware import hardware
+
+    slow = dataclasses.replace(hardware("a100-80gb"), op_time_scale=1000.0,
+                               overlap_slowdown=1.0)
+    cfg = gpt.GPT_CONFIGS["small"]
+    params, data = gpt.init_params(cfg, device="meta"), gpt.make_batch(cfg, 16,
+                                                                       device="meta")
+    pin = Pin(stages=1, outer=2, inner=1, microbatches=1,
+              block_options=(Option((("outer", "sdp"),), False, False),) * 6)
+    times = [pxform.auto(gpt.loss_fn, mesh=pxform.Mesh.abstract(2), hardware=hw,
+                         plan=pin).plan(params, data, cfg).step_time_s
+             for hw in (slow, dataclasses.replace(slow, collective_overhead_s=1e-3))]
+    added = (times[1] - times[0]) / 1e-3
+    assert 12 <= added <= 14, added
