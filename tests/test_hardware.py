@@ -615,6 +615,9 @@ def test_bucketed_all_reduce_exposes_the_last_bucket():
     # the runtime's own time per collective (`runtime_costs`) comes once per bucket too
     busy = CostModel(replace(hw, collective_overhead_s=1e-3))
     assert busy.bucketed_all_reduce(1e6, "dp", axes) == pytest.approx(one + 1e-3)
+    # and whole: launching a bucket takes the rank's own thread, only transfers overlap
+    # (3 buckets: 3 ms, not 1 + 2 x (1.5 - 1) ms)
+    assert busy.bucketed_all_reduce(2.5 * bucket, "dp", axes) == pytest.approx(t + 3e-3)
 
 
 def test_relayouts_are_priced_with_the_copies_the_runtime_makes():

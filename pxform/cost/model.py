@@ -16,7 +16,9 @@ one measured by `pxform calibrate`) and from the traced graph:
   down when they overlap: Galvatron-BMW (Wang et al., TPDS 2024, §4.2) measured about 1.3x
   on A100 nodes, which is `OVERLAP_SLOWDOWN`. The backward of a block then takes
   `max(c, g) + (OVERLAP_SLOWDOWN - 1) x min(c, g)` for compute `c` and gradient
-  communication `g`: no overlap benefit is claimed for the shorter one.
+  communication `g`: no overlap benefit is claimed for the shorter one. Only transfers
+  overlap: what a collective costs the rank's own thread (`collective_overhead_s`, the
+  copy that packs a bucket) is added to the backward (`pxform.search.blockcost.walk`).
 - **memory per device**: parameters, their gradients and the optimizer state
   (`state_bytes_per_param`), for the local shard a layout gives; plus the activations the
   ops save for backward, measured on fake tensors under saved-tensor hooks
@@ -265,9 +267,13 @@ class CostModel:
             full, rest = full - 1, bucket
         local = sent * n / (2 * (n - 1))  # the packed bytes (sent is the ring volume)
         pack = self.op_times(0.0, torch.float32, 2.0 * local, "elementwise")[0]
+        # a full bucket's transfer runs under the backward that follows; its launch (the
+        # per-collective cost) on the rank's own thread does not
+        per_collective = self.hardware.collective_overhead_s
         return (pack + self.step_time("all_reduce", axis, rest, axes)
-                + (self.overlap_slowdown - 1) * full
-                * self.step_time("all_reduce", axis, bucket, axes))
+                + full * ((self.overlap_slowdown - 1)
+                          * (self.step_time("all_reduce", axis, bucket, axes) - per_collective)
+                          + per_collective))
 
     def overlap(self, compute: float, comm: float) -> float:
         """Backward time with gradient communication `comm` overlapping `compute`."""

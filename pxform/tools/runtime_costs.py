@@ -245,8 +245,12 @@ def runtime_costs(hw: Hardware, repeats: int = 9) -> Hardware:
         # actions each; with 16 parameters per stage instead of 1, what each parameter
         # adds to an action (its piece of the stage's gradients accumulated per
         # microbatch, its conversion's autograd function)
-        _, slots = _paired(pp_step(2, 1), pp_step(8, 1), repeats)
-        _, slots_many = _paired(pp_step(2, 16), pp_step(8, 16), repeats)
+        # thrice the repeats: a difference of two differences, each of ~10 ms here; at 9
+        # it came out 0-92 us from one calibration to the next (2026-11-27), and the
+        # 92 priced GPT small's 8-microbatch pipelines 25-46 % over (26 parameters a
+        # stage, 18 actions on the critical path)
+        _, slots = _paired(pp_step(2, 1), pp_step(8, 1), 3 * repeats)
+        _, slots_many = _paired(pp_step(2, 16), pp_step(8, 16), 3 * repeats)
         per_param_action = max(0.0, (slots_many - slots) / (2 * 6 * 15))
 
         def chained(p: dict[str, list[torch.Tensor]], x: torch.Tensor) -> torch.Tensor:
