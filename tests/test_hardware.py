@@ -476,9 +476,10 @@ def test_median_profile_keeps_the_median_of_every_measured_number():
 def test_representative_profile_keeps_the_middle_calibration_whole():
     """`representative_profile` (what `pxform calibrate --runs N` writes): each profile
     prices the reference transformer's data-parallel, tensor-parallel and pipelined steps
-    on its node, and the one nearest the median per step is returned with all its own
-    numbers (a calibration's fixed costs are measured against its own op time scale:
-    `median_profile` mixes them); one profile is itself; none is an error."""
+    on its node (the pipeline also at 8 layers), and the one nearest the median per step
+    is returned with all its own numbers (a calibration's fixed costs are measured
+    against its own op time scale: `median_profile` mixes them); one profile is itself;
+    none is an error."""
     from dataclasses import replace
 
     from pxform.tools.runtime_costs import _representative_steps, representative_profile
@@ -489,8 +490,14 @@ def test_representative_profile_keeps_the_middle_calibration_whole():
     fast = replace(base, op_time_scale=1.0, param_overhead_s=4e-4, source="fast")
     middle = replace(base, op_time_scale=1.4, param_overhead_s=2e-4, source="middle")
     steps = [_representative_steps(p) for p in (fast, middle, slow)]
-    assert all(len(s) == 3 and min(s) > 0 for s in steps)  # dp, tp, 2 stages on 2 devices
+    # dp, tp, 2 stages of the 2-layer reference and of its 8-layer form, on 2 devices
+    assert all(len(s) == 4 and min(s) > 0 for s in steps)
     assert [s[0] for s in steps] == sorted(s[0] for s in steps)
+    # the deep pipeline's stages hold 4x the parameters: a cost per parameter and action
+    # weighs 4x there (what let one calibration's outlier sit in the middle at 2 layers)
+    outlier = _representative_steps(replace(middle, param_action_overhead_s=1e-4))
+    shallow, deep = outlier[2] - steps[1][2], outlier[3] - steps[1][3]
+    assert shallow > 0 and deep == pytest.approx(4 * shallow, rel=0.05)
     chosen = representative_profile([slow, fast, middle])
     assert replace(chosen, source="middle") == middle
     assert chosen.source.startswith("calibration 3 of 3, the one whose predictions sit in "

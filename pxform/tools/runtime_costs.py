@@ -309,7 +309,8 @@ def representative_profile(profiles: Sequence[Hardware]) -> Hardware:
     """The one of `profiles` (calibrations of one machine, same sizes) whose predictions
     sit in the middle of theirs, kept whole: each prices the reference transformer's
     steps on one node of its devices (`_representative_steps`: data parallel, tensor
-    parallel over pairs, 2 pipeline stages of 8 microbatches), and the profile whose
+    parallel over pairs, 2 pipeline stages of 8 microbatches at 2 and at 8 layers), and
+    the profile whose
     predictions are nearest the median prediction per step (the sum of their absolute
     log ratios; the first on a tie) is returned, its `source` saying so.
 
@@ -351,8 +352,8 @@ def _representative_steps(hw: Hardware) -> list[float]:
     """`hw`'s predicted seconds for the reference transformer (8 sequences per device) on
     one node of `hw.devices_per_node` devices: data parallel; with an even count, tensor
     parallel over pairs (data parallel across them) and a 2-stage 1F1B pipeline of 8
-    microbatches (`representative_profile`); a step the search cannot plan is left out
-    alike for every profile."""
+    microbatches, of the reference and of its 8-layer form (`representative_profile`); a
+    step the search cannot plan is left out alike for every profile."""
     n = max(1, hw.devices_per_node)
     gen = torch.Generator().manual_seed(0)
     device = default_device()
@@ -364,17 +365,24 @@ def _representative_steps(hw: Hardware) -> list[float]:
         blocks = len(auto(_reference, mesh=mesh, hardware=hw).plan(params, tokens).blocks)
     except SearchError:  # (no plan at all: nothing to tell the profiles apart by)
         return []
-    pins = [Pin(stages=1, outer=n, inner=1, microbatches=1,
-                block_options=(Option((("outer", "dp"),) if n > 1 else (), False),) * blocks)]
+    steps = [(params, Pin(stages=1, outer=n, inner=1, microbatches=1, block_options=(
+        Option((("outer", "dp"),) if n > 1 else (), False),) * blocks))]
     if n % 2 == 0:
-        pins += [_pairs_pin(n, blocks),
-                 Pin(stages=2, outer=n // 2, inner=1, microbatches=8,
-                     schedule=ScheduleChoice())]
+        pipelined = Pin(stages=2, outer=n // 2, inner=1, microbatches=8,
+                        schedule=ScheduleChoice())
+        # the pipeline twice: the reference's 2 layers, and 8 (4 a stage), whose stages
+        # hold parameters and ops as a real model's do; the costs per parameter and per op
+        # of an action weigh there as in training (one calibration's 92 us per parameter
+        # and action, 2-5x the others', sat in the middle at 2 layers, and priced GPT
+        # small's 8-microbatch pipelines 25-46 % over)
+        cpu = torch.device("cpu")
+        deep = _reference_params(gen, cpu, layers=4 * _reference_shape(cpu)[0])
+        steps += [(params, _pairs_pin(n, blocks)), (params, pipelined), (deep, pipelined)]
     out = []
-    for pin in pins:
+    for tree, pin in steps:
         try:
             out.append(auto(_reference, mesh=mesh, hardware=hw, memory_margin=0.0,
-                            plan=pin).plan(params, tokens).step_time_s)
+                            plan=pin).plan(tree, tokens).step_time_s)
         except SearchError:  # (the same for every profile of one machine: not counted)
             out.append(0.0)
     return out
