@@ -266,7 +266,7 @@ class CostModel:
         if rest == 0:
             full, rest = full - 1, bucket
         local = sent * n / (2 * (n - 1))  # the packed bytes (sent is the ring volume)
-        pack = self.op_times(0.0, torch.float32, 2.0 * local, "elementwise")[0]
+        pack = self.pack_time(local)
         # a full bucket's transfer runs under the backward that follows; its launch (the
         # per-collective cost) on the rank's own thread does not
         per_collective = self.hardware.collective_overhead_s
@@ -274,6 +274,19 @@ class CostModel:
                 + full * ((self.overlap_slowdown - 1)
                           * (self.step_time("all_reduce", axis, bucket, axes) - per_collective)
                           + per_collective))
+
+    def pack_time(self, nbytes: float) -> float:
+        """Seconds to copy `nbytes` of gradients into a bucket's buffer before its
+        collective (`pxform.runtime.buckets`; on the rank's own thread, so never
+        overlapped): an elementwise op over the bytes, read and written.
+
+        Example:
+            >>> model.pack_time(0.0)
+            0.0
+        """
+        if nbytes <= 0:
+            return 0.0
+        return self.op_times(0.0, torch.float32, 2.0 * nbytes, "elementwise")[0]
 
     def overlap(self, compute: float, comm: float) -> float:
         """Backward time with gradient communication `comm` overlapping `compute`."""

@@ -609,12 +609,9 @@ def _measure_comms(sizes: Sequence[int], repeats: int, kinds: tuple[str, ...], w
             if rank in (first, first + 1):
                 mine = group
         configs.append((False, mine, 2, mine is not None))  # odd rank out: no pair
-    barrier_kwargs: dict[str, Any] = {}
-    if "nccl" in backend and device.type == "cuda":
-        barrier_kwargs["device_ids"] = [device.index]
 
     def timed(op: Callable[[], object]) -> float:
-        dist.barrier(**barrier_kwargs)
+        world_barrier()  # (under NCCL on this rank's device, named)
         synchronize(device)
         start = time.perf_counter()
         op()

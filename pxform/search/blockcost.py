@@ -34,8 +34,6 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 from pxform.core.ir import Value
 from pxform.core.layout import Layout, Relayout, plan_relayout
 from pxform.core.mesh import AbstractMesh
@@ -314,8 +312,8 @@ def walk(a: Analysis, block: BlockInfo, strats: list[Strategy], outside: Mapping
     # per step); the others (ZeRO-3's reduce-scatters) go per block, launched during
     # backward (`GradBuckets`). Their transfers overlap the backward that follows
     # (`grad_comm`); what each costs the compute thread does not, and joins the backward:
-    # packing the block's gradients rank-major (a copy of their local bytes, priced as
-    # `bucketed_all_reduce` prices its pack) and the runtime's own time per collective
+    # packing the block's gradients rank-major (`CostModel.pack_time` of their local
+    # bytes) and the runtime's own time per collective
     # (`collective_overhead_s`: wrapping and launching it, and on gloo waiting for the
     # group's previous collective, one at a time). Overlapped whole, ZeRO-3 plans came out
     # 11-19 % under on 2 gloo ranks, their 7 launches timed at 7.5-9 ms per step.
@@ -327,10 +325,8 @@ def walk(a: Analysis, block: BlockInfo, strats: list[Strategy], outside: Mapping
             continue
         n = axes[axis][0]
         local = sent * n / (n - 1) if kind == "reduce_scatter" else 0.0
-        pack = model.op_times(0.0, torch.float32, 2.0 * local, "elementwise")[0] \
-            if local > 0 else 0.0
         grad_comm += transfer - per_collective
-        bwd_comm += per_collective + pack
+        bwd_comm += per_collective + model.pack_time(local)
     packed_sent = {axis: sent for (kind, axis), sent in bucket.items() if kind == "all_reduce"}
     # data parallel's bucket is packed into one buffer before its all-reduce: its bytes
     # (local: the ring volume's n / 2(n - 1))
