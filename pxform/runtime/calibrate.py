@@ -148,7 +148,7 @@ def calibrate(*, sizes: Sequence[int] = (2**10, 2**14, 2**18, 2**22), repeats: i
     tables: list[CommTable] = []
     if world >= 2:
         tables = _measure_comms(sorted(set(sizes)), repeats, tuple(kinds), world, rank,
-                                devices_per_node, device, backend, say)
+                                devices_per_node, device, say)
 
     # every rank computes at once, as in training: ranks sharing cores and a memory bus
     # (CPU) share their rate; rank 0's figures are kept
@@ -596,7 +596,7 @@ def _level(span: int, devices_per_node: int) -> int:
 
 
 def _measure_comms(sizes: Sequence[int], repeats: int, kinds: tuple[str, ...], world: int,
-                   rank: int, devices_per_node: int, device: torch.device, backend: str,
+                   rank: int, devices_per_node: int, device: torch.device,
                    say: Callable[[str], None]) -> list[CommTable]:
     # (is the whole world, this rank's group (None: the world), group size, member)
     configs: list[tuple[bool, Any, int, bool]] = [(True, None, world, True)]
