@@ -11,7 +11,10 @@ when its rank is free and what it `needs` (see `rules`) has finished. Durations:
 
 Sends and receives take no rank time. A send happens when its rank reaches it; a receive
 blocks its rank until `send time + p2p[s]` (s the sending stage). Without comm actions, a
-dependency on another rank's action adds that stage's `p2p` instead.
+dependency on another rank's action adds that stage's `p2p` instead. Where the receiving
+stage has a `forward_sync` (for its F's inputs) or `backward_sync` (its B's), the wait
+ends at `expected_later(rank free, send time + p2p, sync)` (`timing.expected_later`:
+the later of the two when they are far apart, `sync` more when they meet).
 
 Metrics, each defined once here:
 
@@ -42,6 +45,7 @@ from types import MappingProxyType
 
 from pxform.schedules.actions import Action, Schedule
 from pxform.schedules.rules import Shape, execution_order
+from pxform.schedules.timing import expected_later
 from pxform.schedules.validate import check
 
 Cost = float | Sequence[float]
@@ -62,9 +66,12 @@ class Costs:
     weight: Cost = 0.0
     recompute: Cost | None = None
     p2p: Cost = 0.0
+    forward_sync: Cost = 0.0
+    backward_sync: Cost = 0.0
 
     def __post_init__(self) -> None:
-        for name in ("forward", "backward", "weight", "recompute", "p2p"):
+        for name in ("forward", "backward", "weight", "recompute", "p2p", "forward_sync",
+                     "backward_sync"):
             value = getattr(self, name)
             if value is None:
                 continue
@@ -169,7 +176,8 @@ def simulate(schedule: Schedule, costs: Costs) -> Timeline:
         33.0
     """
     shape = check(schedule, "simulate")
-    for name in ("forward", "backward", "weight", "recompute", "p2p"):
+    for name in ("forward", "backward", "weight", "recompute", "p2p", "forward_sync",
+                 "backward_sync"):
         costs.at(name, 0, shape.stages)  # fail early on a wrong-length sequence
     finished: dict[Action, float] = {}
     free = {r: 0.0 for r in schedule}
@@ -179,15 +187,26 @@ def simulate(schedule: Schedule, costs: Costs) -> Timeline:
         start = free[rank]
         if a.kind in ("RF", "RB"):
             (send,) = deps
-            end = max(start, finished[send] + costs.at("p2p", send.stage, shape.stages))
+            sync = costs.at("forward_sync" if a.kind == "RF" else "backward_sync", a.stage,
+                            shape.stages)
+            end = expected_later(start, finished[send] + costs.at("p2p", send.stage,
+                                                                  shape.stages), sync)
         elif a.is_comm:
             end = start
         else:
+            theirs = None
             for d in deps:
                 ready = finished[d]
                 if not shape.has_comm and shape.rank_of(d.stage) != rank:
                     ready += costs.at("p2p", d.stage, shape.stages)
-                start = max(start, ready)
+                    theirs = ready if theirs is None else max(theirs, ready)
+                else:
+                    start = max(start, ready)
+            if theirs is not None:
+                sync = (costs.at("forward_sync", a.stage, shape.stages) if a.kind == "F" else
+                        costs.at("backward_sync", a.stage, shape.stages) if a.kind == "B"
+                        else 0.0)
+                start = expected_later(start, theirs, sync)
             end = start + _duration(a, shape, costs)
             busy[rank] += end - start
         events.append(Event(rank, a, start, end))

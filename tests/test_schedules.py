@@ -507,14 +507,42 @@ def test_validate_refuses_receives_out_of_the_senders_order():
        st.integers(1, 5), st.integers(1, 9), st.randoms(use_true_random=False))
 def test_timer_equals_simulate(name, p, m, rnd):
     """The search's compiled timer gives `simulate`'s step time for every generator and
-    unequal per-stage costs, p2p included."""
+    unequal per-stage costs, p2p and the sync waits included; so does `simulate` of the
+    schedule with its transfer actions."""
     sched = schedules.resolve(name, p, m, **({"virtual_stages": 2} if name == "interleaved"
                                              else {}))
     timer = schedules.Timer(sched)
     n = timer.stages
-    f, b, w, r, p2p = ([rnd.uniform(0.1, 2.0) for _ in range(n)] for _ in range(5))
+    f, b, w, r, p2p, fs, bs = ([rnd.uniform(0.1, 2.0) for _ in range(n)] for _ in range(7))
     want = simulate(sched, Costs(f, b, weight=w, recompute=r, p2p=p2p)).step_time
     assert timer.step_time(f, b, w, r, p2p) == pytest.approx(want, rel=1e-12)
+    costs = Costs(f, b, weight=w, recompute=r, p2p=p2p, forward_sync=fs, backward_sync=bs)
+    synced = simulate(sched, costs).step_time
+    assert timer.step_time(f, b, w, r, p2p, fs, bs) == pytest.approx(synced, rel=1e-12)
+    assert synced >= want - 1e-12
+    if p > 1:
+        comm = schedules.add_communication(sched)
+        assert simulate(comm, costs).step_time == pytest.approx(synced, rel=1e-9)
+
+
+def test_a_sync_wait_costs_where_a_stage_meets_its_input_only():
+    """`forward_sync` and `backward_sync` are charged in full where a receiving action's
+    rank and its input are ready at once (equal stages: 1F1B's steady state), and nothing
+    where one side waits for the other by far (a stage twice as slow as its peer gets
+    its inputs early, and its peer waits for its gradients)."""
+    sched = schedules.one_f_one_b(2, 8)
+    timer = schedules.Timer(sched)
+    sync = [0.01, 0.01]
+    equal, equal_synced = (timer.step_time([1.0, 1.0], [2.0, 2.0], forward_sync=x,
+                                           backward_sync=x) for x in (None, sync))
+    assert equal_synced > equal + 0.05  # 8 microbatches meet their peers every step
+    slow, slow_synced = (timer.step_time([1.0, 2.0], [2.0, 4.0], forward_sync=x,
+                                         backward_sync=x) for x in (None, sync))
+    assert slow_synced == pytest.approx(slow, abs=1e-12)
+    assert schedules.expected_later(3.0, 3.0, 0.5) == pytest.approx(3.5)
+    assert schedules.expected_later(3.0, 1.0, 0.5) == pytest.approx(3.0294, abs=1e-4)
+    assert schedules.expected_later(3.0, -2.0, 0.5) == pytest.approx(3.0, abs=1e-4)
+    assert schedules.expected_later(1.0, 3.0, 0.0) == 3.0
 
 
 def test_timer_refuses_comm_actions_and_wrong_lengths():

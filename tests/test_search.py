@@ -736,11 +736,13 @@ def test_a_pipeline_action_pays_the_runtime_per_op_of_its_stage():
 
 
 def test_a_pipeline_action_waits_for_the_stage_it_receives_from():
-    """An action that starts from a transfer waits there for its peer after its own compute
+    """An action that starts from a transfer meets its peer there after its own compute
     (`Hardware.sync_wait`): with a profile whose wait is 1 ms whatever the gap, each
-    stage's forward gains 1 ms unless it is the first (its input is the batch), and its
-    backward unless it is the last (it starts from the loss). Without a pipeline, data
-    parallelism waits once, for its last gradient bucket when backward ends."""
+    stage's forward has a 1 ms sync unless it is the first (its input is the batch), and
+    its backward unless it is the last (it starts from the loss); the schedule's timer
+    charges them where a stage meets its input (the balanced stages do, every step).
+    Without a pipeline, data parallelism waits once, for its last gradient bucket when
+    backward ends."""
     from pxform.cost.hardware import hardware
 
     args = mlp_args(d=1024, layers=4, batch=4096)
@@ -749,10 +751,15 @@ def test_a_pipeline_action_waits_for_the_stage_it_receives_from():
                   for hw in ("a100-80gb", waits))
     last = len(base.stage_plans) - 1
     for k, (b, p) in enumerate(zip(base.stage_plans, paid.stage_plans)):
-        assert p.forward_s - b.forward_s == pytest.approx(1e-3 if k > 0 else 0.0, abs=1e-12)
-        assert p.backward_s - b.backward_s == pytest.approx(1e-3 if k < last else 0.0,
-                                                            abs=1e-12)
-    assert paid.step_time_s > base.step_time_s
+        assert (p.forward_s, p.backward_s) == (b.forward_s, b.backward_s)
+        assert p.forward_sync_s == pytest.approx(1e-3 if k > 0 else 0.0, abs=1e-12)
+        assert p.backward_sync_s == pytest.approx(1e-3 if k < last else 0.0, abs=1e-12)
+    # the plan's step gets them where stages meet their inputs: at most on every receive
+    m, p = base.microbatches, base.stages
+    assert base.step_time_s < paid.step_time_s <= base.step_time_s + 1e-3 * 2 * m * (p - 1)
+    huge = dataclasses.replace(waits, sync_wait=((0.0, 0.0), (1e-9, 1.0)))
+    met = plan_schedule(residual_mlp, args, hardware=huge, schedule=ScheduleChoice())
+    assert met.step_time_s > base.step_time_s + 2 * (met.stages - 1)
     one, one_paid = (pxform.auto(residual_mlp, mesh=4, memory_budget="80GiB", hardware=hw,
                                  plan=Pin(stages=1, outer=4, inner=1,
                                           block_options=(Option((("outer", "dp"),), False),) * 5)

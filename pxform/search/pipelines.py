@@ -241,19 +241,31 @@ def _held_closed(choice: ScheduleChoice, p: int, m: int) -> tuple[int, ...]:
 
 def step_time(choice: ScheduleChoice, p: int, m: int, forward: Sequence[float],
               backward: Sequence[float], weight: Sequence[float],
-              recompute: Sequence[float] | None = None) -> float:
+              recompute: Sequence[float] | None = None,
+              forward_sync: Sequence[float] | None = None,
+              backward_sync: Sequence[float] | None = None) -> float:
     """Seconds per step: per stage (virtual stages counted), `forward` and `backward` per
     microbatch (the backward whole), `weight` its weight-gradient part (zero-bubble's W),
-    `recompute` an early recompute (the shifted schedule's R; default: `forward`).
+    `recompute` an early recompute (the shifted schedule's R; default: `forward`),
+    `forward_sync` and `backward_sync` what an F or a B waits more when its input arrives
+    just as its rank is ready (`Hardware.sync_wait`; default 0). The schedule's `Timer`
+    charges those only where the two meet (`pxform.schedules.expected_later`); the
+    closed forms (past `TIMED_UP_TO`) add them to every F and B.
 
     Example:
         >>> step_time(ScheduleChoice("zb"), 4, 8, [1.0] * 4, [2.0] * 4, [1.0] * 4)
         27.0
     """
     redo = tuple(forward if recompute is None else recompute)
+    zero = (0.0,) * len(forward)
+    fs = zero if forward_sync is None else tuple(forward_sync)
+    bs = zero if backward_sync is None else tuple(backward_sync)
     timer = _timer(choice, p, m)
     if timer is not None:
-        return _timed(choice, p, m, tuple(forward), tuple(backward), tuple(weight), redo)
+        return _timed(choice, p, m, tuple(forward), tuple(backward), tuple(weight), redo,
+                      fs, bs)
+    forward = [f + x for f, x in zip(forward, fs)]
+    backward = [b + x for b, x in zip(backward, bs)]
     per = [f + b for f, b in zip(forward, backward)]
     if choice.name == "zb":
         # m x the slowest stage, and a warm-up/drain of (F + B - W) per further stage
@@ -279,15 +291,18 @@ def step_time(choice: ScheduleChoice, p: int, m: int, forward: Sequence[float],
 @functools.lru_cache(maxsize=4096)
 def _timed(choice: ScheduleChoice, p: int, m: int, forward: tuple[float, ...],
            backward: tuple[float, ...], weight: tuple[float, ...],
-           recompute: tuple[float, ...]) -> float:
+           recompute: tuple[float, ...], forward_sync: tuple[float, ...],
+           backward_sync: tuple[float, ...]) -> float:
     """`step_time` by the schedule's `Timer`, once per costs: the search prices the same
     stages again at several memory levels of the frontier."""
     timer = _timer(choice, p, m)
     assert timer is not None
     if choice.split:
         return timer.step_time(forward, [b - w for b, w in zip(backward, weight)], weight,
-                               recompute)
-    return timer.step_time(forward, backward, recompute=recompute)
+                               recompute, forward_sync=forward_sync,
+                               backward_sync=backward_sync)
+    return timer.step_time(forward, backward, recompute=recompute,
+                           forward_sync=forward_sync, backward_sync=backward_sync)
 
 
 def bubble_bound(choice: ScheduleChoice, p: int, m: int, weight_share: float) -> float:

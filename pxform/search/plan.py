@@ -104,6 +104,10 @@ class StagePlan:
     # an early recompute of a microbatch (the shifted schedule's R): the forward's compute
     # without its transfer and the waits for it
     recompute_s: float = 0.0
+    # what an F (a B) waits more where its input arrives just as its rank is ready for it
+    # (`Hardware.sync_wait`; `pxform.schedules.expected_later`), apart from `forward_s`
+    forward_sync_s: float = 0.0
+    backward_sync_s: float = 0.0
 
 
 @dataclass(frozen=True)

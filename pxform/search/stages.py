@@ -36,6 +36,8 @@ class StageResult:
     param_bytes: float
     weight: float = 0.0    # per microbatch, of `backward`: the weight gradients (zb's W)
     recompute: float = 0.0  # per microbatch, an early recompute (the shifted schedule's R)
+    forward_sync: float = 0.0  # per F or B that meets its input's arrival
+    backward_sync: float = 0.0  # (`pipelines.step_time`)
 
 
 @dataclass(frozen=True)
@@ -210,7 +212,7 @@ def assemble(ctx: SearchContext, config: Config, part: tuple[int, ...],
     block_time = [0.0] * len(part)
     block_mem = [0.0] * len(part)
     stages = []
-    fw, bw, wt, rc = [], [], [], []
+    fw, bw, wt, rc, fs, bs = [], [], [], [], [], []
     for s, ((idx, _), (pt, mem)) in enumerate(zip(stage_points, picked)):
         wait = waits[s] if waits else 0
         sums = _stage_sums(ctx, config, idx, pt, tables, flights[s], wait, schedule.split)
@@ -228,10 +230,13 @@ def assemble(ctx: SearchContext, config: Config, part: tuple[int, ...],
         bw.append(sums.backward)
         wt.append(sums.weight)
         rc.append(sums.recompute)
+        fs.append(sums.forward_sync)
+        bs.append(sums.backward_sync)
         stages.append(StageResult(s, tuple(idx), pt.time, sums.forward, sums.backward, mem,
-                                  flights[s], pbytes, sums.weight, sums.recompute))
+                                  flights[s], pbytes, sums.weight, sums.recompute,
+                                  sums.forward_sync, sums.backward_sync))
     if config.stages > 1:
-        step = pipeline_step(schedule, config.stages, m, fw, bw, wt, rc)
+        step = pipeline_step(schedule, config.stages, m, fw, bw, wt, rc, fs, bs)
     else:
         step = m * (fw[0] + bw[0])
     step += ctx.hardware.step_overhead_s
@@ -281,6 +286,8 @@ class _StageSums:
     weight: float
     param_bytes: float  # without parameters borrowed from other stages
     recompute: float  # an early recompute (R) of a microbatch: no transfer, no wait
+    forward_sync: float  # an F's wait where its input arrives just as it is ready
+    backward_sync: float  # a B's likewise (`pipelines.step_time`)
 
 
 def _stage_sums(ctx: SearchContext, config: Config, idx: list[int], pt: Point,
@@ -338,15 +345,18 @@ def _stage_sums(ctx: SearchContext, config: Config, idx: list[int], pt: Point,
     # per parameter and per op (`action_overhead_s` is read from 1F1B steps, where each
     # action has a transfer on the critical path: `runtime_costs._action_costs`)
     r = f
+    f_sync = b_sync = 0.0
     if config.stages > 1:
-        # an action that starts from a transfer waits there for the stage that sends it,
-        # after its own compute since the last (`Hardware.sync_wait`): a forward unless
-        # the stage is the first (its input is the batch), a backward unless it is the
-        # last (it starts from the loss). Sends do not wait (`isend`).
+        # an action that starts from a transfer meets the stage that sends it there, after
+        # its own compute since the last (`Hardware.sync_wait`): a forward unless the
+        # stage is the first (its input is the batch), a backward unless it is the last
+        # (it starts from the loss). Sends do not wait (`isend`). The schedule's timer
+        # charges it where the two meet (`pipelines.step_time`), not on every action: a
+        # stage whose inputs arrive before it asks for them does not wait for them.
         if idx[0] > 0:
-            f += hw.sync_wait_s(f)
+            f_sync = hw.sync_wait_s(f)
         if idx[-1] < len(a.blocks) - 1:
-            b += hw.sync_wait_s(b)
+            b_sync = hw.sync_wait_s(b)
         num_ops = sum(a.blocks[k].stop - a.blocks[k].start for k in idx)
         action = (hw.action_overhead_s + hw.param_action_overhead_s * num_params
                   + hw.op_action_overhead_s * num_ops)
@@ -371,7 +381,7 @@ def _stage_sums(ctx: SearchContext, config: Config, idx: list[int], pt: Point,
     # simulator refused the plan (the median of 5 calibrations, 2026-11-27: B -0.4 ms)
     w = max(0.0, min(w, backward))
     sums = _StageSums(tuple(options), tuple(costs), tuple(times), tuple(mems), f,
-                      backward, w, pbytes, r)
+                      backward, w, pbytes, r, f_sync, b_sync)
     ctx.stage_sums[key] = sums
     return sums
 

@@ -525,7 +525,9 @@ def plot_timeline(plan: Plan, path: str) -> None:
     costs = schedules.Costs(
         forward=[s.forward_s / scale for s in per_stage],
         backward=[(s.backward_s - (s.weight_s if split else 0.0)) / scale for s in per_stage],
-        weight=[s.weight_s / scale for s in per_stage])
+        weight=[s.weight_s / scale for s in per_stage],
+        forward_sync=[s.forward_sync_s / scale for s in per_stage],
+        backward_sync=[s.backward_sync_s / scale for s in per_stage])
     if stages > 1:
         schedule = schedules.resolve(plan.schedule, stages, m, **plan.schedule_options)
         name = schedule_text(plan.schedule, plan.virtual_stages)
