@@ -40,6 +40,7 @@ def measured(**kw) -> Hardware:
                 param_action_overhead_s=1e-5, op_time_scale=1.2,
                 op_step_overhead_s=5e-6, op_action_overhead_s=7e-6,
                 recompute_overhead_s=2e-4, relayout_overhead_s=6e-4,
+                autograd_op_overhead_s=3e-6, autograd_share=0.07,
                 sync_wait=((3e-4, 0.0), (2e-3, 5e-4), (8e-3, 1e-3)))
     args.update(kw)
     return Hardware(**args)  # type: ignore[arg-type]
@@ -274,6 +275,9 @@ def write(tmp_path, content) -> str:
      r"action_overhead_s must be a number >= 0 \(seconds\), got -1.0"),
     (lambda d: d.update(op_time_scale=0),
      r"op_time_scale must be a number > 0 \(1: not measured\), got 0"),
+    (lambda d: d.update(autograd_share=1.0),
+     r"autograd_share must be a number in \[0, 1\) \(a share of a forward's time; 0: not "
+     r"measured\), got 1.0"),
     (lambda d: d.update(sync_wait=[[1e-3, 1e-4], [2e-3, 2e-4]]),
      r"sync_wait must be \(gap_s, wait_s\) pairs .* a first wait of 0"),
     (lambda d: d.update(sync_wait=[[1e-3, 0.0], [2e-3, 5e-4], [4e-3, 1e-4]]),
@@ -685,7 +689,8 @@ def measure_runtime_costs() -> tuple[float, ...]:
     return (hw.param_overhead_s, hw.step_overhead_s, hw.action_overhead_s,
             hw.collective_overhead_s, hw.param_action_overhead_s, hw.weight_op_overhead_s,
             hw.op_time_scale, hw.op_step_overhead_s, hw.op_action_overhead_s,
-            hw.recompute_overhead_s, hw.relayout_overhead_s)
+            hw.recompute_overhead_s, hw.relayout_overhead_s, hw.autograd_op_overhead_s,
+            hw.autograd_share)
 
 
 def test_runtime_costs_are_measured_on_real_programs(world):
@@ -701,12 +706,15 @@ def test_runtime_costs_are_measured_on_real_programs(world):
     results = world.run(measure_runtime_costs)
     assert results[0] == results[1]
     per_param, per_step, per_action, per_collective, per_param_action, per_weight_op, \
-        scale, per_op, per_op_action, per_region, per_run = results[0]
+        scale, per_op, per_op_action, per_region, per_run, per_node, share = results[0]
     # a reference transformer step at two sizes against its ops timed alone: measured,
     # not the defaults (its ops run somewhat slower in a step, not several times; and
     # microseconds more per op, not milliseconds)
     assert scale != 1.0 and 0.5 < scale < 3.0
     assert 0 <= per_op < 1e-3
+    # a forward without autograd's graph saves something (0.12 of 0.4 ms at the
+    # smallest size here): microseconds per op, a share of the time below a half
+    assert 0 <= per_node < 1e-4 and 0 <= share <= 0.5 and (per_node > 0 or share > 0)
     # a stage's ops per pipeline action: microseconds each, not milliseconds
     assert 0 <= per_op_action < 2e-4
     # two autograd calls per weight op: tens of microseconds at least on this CPU

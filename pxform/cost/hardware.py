@@ -199,7 +199,7 @@ def _power_law(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
 _FIXED_COSTS = ("step_overhead_s", "param_overhead_s", "action_overhead_s",
                 "collective_overhead_s", "param_action_overhead_s", "weight_op_overhead_s",
                 "op_step_overhead_s", "op_action_overhead_s", "recompute_overhead_s",
-                "relayout_overhead_s")
+                "relayout_overhead_s", "autograd_op_overhead_s")
 """The runtime's own fixed costs a profile may carry (`Hardware`)."""
 
 OP_CLASSES = ("matmul", "attention", "gelu", "gelu_tanh", "silu", "softmax",
@@ -394,6 +394,15 @@ class Hardware:
             `pxform.tools.runtime_costs` measures it on the reference transformer under
             tensor parallelism, against the model; pipeline transfers and ZeRO-3's
             prefetched gathers do not pay it; 0: not measured.
+        autograd_op_overhead_s, autograd_share: what recording autograd's graph costs a
+            forward beyond the same forward without it (the shifted schedule's first
+            forward of a stage that recomputes early runs without: `pxform.search.
+            stages`): seconds per op (a node per op, its saved tensors' bookkeeping) and
+            a share of the forward's time (the saved tensors keep their buffers, so the
+            allocator hands out cold memory). The reference transformer's forward with
+            and without gradients at each of its sizes, the differences fitted against
+            the model's forward (`pxform.tools.runtime_costs`); on this CPU 2-3 us per op
+            and 5-10 %; 0: not measured.
         host_overlaps: the device runs kernels asynchronously to the host (CUDA): the
             host's time per op (`op_step_overhead_s`) runs while the device computes,
             so a stage's forward or backward pass takes the longer of the two, not their
@@ -436,6 +445,8 @@ class Hardware:
     op_action_overhead_s: float = 0.0
     recompute_overhead_s: float = 0.0
     relayout_overhead_s: float = 0.0
+    autograd_op_overhead_s: float = 0.0
+    autograd_share: float = 0.0
     host_overlaps: bool = False
     sync_wait: tuple[tuple[float, float], ...] = ()
 
@@ -490,6 +501,10 @@ class Hardware:
             if not _number(value) or value < 0:
                 raise ValueError(f"{what}: {key} must be a number >= 0 (seconds), got "
                                  f"{value!r}")
+        if not _number(self.autograd_share) or not 0 <= self.autograd_share < 1:
+            raise ValueError(f"{what}: autograd_share must be a number in [0, 1) (a share "
+                             f"of a forward's time; 0: not measured), got "
+                             f"{self.autograd_share!r}")
         object.__setattr__(self, "sync_wait", _sync_points(self.sync_wait, what))
         if "fp32" not in dict(self.peak_flops) and "fp32" not in dict(self.compute_flops):
             raise ValueError(f"{what}: needs an 'fp32' entry in peak_flops or "
@@ -679,6 +694,7 @@ class Hardware:
             "overlap_slowdown": self.overlap_slowdown,
             **{key: getattr(self, key) for key in _FIXED_COSTS},
             "op_time_scale": self.op_time_scale,
+            "autograd_share": self.autograd_share,
             "host_overlaps": self.host_overlaps,
             "sync_wait": [list(p) for p in self.sync_wait],
             "source": self.source,
@@ -751,7 +767,8 @@ def _from_json(d: Any, where: str) -> Hardware:
     known = {"format", "name", "devices_per_node", "memory_bytes", "peak_flops",
              "efficiency", "links", "comm_tables", "compute_flops", "source",
              "memory_bandwidth", "op_overhead_s", "op_curves", "overlap_slowdown",
-             "op_time_scale", "host_overlaps", "sync_wait", *_FIXED_COSTS}
+             "op_time_scale", "autograd_share", "host_overlaps", "sync_wait",
+             *_FIXED_COSTS}
     for key in d:
         if key not in known:
             raise bad(key, f"is not a profile key (known: {', '.join(sorted(known))})")
@@ -789,6 +806,7 @@ def _from_json(d: Any, where: str) -> Hardware:
     curves_json = get("op_curves", "a list", [], required=False)
     overlap = get("overlap_slowdown", "a number", 0.0, required=False)
     scale = get("op_time_scale", "a number", 1.0, required=False)
+    autograd_share = get("autograd_share", "a number", 0.0, required=False)
     host_overlaps = get("host_overlaps", "true or false", False, required=False)
     fixed = {key: float(get(key, "a number", 0.0, required=False))
              for key in _FIXED_COSTS}
@@ -846,7 +864,7 @@ def _from_json(d: Any, where: str) -> Hardware:
                         source=source, memory_bandwidth=float(bandwidth),
                         op_overhead_s=float(overhead), op_curves=tuple(curves),
                         overlap_slowdown=float(overlap), op_time_scale=float(scale),
-                        host_overlaps=host_overlaps,
+                        autograd_share=float(autograd_share), host_overlaps=host_overlaps,
                         sync_wait=tuple((float(g), float(w)) for g, w in sync_json), **fixed)
     except ValueError as e:
         raise ValueError(f"Hardware.load: {where}: {e}; {_FIX}") from None
@@ -988,7 +1006,8 @@ _MEDIAN_FIELDS = ("efficiency", "memory_bandwidth", "op_overhead_s", "overlap_sl
                   "step_overhead_s", "param_overhead_s", "action_overhead_s",
                   "collective_overhead_s", "param_action_overhead_s", "weight_op_overhead_s",
                   "op_time_scale", "op_step_overhead_s", "op_action_overhead_s",
-                  "recompute_overhead_s", "relayout_overhead_s")
+                  "recompute_overhead_s", "relayout_overhead_s", "autograd_op_overhead_s",
+                  "autograd_share")
 
 
 def check_one_machine(profiles: Sequence[Hardware], what: str) -> None:

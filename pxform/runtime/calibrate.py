@@ -899,6 +899,10 @@ def summary(hw: Hardware) -> str:
                      f"recompute region and microbatch, "
                      f"{hw.relayout_overhead_s * 1e6:.3g} us per run of a conversion's "
                      f"collectives after compute")
+    if hw.autograd_op_overhead_s or hw.autograd_share:
+        lines.append(f"  autograd: {hw.autograd_op_overhead_s * 1e6:.3g} us per op and "
+                     f"{hw.autograd_share:.1%} of a forward's time (saved by a forward "
+                     f"without gradients)")
     if hw.sync_wait:
         lines.append("  sync wait: " + ", ".join(f"{w * 1e3:.3g} ms after {g * 1e3:.3g} ms"
                                                  for g, w in hw.sync_wait)

@@ -37,8 +37,13 @@ def lower_bound(ctx: SearchContext, config: Config,
     share = max((c.weight / (c.forward + c.backward) for t in tables for c in t.costs
                  if c.forward + c.backward > 0), default=0.0)
     # the shifted schedule recomputes the forward of all stages but the last: of about
-    # (p - 1) / p of the blocks, with stages of equal work
-    redo = (p - 1) / p * m * sum(min(c.forward for c in t.costs) for t in tables)
+    # (p - 1) / p of the blocks, with stages of equal work; their first forwards run
+    # without autograd's graph, at most its share and time per op less (`stages`)
+    hw = ctx.hardware
+    redo = (p - 1) / p * m * sum(
+        max(0.0, min(c.forward for c in t.costs) - hw.autograd_share * max(
+            c.forward for c in t.costs) - hw.autograd_op_overhead_s * (b.stop - b.start))
+        for t, b in zip(tables, ctx.analysis.blocks))
     return min(bubble_bound(c, p, m, share) * (total + (redo if c.name == "shifted" else 0.0))
                for c in schedules) / p
 

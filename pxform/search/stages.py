@@ -226,13 +226,17 @@ def assemble(ctx: SearchContext, config: Config, part: tuple[int, ...],
             pbytes += exact
             if mem > limit:
                 return None
-        fw.append(sums.forward)
+        # a stage that recomputes early runs its F without autograd's graph (its R
+        # records it)
+        forward = sums.forward - (sums.no_grad_saving if schedule.recomputes(s, config.stages)
+                                  else 0.0)
+        fw.append(forward)
         bw.append(sums.backward)
         wt.append(sums.weight)
         rc.append(sums.recompute)
         fs.append(sums.forward_sync)
         bs.append(sums.backward_sync)
-        stages.append(StageResult(s, tuple(idx), pt.time, sums.forward, sums.backward, mem,
+        stages.append(StageResult(s, tuple(idx), pt.time, forward, sums.backward, mem,
                                   flights[s], pbytes, sums.weight, sums.recompute,
                                   sums.forward_sync, sums.backward_sync))
     if config.stages > 1:
@@ -246,7 +250,8 @@ def assemble(ctx: SearchContext, config: Config, part: tuple[int, ...],
 
 
 def host_overlapped(hw: Hardware, blocks: Sequence[BlockInfo], options: Sequence[Option],
-                    forward: float, backward: float) -> tuple[float, float]:
+                    forward: float, backward: float, host_saved: float = 0.0
+                    ) -> tuple[float, float]:
     """A stage's (forward, backward) per microbatch on a device that runs kernels
     asynchronously to the host (`Hardware.host_overlaps`): `forward` and `backward` are
     the sums over its ops of the device's time and the host's time per op
@@ -254,6 +259,8 @@ def host_overlapped(hw: Hardware, blocks: Sequence[BlockInfo], options: Sequence
     thirds backward); there the host enqueues while the device computes, and each pass
     takes the longer of its two parts. A recomputed block's backward runs its forward's
     ops again, and the checkpoint's own host time (`recompute_overhead_s`), on the host.
+    `host_saved`: seconds less of the forward's host time (a forward without autograd's
+    graph: `Hardware.autograd_op_overhead_s` per op).
 
     Example (one block of 400 ops, 30 us of host time each: 4 ms forward, 8 backward):
         >>> hw = dataclasses.replace(hardware("h100-80gb"), host_overlaps=True,
@@ -270,7 +277,8 @@ def host_overlapped(hw: Hardware, blocks: Sequence[BlockInfo], options: Sequence
         host_b += ops * per_op * BACKWARD_RATIO
         if option.recompute:
             host_b += ops * per_op + hw.recompute_overhead_s
-    return max(forward - host_f, host_f), max(backward - host_b, host_b)
+    return (max(forward - host_f, max(0.0, host_f - host_saved)),
+            max(backward - host_b, host_b))
 
 
 @dataclass(frozen=True)
@@ -286,6 +294,7 @@ class _StageSums:
     weight: float
     param_bytes: float  # without parameters borrowed from other stages
     recompute: float  # an early recompute (R) of a microbatch: no transfer, no wait
+    no_grad_saving: float  # of `forward`, what a forward without autograd's graph saves
     forward_sync: float  # an F's wait where its input arrives just as it is ready
     backward_sync: float  # a B's likewise (`pipelines.step_time`)
 
@@ -321,8 +330,21 @@ def _stage_sums(ctx: SearchContext, config: Config, idx: list[int], pt: Point,
         pbytes += oc.params
         outer += oc.packed_outer
         inner += oc.packed_inner
-    if ctx.hardware.host_overlaps:
-        f, b = host_overlapped(ctx.hardware, [a.blocks[k] for k in idx], options, f, b)
+    hw = ctx.hardware
+    num_ops = sum(a.blocks[k].stop - a.blocks[k].start for k in idx)
+    # the forward without autograd's graph (the shifted schedule's first forward of a
+    # stage that recomputes early: its R records the graph, `pxform.runtime.pipeline`):
+    # a share of its time and a time per op less (`Hardware.autograd_share`,
+    # `autograd_op_overhead_s`); in GPT pipelines here 20-25 % of the stage's forward
+    plain = max(0.0, f * (1.0 - hw.autograd_share) - hw.autograd_op_overhead_s * num_ops)
+    if hw.host_overlaps:
+        blocks = [a.blocks[k] for k in idx]
+        # the host's part less by the time per op; the share is the allocator's on a
+        # CPU, where one thread runs both (a device's kernels do not record autograd)
+        plain, _ = host_overlapped(hw, blocks, options, f, b,
+                                   host_saved=hw.autograd_op_overhead_s * num_ops)
+        f, b = host_overlapped(hw, blocks, options, f, b)
+    no_grad_saving = max(0.0, f - plain)
     # the stage's packed all-reduces priced whole (its buckets, the last one exposed)
     # instead of as the blocks' shares (`SearchContext.packed_rate`)
     axes = ctx.axes(config)
@@ -337,7 +359,6 @@ def _stage_sums(ctx: SearchContext, config: Config, idx: list[int], pt: Point,
     # the runtime's own host time (`pxform.tools.runtime_costs`): per parameter tensor
     # per step, and per pipeline action, with its parameters and ops (a zero-bubble W is
     # one more, and asks autograd for each weight op's gradient apart)
-    hw = ctx.hardware
     num_params = sum(len(a.blocks[k].params) for k in idx)
     extra += hw.param_overhead_s * num_params
     # an early recompute (R, the shifted schedule) runs the stage's forward again from the
@@ -357,7 +378,6 @@ def _stage_sums(ctx: SearchContext, config: Config, idx: list[int], pt: Point,
             f_sync = hw.sync_wait_s(f)
         if idx[-1] < len(a.blocks) - 1:
             b_sync = hw.sync_wait_s(b)
-        num_ops = sum(a.blocks[k].stop - a.blocks[k].start for k in idx)
         action = (hw.action_overhead_s + hw.param_action_overhead_s * num_params
                   + hw.op_action_overhead_s * num_ops)
         f += action
@@ -381,7 +401,7 @@ def _stage_sums(ctx: SearchContext, config: Config, idx: list[int], pt: Point,
     # simulator refused the plan (the median of 5 calibrations, 2026-11-27: B -0.4 ms)
     w = max(0.0, min(w, backward))
     sums = _StageSums(tuple(options), tuple(costs), tuple(times), tuple(mems), f,
-                      backward, w, pbytes, r, f_sync, b_sync)
+                      backward, w, pbytes, r, no_grad_saving, f_sync, b_sync)
     ctx.stage_sums[key] = sums
     return sums
 

@@ -74,6 +74,13 @@ world and returns the profile with them set:
   is `t = max(scale f, ops per_op / 3) + max(scale b, 2 ops per_op / 3)` per pass
   instead (`_fit_overlapped`), as the search prices such a device.
 
+* `autograd_op_overhead_s` and `autograd_share`, what recording autograd's graph costs a
+  forward per op and as a share of its time (a forward without it: the shifted
+  schedule's first forward of a stage that recomputes early, 20-25 % faster than the same
+  stage's forward with it in GPT pipelines here): the reference transformer's forward at
+  each size of `_SIZES`, with gradients and without, timed in turn within each repeat,
+  the median differences fitted against the model's forward (`_autograd_costs`).
+
 The programs run where training runs: on this rank's GPU under NCCL (the device
 `calibrate` measured; their random values are drawn on the CPU and moved), else on the
 CPU. On a GPU the reference step is wider (`_REFERENCE_CUDA`, up to 16 sequences of 512
@@ -155,6 +162,10 @@ def runtime_costs(hw: Hardware, repeats: int = 9) -> Hardware:
     fit = _op_time_scale(hw, gen, 3 * repeats)
     scale, per_op = world.gather_objects(fit)[0] if n > 1 else fit
     hw = dataclasses.replace(hw, op_time_scale=scale, op_step_overhead_s=per_op)
+    # against the forward priced with the scale just fitted
+    autograd = _autograd_costs(hw, gen, 3 * repeats)
+    per_node, share = world.gather_objects(autograd)[0] if n > 1 else autograd
+    hw = dataclasses.replace(hw, autograd_op_overhead_s=per_node, autograd_share=share)
 
     per_collective = 0.0
     if n >= 2:
@@ -510,6 +521,79 @@ def _op_time_scale(hw: Hardware, gen: torch.Generator, repeats: int
     if hw.host_overlaps:
         return _fit_overlapped(medians, passes, ops)
     return _fit_scale(medians, modelled, ops)
+
+
+def _autograd_costs(hw: Hardware, gen: torch.Generator, repeats: int
+                    ) -> tuple[float, float]:
+    """(`autograd_op_overhead_s`, `autograd_share`): the reference transformer's forward
+    (every rank at once) at each size of `_SIZES`, with gradients (its parameters require
+    them) and under `no_grad`, timed in turn within each repeat; the median difference
+    per size fitted against the cost model's forward `f` for its ops (with `hw`'s op time
+    scale) as `ops x per_op + share x f` (`_fit_autograd`). What a forward without
+    autograd saves (the shifted schedule's first forward of a stage that recomputes
+    early, `pxform.search.stages`): here 0.12 ms of 0.4 at the smallest size and 0.5 of
+    6 ms at the largest, per op at small sizes and a share of the time at large ones."""
+    device = default_device()
+    _, _, vocab, _ = _reference_shape(device)
+    params = _reference_params(gen, device)
+    for t in optree.tree_leaves(params):  # type: ignore[arg-type,var-annotated]
+        t.requires_grad_()
+    bare = dataclasses.replace(hw, step_overhead_s=0.0, param_overhead_s=0.0)
+    calls, forwards, ops = [], [], 0
+    for rows, seq in _sizes(device):
+        tokens = _on(torch.randint(0, vocab, (rows, seq), generator=gen), device)
+        plan = auto(_reference, mesh=abstract_mesh(1), hardware=bare,
+                    memory_margin=0.0).plan(params, tokens)
+        forwards.append(plan.stage_plans[0].forward_s)
+        ops = sum(b.stop - b.start for b in plan.blocks)
+        calls.append((functools.partial(_forward, params, tokens, True),
+                      functools.partial(_forward, params, tokens, False)))
+    for with_grad, without in calls:
+        for _ in range(2):
+            with_grad()
+            without()
+    saved: list[list[float]] = [[] for _ in calls]
+    for _ in range(repeats):
+        for k, (with_grad, without) in enumerate(calls):
+            saved[k].append(_timed(with_grad) - _timed(without))
+    return _fit_autograd([statistics.median(x) for x in saved], forwards, ops)
+
+
+def _forward(params: dict[str, Any], tokens: torch.Tensor, grad: bool) -> None:
+    """The reference transformer's forward, its autograd graph recorded or not (and
+    dropped on return)."""
+    with torch.set_grad_enabled(grad):
+        _reference(params, tokens)
+
+
+def _fit_autograd(saved: Sequence[float], forwards: Sequence[float], ops: int
+                  ) -> tuple[float, float]:
+    """(per_op >= 0, share in [0, 0.5]) fitting `saved[k] = ops x per_op + share x
+    forwards[k]` by least squares over the sizes (`_autograd_costs`); where the fit makes
+    one negative, it is 0 and the other is fitted alone.
+
+    Example:
+        >>> per_op, share = _fit_autograd([1.9e-4, 2.6e-4, 5.4e-4], [1e-3, 2e-3, 6e-3], 40)
+        >>> round(per_op, 9), round(share, 6)
+        (3e-06, 0.07)
+        >>> _fit_autograd([1e-4, 1e-4], [1e-3, 2e-3], 50)   # no share: per op only
+        (2e-06, 0.0)
+    """
+    n = len(saved)
+    if n == 0 or ops <= 0:
+        return 0.0, 0.0
+    mean_f, mean_s = sum(forwards) / n, sum(saved) / n
+    spread = sum((f - mean_f) ** 2 for f in forwards)
+    share = sum((f - mean_f) * (s - mean_s) for f, s in zip(forwards, saved)) / spread \
+        if spread > 0 else 0.0
+    per_op = (mean_s - share * mean_f) / ops
+    if share < 0:
+        share, per_op = 0.0, mean_s / ops
+    elif per_op < 0:
+        square = sum(f * f for f in forwards)
+        per_op, share = 0.0, sum(f * s for f, s in zip(forwards, saved)) / square \
+            if square > 0 else 0.0
+    return max(0.0, per_op), min(max(0.0, share), 0.5)
 
 
 def _fit_scale(measured: list[float], modelled: list[float], ops: int
