@@ -9,8 +9,8 @@ strategy: data parallel, ZeRO-3, tensor parallel with and without sequence paral
 between blocks, pipelines under 1F1B, zero-bubble, interleaved and shifted schedules,
 recompute),
 lay the parameters out per the plan, take one AdamW step (so Adam's state exists); then, in
-`--rounds` rounds over all cases in turn, the order rotated by one each round (the machine
-drifts by 10-20 % over a run, in spells of seconds), run
+`--rounds` rounds over all cases in turn, in a new order each round (shuffled, seeded by the
+round: the machine drifts by 10-20 % over a run, in spells of seconds), run
 `pxform.measure` on each (`--steps` timed `value_and_grad` calls per rank after `--warmup`
 in the first round, one in later ones; the median over all rounds counts; peak memory
 metered by `pxform.MemoryMeter` plus the optimizer's state, per rank the largest over the
@@ -21,7 +21,7 @@ step (the slowest rank) and for the rank whose memory prediction is furthest off
 The machine's speed drifts by 10-20 % over minutes (one calibration's op time scale came out
 1.10 and the next 1.52, 2026-11-27): a profile measured before the rounds prices the machine
 as it was then. So, unless `--once`, the ranks calibrate again before every
-`--calibrate-every`-th round (2: 5 calibrations over the default 10 rounds), and
+`--calibrate-every`-th round (6: 5 calibrations over the default 30 rounds), and
 every plan (pinned as it was chosen) is priced again with the run's representative
 calibration (`pxform.tools.runtime_costs.representative_profile`, kept whole, as `pxform
 calibrate --runs` writes): that error ("error") is the model's against the machine the
@@ -103,8 +103,8 @@ def rank_main(config: str, batch_size: int, steps: int, warmup: int, quick: bool
               sizes: tuple[int, ...], rounds: int = 3, calibrations: int = 1,
               recalibrate: int = 1) -> dict[str, Any]:
     """On every rank: calibrate, then plan and run each case, and measure them all in
-    `rounds` rounds of `steps` timed calls each, the cases' order rotated by one each
-    round; with `recalibrate` k > 0, one more calibration before every k-th round after
+    `rounds` rounds of `steps` timed calls each, the cases' order shuffled each round
+    (`_order`); with `recalibrate` k > 0, one more calibration before every k-th round after
     the first, and every plan priced again with their representative."""
     harness.add_paths()
     import dataclasses
@@ -164,9 +164,12 @@ def rank_main(config: str, batch_size: int, steps: int, warmup: int, quick: bool
             # slower than the same plan measured next (2026-11-27: 92.3 and 80.4 ms)
             for _, step, _, dparams, _, _ in prepared:
                 pxform.value_and_grad(step)(dparams, batch)
-        # the order rotated each round: the machine's slow spells last seconds, and in a
-        # fixed order they fell on the same neighbouring cases round after round
-        for k in _rotated(len(prepared), r):
+        # a new order each round: the machine's slow spells last seconds, and in a fixed
+        # order they fell on the same neighbouring cases round after round; rotated by one
+        # each round (until 2026-11-27) every case kept its predecessor, and a case's
+        # steps moved by 10 % with the case before it (GPT small's shifted pipeline measured
+        # 0.90 of 1F1B's after one order, 1.06 after another)
+        for k in _order(len(prepared), r):
             _, step, _, dparams, opt, _ = prepared[k]
             per_case[k].append(pxform.measure(step, dparams, batch, optimizer=opt,
                                               steps=steps, warmup=warmup if r == 0 else 1))
@@ -221,14 +224,16 @@ def rank_main(config: str, batch_size: int, steps: int, warmup: int, quick: bool
             "threads": torch.get_num_threads()}
 
 
-def _rotated(n: int, r: int) -> list[int]:
-    """0..n-1 starting at r mod n (round r's order of the cases).
+def _order(n: int, r: int) -> list[int]:
+    """0..n-1 shuffled, seeded by `r` (round r's order of the cases: the same every run).
 
     Example:
-        >>> _rotated(4, 5)
-        [1, 2, 3, 0]
+        >>> sorted(_order(4, 5)), _order(4, 5) == _order(4, 5)
+        ([0, 1, 2, 3], True)
     """
-    return [(r + k) % n for k in range(n)]
+    import random
+
+    return random.Random(r).sample(range(n), n)
 
 
 def _band(times: Any) -> tuple[float, float]:
@@ -284,11 +289,11 @@ def main() -> None:
     p.add_argument("--config", default="small", help="a key of gpt.GPT_CONFIGS")
     p.add_argument("--batch", type=int, default=16, help="global sequences per step")
     p.add_argument("--ranks", type=int, default=2)
-    p.add_argument("--steps", type=int, default=3,
+    p.add_argument("--steps", type=int, default=2,
                    help="timed calls per case, rank and round")
-    p.add_argument("--rounds", type=int, default=10,
+    p.add_argument("--rounds", type=int, default=30,
                    help="rounds over all cases (each measured once per round, in turn, "
-                        "the order rotated by one each round)")
+                        "in an order shuffled each round)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--calibrations", type=int, default=1,
                    help="calibrations in a row before the rounds, their representative "
@@ -297,9 +302,9 @@ def main() -> None:
                    help="calibrate once, before the rounds, and price with that profile "
                         "only (default: once more before every --calibrate-every-th round, "
                         "and price with their representative as well)")
-    p.add_argument("--calibrate-every", type=int, default=2,
-                   help="rounds per calibration between the rounds (default 2: 5 "
-                        "calibrations over 10 rounds)")
+    p.add_argument("--calibrate-every", type=int, default=6,
+                   help="rounds per calibration between the rounds (default 6: 5 "
+                        "calibrations over 30 rounds)")
     p.add_argument("--quick", action="store_true", help="two cases, 2 steps; writes nothing")
     p.add_argument("--malloc", choices=("default", "pinned"), default="default",
                    help="glibc's heap thresholds on every rank (`harness.pin_malloc`)")
@@ -329,7 +334,7 @@ def main() -> None:
           f"{args.batch} x {cfg.seq_len} tokens, float32, {args.ranks} gloo ranks x "
           f"{r0['threads']} thread; profile measured by pxform.runtime.calibrate in "
           f"{r0['calibrate_s']:.1f} s; per case the median of {args.rounds} rounds x "
-          f"{args.steps} steps, the cases in turn each round (rotated)")
+          f"{args.steps} steps, the cases in turn each round (shuffled)")
     over = r0["calibrations_over_run"]
     if over > 1:
         print(f"  priced with the representative of {over} calibrations (the first, then "

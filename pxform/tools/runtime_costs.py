@@ -65,8 +65,9 @@ world and returns the profile with them set:
   `pxform.value_and_grad` on every rank at once at 1, 2, 4 and 8 sequences of 64 tokens
   and at 1 of 4 tokens (`_SIZES`), its median times fitted (least squares) as the factor
   times what the cost model gives its ops on one device, plus the time per op (the same
-  ops at every size). The op
-  curves are timed on ops alone, in chains; in a step the same ops run slower (their
+  ops at every size). The step is timed in three blocks seconds apart and the medians
+  taken over all of them (`_ReferenceSteps`): a slow spell of the machine over the one
+  block timed before carried whole calibrations. The op curves are timed on ops alone, in chains; in a step the same ops run slower (their
   inputs come cold from memory, the allocator churns, autograd's engine walks a bigger
   graph, and copies, fills and sums run that no traced op stands for). This is measured
   first, and the fixed costs below are taken against the model with it. On a device
@@ -79,7 +80,7 @@ world and returns the profile with them set:
   schedule's first forward of a stage that recomputes early, 20-25 % faster than the same
   stage's forward with it in GPT pipelines here): the reference transformer's forward at
   each size of `_SIZES`, with gradients and without, timed in turn within each repeat,
-  the median differences fitted against the model's forward (`_autograd_costs`).
+  the median differences fitted against the model's forward (`_AutogradForwards`).
 
 The programs run where training runs: on this rank's GPU under NCCL (the device
 `calibrate` measured; their random values are drawn on the CPU and moved), else on the
@@ -156,55 +157,28 @@ def runtime_costs(hw: Hardware, repeats: int = 9) -> Hardware:
     # the programs run where training will: this rank's GPU under NCCL (the device
     # `calibrate` measured), else the CPU; the random values are drawn on the CPU
     device = default_device()
-    # thrice the repeats (under a second here): every prediction's compute scales with
-    # this figure, and at 9 a slow spell of the machine carried whole calibrations (op
-    # time scales 1.71, 1.02, 1.31, 1.13, 0.94 in one run)
-    fit = _op_time_scale(hw, gen, 3 * repeats)
+    # the reference step thrice `repeats` times (under a second here: every prediction's
+    # compute scales with this figure, and at 9 a slow spell of the machine carried
+    # whole calibrations, op time scales 1.71, 1.02, 1.31, 1.13, 0.94 in one run), in
+    # three blocks seconds apart (`_ReferenceSteps`), the forwards with and without
+    # autograd and the per-collective cost (which the scale does not enter) between them
+    steps = _ReferenceSteps(hw, gen)
+    forwards = _AutogradForwards(gen)
+    steps.time(repeats)
+    forwards.time(repeats)
+    per_collective = _per_collective(hw, gen, repeats) if n >= 2 else 0.0
+    steps.time(repeats)
+    forwards.time(repeats)
+    steps.time(repeats)
+    forwards.time(repeats)
+    fit = steps.fit()
     scale, per_op = world.gather_objects(fit)[0] if n > 1 else fit
-    hw = dataclasses.replace(hw, op_time_scale=scale, op_step_overhead_s=per_op)
+    hw = dataclasses.replace(hw, op_time_scale=scale, op_step_overhead_s=per_op,
+                             collective_overhead_s=per_collective)
     # against the forward priced with the scale just fitted
-    autograd = _autograd_costs(hw, gen, 3 * repeats)
+    autograd = forwards.fit(hw)
     per_node, share = world.gather_objects(autograd)[0] if n > 1 else autograd
     hw = dataclasses.replace(hw, autograd_op_overhead_s=per_node, autograd_share=share)
-
-    per_collective = 0.0
-    if n >= 2:
-        # activations of 64 KiB per collective: what a step pays per collective beyond
-        # the transfer grows with the message before it levels off (here 0.75 ms at 64 B,
-        # 1.1-1.2 ms at 64 KiB, 1.3 ms at 1 MiB, over the comm table's lower quartile)
-        rows = max(n, _COLLECTIVE_ROWS // n * n)
-
-        def tp_step(layers: int) -> tuple[Callable[[], Any], list[str]]:
-            ws = _on([torch.randn(_WIDTH, _WIDTH, generator=gen) / _WIDTH ** 0.5
-                      for _ in range(layers)], device)
-            x = _on(torch.randn(rows, _WIDTH, generator=gen), device)
-
-            def chain(ws: list[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-                for w in ws:
-                    x = x @ w
-                return x.sum()
-
-            sharded = shard(chain, mesh=Mesh({"tp": n}), in_specs=(P("tp"), P()))
-            program = sharded.lower(ws, x)
-            step = value_and_grad(sharded)
-            return (lambda: step(ws, x),
-                    program.collectives() + program.backward_collectives())
-
-        # many collectives against few, and thrice the repeats: each is a fraction of a
-        # millisecond, and a loaded machine moved the figure by 2x between calibrations
-        (call_short, short), (call_long, long) = tp_step(2), tp_step(26)
-        _, longer = _paired(call_short, call_long, 3 * repeats)
-        extra = list(long)
-        for c in short:
-            if c in extra:
-                extra.remove(c)
-        if extra:
-            level = hw.level(n)
-            local = rows * _WIDTH * 4.0  # each collective's tensor, float32
-            comm = sum(hw.comm_time(kind, sent_bytes(kind, local, n), n, level)
-                       for kind in (c.split("(")[0] for c in extra))
-            per_collective = max(0.0, (longer - comm) / len(extra))
-        hw = dataclasses.replace(hw, collective_overhead_s=per_collective)
 
     def dp_step(count: int) -> Callable[[], Any]:
         params = _on([torch.randn(_WIDTH, generator=gen) for _ in range(count)], device)
@@ -414,7 +388,7 @@ def _pairs_pin(n: int, blocks: int) -> Pin:
 
 
 def _reference(params: dict[str, Any], tokens: torch.Tensor) -> torch.Tensor:
-    """A small transformer language model's loss (`_op_time_scale`'s reference step)."""
+    """A small transformer language model's loss (`_ReferenceSteps`)."""
     h = params["embedding"][tokens]
     for layer in params["layers"]:
         h = _layer(layer, h)
@@ -485,78 +459,143 @@ _SIZES = ((1, 4), (1, 64), (2, 64), (4, 64), (8, 64))
 _SIZES_CUDA = ((1, 4), (1, 512), (4, 512), (8, 512), (16, 512))
 
 
-def _op_time_scale(hw: Hardware, gen: torch.Generator, repeats: int
-                   ) -> tuple[float, float]:
+def _per_collective(hw: Hardware, gen: torch.Generator, repeats: int) -> float:
+    """`collective_overhead_s` (module doc): a tensor-parallel chain of tiny matmuls at 2
+    and at 26 layers, paired; the difference less the comm tables' times of the extra
+    collectives, over their number (0 when there are none)."""
+    n = world.size()
+    device = default_device()
+    # activations of 64 KiB per collective: what a step pays per collective beyond
+    # the transfer grows with the message before it levels off (here 0.75 ms at 64 B,
+    # 1.1-1.2 ms at 64 KiB, 1.3 ms at 1 MiB, over the comm table's lower quartile)
+    rows = max(n, _COLLECTIVE_ROWS // n * n)
+
+    def tp_step(layers: int) -> tuple[Callable[[], Any], list[str]]:
+        ws = _on([torch.randn(_WIDTH, _WIDTH, generator=gen) / _WIDTH ** 0.5
+                  for _ in range(layers)], device)
+        x = _on(torch.randn(rows, _WIDTH, generator=gen), device)
+
+        def chain(ws: list[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+            for w in ws:
+                x = x @ w
+            return x.sum()
+
+        sharded = shard(chain, mesh=Mesh({"tp": n}), in_specs=(P("tp"), P()))
+        program = sharded.lower(ws, x)
+        step = value_and_grad(sharded)
+        return (lambda: step(ws, x),
+                program.collectives() + program.backward_collectives())
+
+    # many collectives against few, and thrice the repeats: each is a fraction of a
+    # millisecond, and a loaded machine moved the figure by 2x between calibrations
+    (call_short, short), (call_long, long) = tp_step(2), tp_step(26)
+    _, longer = _paired(call_short, call_long, 3 * repeats)
+    extra = list(long)
+    for c in short:
+        if c in extra:
+            extra.remove(c)
+    if not extra:
+        return 0.0
+    level = hw.level(n)
+    local = rows * _WIDTH * 4.0  # each collective's tensor, float32
+    comm = sum(hw.comm_time(kind, sent_bytes(kind, local, n), n, level)
+               for kind in (c.split("(")[0] for c in extra))
+    return max(0.0, (longer - comm) / len(extra))
+
+
+class _ReferenceSteps:
     """(`op_time_scale`, `op_step_overhead_s`): the reference step (every rank at once,
     as in training) at each size of `_SIZES`, its median seconds `t` against the cost
     model's seconds `c` for its ops on one device, fitted by least squares as `t = scale x
     c + ops x per_op` (the same ops at every size); with `per_op` 0 when the fit makes it
     negative. The sizes are timed in turn within each repeat, so a drift in the machine's
     load falls on all of them alike: two sizes timed one after the other gave fits that
-    moved the scale by a third between two calibrations."""
-    device = default_device()
-    _, _, vocab, _ = _reference_shape(device)
-    sizes = _sizes(device)
-    params = _reference_params(gen, device)
-    # the model's time for the same ops: one device, no fixed costs, no fit yet
-    bare = dataclasses.replace(hw, op_time_scale=1.0, op_step_overhead_s=0.0,
-                               step_overhead_s=0.0, param_overhead_s=0.0)
-    step = value_and_grad(_reference)
-    calls, modelled, passes, ops = [], [], [], 0
-    for rows, seq in sizes:
-        tokens = _on(torch.randint(0, vocab, (rows, seq), generator=gen), device)
-        for _ in range(2):
-            step(params, tokens)
-        calls.append(functools.partial(step, params, tokens))
-        plan = auto(_reference, mesh=abstract_mesh(1), hardware=bare,
-                    memory_margin=0.0).plan(params, tokens)
-        modelled.append(plan.step_time_s)
-        passes.append((plan.stage_plans[0].forward_s, plan.stage_plans[0].backward_s))
-        ops = sum(b.stop - b.start for b in plan.blocks)
-    times: list[list[float]] = [[] for _ in sizes]
-    for _ in range(repeats):
-        for k, call in enumerate(calls):
-            times[k].append(_timed(call))
-    medians = [statistics.median(t) for t in times]
-    if hw.host_overlaps:
-        return _fit_overlapped(medians, passes, ops)
-    return _fit_scale(medians, modelled, ops)
+    moved the scale by a third between two calibrations. `time` runs one block of
+    repeats; `runtime_costs` runs three, seconds apart, and `fit` takes the medians over
+    all of them: a slow spell of the machine lasts seconds, and over one block of 27
+    repeats it carried whole calibrations (op time scales 1.88 and 2.13 among 1.1-1.5 on
+    2026-11-27); over a third of the repeats it moves the median less."""
+
+    def __init__(self, hw: Hardware, gen: torch.Generator) -> None:
+        device = default_device()
+        _, _, vocab, _ = _reference_shape(device)
+        params = _reference_params(gen, device)
+        # the model's time for the same ops: one device, no fixed costs, no fit yet
+        bare = dataclasses.replace(hw, op_time_scale=1.0, op_step_overhead_s=0.0,
+                                   step_overhead_s=0.0, param_overhead_s=0.0)
+        step = value_and_grad(_reference)
+        self.host_overlaps = hw.host_overlaps
+        self.calls: list[Callable[[], Any]] = []
+        self.modelled: list[float] = []
+        self.passes: list[tuple[float, float]] = []
+        self.ops = 0
+        for rows, seq in _sizes(device):
+            tokens = _on(torch.randint(0, vocab, (rows, seq), generator=gen), device)
+            for _ in range(2):
+                step(params, tokens)
+            self.calls.append(functools.partial(step, params, tokens))
+            plan = auto(_reference, mesh=abstract_mesh(1), hardware=bare,
+                        memory_margin=0.0).plan(params, tokens)
+            self.modelled.append(plan.step_time_s)
+            self.passes.append((plan.stage_plans[0].forward_s,
+                                plan.stage_plans[0].backward_s))
+            self.ops = sum(b.stop - b.start for b in plan.blocks)
+        self.times: list[list[float]] = [[] for _ in self.calls]
+
+    def time(self, repeats: int) -> None:
+        for _ in range(repeats):
+            for k, call in enumerate(self.calls):
+                self.times[k].append(_timed(call))
+
+    def fit(self) -> tuple[float, float]:
+        medians = [statistics.median(t) for t in self.times]
+        if self.host_overlaps:
+            return _fit_overlapped(medians, self.passes, self.ops)
+        return _fit_scale(medians, self.modelled, self.ops)
 
 
-def _autograd_costs(hw: Hardware, gen: torch.Generator, repeats: int
-                    ) -> tuple[float, float]:
+class _AutogradForwards:
     """(`autograd_op_overhead_s`, `autograd_share`): the reference transformer's forward
     (every rank at once) at each size of `_SIZES`, with gradients (its parameters require
-    them) and under `no_grad`, timed in turn within each repeat; the median difference
-    per size fitted against the cost model's forward `f` for its ops (with `hw`'s op time
-    scale) as `ops x per_op + share x f` (`_fit_autograd`). What a forward without
-    autograd saves (the shifted schedule's first forward of a stage that recomputes
-    early, `pxform.search.stages`): here 0.12 ms of 0.4 at the smallest size and 0.5 of
-    6 ms at the largest, per op at small sizes and a share of the time at large ones."""
-    device = default_device()
-    _, _, vocab, _ = _reference_shape(device)
-    params = _reference_params(gen, device)
-    for t in optree.tree_leaves(params):  # type: ignore[arg-type,var-annotated]
-        t.requires_grad_()
-    bare = dataclasses.replace(hw, step_overhead_s=0.0, param_overhead_s=0.0)
-    calls, forwards, ops = [], [], 0
-    for rows, seq in _sizes(device):
-        tokens = _on(torch.randint(0, vocab, (rows, seq), generator=gen), device)
-        plan = auto(_reference, mesh=abstract_mesh(1), hardware=bare,
-                    memory_margin=0.0).plan(params, tokens)
-        forwards.append(plan.stage_plans[0].forward_s)
-        ops = sum(b.stop - b.start for b in plan.blocks)
-        calls.append((functools.partial(_forward, params, tokens, True),
-                      functools.partial(_forward, params, tokens, False)))
-    for with_grad, without in calls:
-        for _ in range(2):
-            with_grad()
-            without()
-    saved: list[list[float]] = [[] for _ in calls]
-    for _ in range(repeats):
-        for k, (with_grad, without) in enumerate(calls):
-            saved[k].append(_timed(with_grad) - _timed(without))
-    return _fit_autograd([statistics.median(x) for x in saved], forwards, ops)
+    them) and under `no_grad`, timed in turn within each repeat (`time`, one block of
+    repeats); `fit` takes the median difference per size over every block and fits it
+    against the cost model's forward `f` for its ops (with the profile's op time scale)
+    as `ops x per_op + share x f` (`_fit_autograd`). What a forward without autograd
+    saves (the shifted schedule's first forward of a stage that recomputes early,
+    `pxform.search.stages`): here 0.12 ms of 0.4 at the smallest size and 0.5 of 6 ms at
+    the largest, per op at small sizes and a share of the time at large ones."""
+
+    def __init__(self, gen: torch.Generator) -> None:
+        device = default_device()
+        _, _, vocab, _ = _reference_shape(device)
+        self.params = _reference_params(gen, device)
+        for t in optree.tree_leaves(self.params):  # type: ignore[arg-type,var-annotated]
+            t.requires_grad_()
+        self.tokens = [_on(torch.randint(0, vocab, (rows, seq), generator=gen), device)
+                       for rows, seq in _sizes(device)]
+        self.calls = [(functools.partial(_forward, self.params, x, True),
+                       functools.partial(_forward, self.params, x, False))
+                      for x in self.tokens]
+        for with_grad, without in self.calls:
+            for _ in range(2):
+                with_grad()
+                without()
+        self.saved: list[list[float]] = [[] for _ in self.calls]
+
+    def time(self, repeats: int) -> None:
+        for _ in range(repeats):
+            for k, (with_grad, without) in enumerate(self.calls):
+                self.saved[k].append(_timed(with_grad) - _timed(without))
+
+    def fit(self, hw: Hardware) -> tuple[float, float]:
+        bare = dataclasses.replace(hw, step_overhead_s=0.0, param_overhead_s=0.0)
+        forwards, ops = [], 0
+        for tokens in self.tokens:
+            plan = auto(_reference, mesh=abstract_mesh(1), hardware=bare,
+                        memory_margin=0.0).plan(self.params, tokens)
+            forwards.append(plan.stage_plans[0].forward_s)
+            ops = sum(b.stop - b.start for b in plan.blocks)
+        return _fit_autograd([statistics.median(x) for x in self.saved], forwards, ops)
 
 
 def _forward(params: dict[str, Any], tokens: torch.Tensor, grad: bool) -> None:
@@ -569,7 +608,7 @@ def _forward(params: dict[str, Any], tokens: torch.Tensor, grad: bool) -> None:
 def _fit_autograd(saved: Sequence[float], forwards: Sequence[float], ops: int
                   ) -> tuple[float, float]:
     """(per_op >= 0, share in [0, 0.5]) fitting `saved[k] = ops x per_op + share x
-    forwards[k]` by least squares over the sizes (`_autograd_costs`); where the fit makes
+    forwards[k]` by least squares over the sizes (`_AutogradForwards`); where the fit makes
     one negative, it is 0 and the other is fitted alone.
 
     Example:
@@ -599,7 +638,7 @@ def _fit_autograd(saved: Sequence[float], forwards: Sequence[float], ops: int
 def _fit_scale(measured: list[float], modelled: list[float], ops: int
                ) -> tuple[float, float]:
     """Least squares `measured = scale x modelled + ops x per_op` over the sizes
-    (`_op_time_scale`); `per_op` held at 0 where it fits negative, `(1, 0)` without a
+    (`_ReferenceSteps`); `per_op` held at 0 where it fits negative, `(1, 0)` without a
     positive scale.
 
     Example:
