@@ -67,10 +67,11 @@ world and returns the profile with them set:
   times what the cost model gives its ops on one device, plus the time per op (the same
   ops at every size). The step is timed in three blocks seconds apart and the medians
   taken over all of them (`_ReferenceSteps`): a slow spell of the machine over the one
-  block timed before carried whole calibrations. The op curves are timed on ops alone, in chains; in a step the same ops run slower (their
-  inputs come cold from memory, the allocator churns, autograd's engine walks a bigger
-  graph, and copies, fills and sums run that no traced op stands for). This is measured
-  first, and the fixed costs below are taken against the model with it. On a device
+  block timed before carried whole calibrations. The op curves are timed on ops alone,
+  in chains; in a step the same ops run slower (their inputs come cold from memory, the
+  allocator churns, autograd's engine walks a bigger graph, and copies, fills and sums
+  run that no traced op stands for). This is measured first (the per-collective cost
+  between its blocks), and the fixed costs below are taken against the model with it. On a device
   whose kernels run asynchronously to the host (`Hardware.host_overlaps`: CUDA) the fit
   is `t = max(scale f, ops per_op / 3) + max(scale b, 2 ops per_op / 3)` per pass
   instead (`_fit_overlapped`), as the search prices such a device.
