@@ -401,8 +401,8 @@ class Hardware:
             a share of the forward's time (the saved tensors keep their buffers, so the
             allocator hands out cold memory). The reference transformer's forward with
             and without gradients at each of its sizes, the differences fitted against
-            the model's forward (`pxform.tools.runtime_costs`); on this CPU 2-3 us per op
-            and 5-10 %; 0: not measured.
+            the model's forward (`pxform.tools.runtime_costs`); on this CPU 5-7.5 us per
+            op and 0-2 % on 2 ranks; 0: not measured.
         host_overlaps: the device runs kernels asynchronously to the host (CUDA): the
             host's time per op (`op_step_overhead_s`) runs while the device computes,
             so a stage's forward or backward pass takes the longer of the two, not their

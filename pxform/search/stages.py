@@ -336,6 +336,7 @@ def _stage_sums(ctx: SearchContext, config: Config, idx: list[int], pt: Point,
     # stage that recomputes early: its R records the graph, `pxform.runtime.pipeline`):
     # a share of its time and a time per op less (`Hardware.autograd_share`,
     # `autograd_op_overhead_s`); in GPT pipelines here 20-25 % of the stage's forward
+    # measured, about half of that priced (`docs/search.md`)
     plain = max(0.0, f * (1.0 - hw.autograd_share) - hw.autograd_op_overhead_s * num_ops)
     if hw.host_overlaps:
         blocks = [a.blocks[k] for k in idx]

@@ -563,8 +563,8 @@ class _AutogradForwards:
     against the cost model's forward `f` for its ops (with the profile's op time scale)
     as `ops x per_op + share x f` (`_fit_autograd`). What a forward without autograd
     saves (the shifted schedule's first forward of a stage that recomputes early,
-    `pxform.search.stages`): here 0.12 ms of 0.4 at the smallest size and 0.5 of 6 ms at
-    the largest, per op at small sizes and a share of the time at large ones."""
+    `pxform.search.stages`): on one idle process 0.12 ms of 0.4 at the smallest size, 0.5
+    of 6 ms at the largest, per op at small sizes and a share of the time at large ones."""
 
     def __init__(self, gen: torch.Generator) -> None:
         device = default_device()
