@@ -337,7 +337,6 @@ def _stage_sums(ctx: SearchContext, config: Config, idx: list[int], pt: Point,
     # a share of its time and a time per op less (`Hardware.autograd_share`,
     # `autograd_op_overhead_s`); in GPT pipelines here 20-25 % of the stage's forward
     # measured, about half of that priced (`docs/search.md`)
-    plain = max(0.0, f * (1.0 - hw.autograd_share) - hw.autograd_op_overhead_s * num_ops)
     if hw.host_overlaps:
         blocks = [a.blocks[k] for k in idx]
         # the host's part less by the time per op; the share is the allocator's on a
@@ -345,6 +344,8 @@ def _stage_sums(ctx: SearchContext, config: Config, idx: list[int], pt: Point,
         plain, _ = host_overlapped(hw, blocks, options, f, b,
                                    host_saved=hw.autograd_op_overhead_s * num_ops)
         f, b = host_overlapped(hw, blocks, options, f, b)
+    else:
+        plain = max(0.0, f * (1.0 - hw.autograd_share) - hw.autograd_op_overhead_s * num_ops)
     no_grad_saving = max(0.0, f - plain)
     # the stage's packed all-reduces priced whole (its buckets, the last one exposed)
     # instead of as the blocks' shares (`SearchContext.packed_rate`)

@@ -619,21 +619,42 @@ def _fit_autograd(saved: Sequence[float], forwards: Sequence[float], ops: int
         >>> _fit_autograd([1e-4, 1e-4], [1e-3, 2e-3], 50)   # no share: per op only
         (2e-06, 0.0)
     """
-    n = len(saved)
-    if n == 0 or ops <= 0:
+    if not saved or ops <= 0:
         return 0.0, 0.0
-    mean_f, mean_s = sum(forwards) / n, sum(saved) / n
-    spread = sum((f - mean_f) ** 2 for f in forwards)
-    share = sum((f - mean_f) * (s - mean_s) for f, s in zip(forwards, saved)) / spread \
-        if spread > 0 else 0.0
-    per_op = (mean_s - share * mean_f) / ops
+    share, rest = _line(forwards, saved)
+    per_op = rest / ops
     if share < 0:
-        share, per_op = 0.0, mean_s / ops
+        share, per_op = 0.0, sum(saved) / len(saved) / ops
     elif per_op < 0:
-        square = sum(f * f for f in forwards)
-        per_op, share = 0.0, sum(f * s for f, s in zip(forwards, saved)) / square \
-            if square > 0 else 0.0
+        per_op, share = 0.0, _through_origin(forwards, saved)
     return max(0.0, per_op), min(max(0.0, share), 0.5)
+
+
+def _line(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
+    """(slope, intercept) of the least-squares line through the points `(xs[k], ys[k])`;
+    slope 0 (the mean) where the xs do not spread.
+
+    Example:
+        >>> _line([1.0, 2.0, 4.0], [3.0, 5.0, 9.0])
+        (2.0, 1.0)
+    """
+    n = len(xs)
+    mean_x, mean_y = sum(xs) / n, sum(ys) / n
+    spread = sum((x - mean_x) ** 2 for x in xs)
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / spread \
+        if spread > 0 else 0.0
+    return slope, mean_y - slope * mean_x
+
+
+def _through_origin(xs: Sequence[float], ys: Sequence[float]) -> float:
+    """The slope of the least-squares line through the origin (0 where the xs are all 0).
+
+    Example:
+        >>> _through_origin([1.0, 2.0], [2.0, 4.0])
+        2.0
+    """
+    square = sum(x * x for x in xs)
+    return sum(x * y for x, y in zip(xs, ys)) / square if square > 0 else 0.0
 
 
 def _fit_scale(measured: list[float], modelled: list[float], ops: int
@@ -646,16 +667,11 @@ def _fit_scale(measured: list[float], modelled: list[float], ops: int
         >>> _fit_scale([3.0, 5.0, 9.0], [1.0, 2.0, 4.0], 10)
         (2.0, 0.1)
     """
-    n = len(measured)
-    mean_c, mean_t = sum(modelled) / n, sum(measured) / n
-    spread = sum((c - mean_c) ** 2 for c in modelled)
-    scale = sum((c - mean_c) * (t - mean_t) for c, t in zip(modelled, measured)) / spread \
-        if spread > 0 else 0.0
-    per_op = (mean_t - scale * mean_c) / ops if ops else 0.0
+    scale, rest = _line(modelled, measured)
+    per_op = rest / ops if ops else 0.0
     if scale > 0 and per_op >= 0:
         return scale, per_op
-    square = sum(c * c for c in modelled)  # through the origin: no time per op
-    scale = sum(c * t for c, t in zip(modelled, measured)) / square if square > 0 else 0.0
+    scale = _through_origin(modelled, measured)  # no time per op
     return (scale, 0.0) if scale > 0 else (1.0, 0.0)
 
 
