@@ -166,9 +166,10 @@ def rank_main(config: str, batch_size: int, steps: int, warmup: int, quick: bool
                 pxform.value_and_grad(step)(dparams, batch)
         # a new order each round: the machine's slow spells last seconds, and in a fixed
         # order they fell on the same neighbouring cases round after round; rotated by one
-        # each round (until 2026-11-27) every case kept its predecessor, and a case's
-        # steps moved by 10 % with the case before it (GPT small's shifted pipeline measured
-        # 0.90 of 1F1B's after one order, 1.06 after another)
+        # each round (until 2026-11-27) every case kept its predecessor (GPT small's
+        # shifted pipeline measured 0.90 of 1F1B's in one order, 1.06 in another, though
+        # five steps in a row after another case showed no cost lingering by position:
+        # likely spells falling alike on neighbours)
         for k in _order(len(prepared), r):
             _, step, _, dparams, opt, _ = prepared[k]
             per_case[k].append(pxform.measure(step, dparams, batch, optimizer=opt,
