@@ -40,7 +40,7 @@ def measured(**kw) -> Hardware:
                 param_action_overhead_s=1e-5, op_time_scale=1.2,
                 op_step_overhead_s=5e-6, op_action_overhead_s=7e-6,
                 recompute_overhead_s=2e-4, relayout_overhead_s=6e-4,
-                autograd_op_overhead_s=3e-6, autograd_share=0.07,
+                autograd_op_overhead_s=3e-6, autograd_share=0.07, transfer_overhead_s=9e-4,
                 sync_wait=((3e-4, 0.0), (2e-3, 5e-4), (8e-3, 1e-3)))
     args.update(kw)
     return Hardware(**args)  # type: ignore[arg-type]
@@ -273,6 +273,8 @@ def write(tmp_path, content) -> str:
      r"overlap_slowdown must be 0 \(not measured\) or >= 1, got 0.5"),
     (lambda d: d.update(action_overhead_s=-1.0),
      r"action_overhead_s must be a number >= 0 \(seconds\), got -1.0"),
+    (lambda d: d.update(transfer_overhead_s=-1e-3),
+     r"transfer_overhead_s must be a number >= 0 \(seconds\), got -0.001"),
     (lambda d: d.update(op_time_scale=0),
      r"op_time_scale must be a number > 0 \(1: not measured\), got 0"),
     (lambda d: d.update(autograd_share=1.0),
@@ -488,7 +490,9 @@ def test_representative_profile_keeps_the_middle_calibration_whole():
 
     from pxform.tools.runtime_costs import _representative_steps, representative_profile
 
-    base = measured()
+    # (no transfer delay: it moves the pipelines' critical paths, and the 4x below is of
+    # per-action costs on a path of actions alone)
+    base = replace(measured(), transfer_overhead_s=0.0)
     # a slow spell raised one number and lowered another
     slow = replace(base, op_time_scale=2.0, param_overhead_s=0.0, source="slow")
     fast = replace(base, op_time_scale=1.0, param_overhead_s=4e-4, source="fast")
@@ -690,7 +694,7 @@ def measure_runtime_costs() -> tuple[float, ...]:
             hw.collective_overhead_s, hw.param_action_overhead_s, hw.weight_op_overhead_s,
             hw.op_time_scale, hw.op_step_overhead_s, hw.op_action_overhead_s,
             hw.recompute_overhead_s, hw.relayout_overhead_s, hw.autograd_op_overhead_s,
-            hw.autograd_share)
+            hw.autograd_share, hw.transfer_overhead_s)
 
 
 def test_runtime_costs_are_measured_on_real_programs(world):
@@ -706,7 +710,8 @@ def test_runtime_costs_are_measured_on_real_programs(world):
     results = world.run(measure_runtime_costs)
     assert results[0] == results[1]
     per_param, per_step, per_action, per_collective, per_param_action, per_weight_op, \
-        scale, per_op, per_op_action, per_region, per_run, per_node, share = results[0]
+        scale, per_op, per_op_action, per_region, per_run, per_node, share, \
+        per_transfer = results[0]
     # a reference transformer step at two sizes against its ops timed alone: measured,
     # not the defaults (its ops run somewhat slower in a step, not several times; and
     # microseconds more per op, not milliseconds)
@@ -730,6 +735,27 @@ def test_runtime_costs_are_measured_on_real_programs(world):
     # a run of a conversion's collectives in a tensor-parallel step beyond the model:
     # up to a few milliseconds here (clamped at 0 where the model prices the step over)
     assert 0 <= per_run < 0.02
+    # a 1F1B pipeline's waits for its transfers beyond the actions as recorded: up to a
+    # few milliseconds a transfer here (1.75 in one calibration), not a step's worth
+    assert 0 <= per_transfer < 0.02
+
+
+def test_an_action_pair_is_read_off_the_recorded_actions():
+    """`runtime_costs` prices a pipeline's actions from their recorded times: a forward and
+    a backward of one microbatch are their means, with the sends after them and the
+    lower quartile of the receives (a receive that waited for its peer is the schedule's
+    wait and the transfer's, which the simulator prices apart); a rank that ran no
+    forward or no backward gives nothing."""
+    from pxform.schedules.actions import Action
+    from pxform.tools.runtime_costs import _action_pair
+
+    def ran(kind, seconds):
+        return [(Action(0, kind, i), 10.0 * i, 10.0 * i + t) for i, t in enumerate(seconds)]
+
+    events = (ran("F", [3.0, 5.0]) + ran("B", [6.0, 6.0]) + ran("SF", [0.5, 0.5])
+              + ran("RB", [0.25, 0.25, 0.25, 0.25, 9.0, 9.0, 9.0]))
+    assert _action_pair(events) == pytest.approx(4.0 + 6.0 + 0.5 + 0.25)
+    assert _action_pair(ran("F", [1.0]) + ran("RB", [1.0])) == 0.0
 
 
 @pytest.mark.gpu

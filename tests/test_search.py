@@ -1021,6 +1021,84 @@ def test_a_stage_that_recomputes_early_forwards_without_autograd():
         assert one.step_time_s == one_hw.step_time_s
 
 
+def test_zero_bubble_moves_the_gradient_accumulation_to_w_and_pays_one_more_action():
+    """A zero-bubble stage runs a W per microbatch beside its B: one more action
+    (`action_overhead_s`), and the stage's parameter gradients accumulate in W, not in B
+    (which makes input gradients only): `param_action_overhead_s` per parameter is in W,
+    and the stage's B + W together carry it once, as 1F1B's B does."""
+    from pxform.cost.hardware import hardware
+
+    args = mlp_args(d=1024, layers=4, batch=4096)
+    cost = dataclasses.replace(hardware("a100-80gb"), action_overhead_s=3e-4,
+                               param_action_overhead_s=1e-4)
+    zb = plan_schedule(residual_mlp, args, hardware=cost, schedule=ScheduleChoice("zb"))
+    where = pin_of(zb).block_stage
+    one = plan_schedule(residual_mlp, args, hardware=cost, schedule=ScheduleChoice(),
+                        block_stage=where)
+    zb_bare, one_bare = (plan_schedule(residual_mlp, args, schedule=choice, block_stage=where)
+                         for choice in (ScheduleChoice("zb"), ScheduleChoice()))
+    for s, (z, o, zb0, o0) in enumerate(zip(zb.stage_plans, one.stage_plans,
+                                            zb_bare.stage_plans, one_bare.stage_plans)):
+        # B (input gradients) and W (weight gradients) of zero-bubble over 1F1B's B
+        assert z.backward_s - o.backward_s == pytest.approx(
+            zb0.backward_s - o0.backward_s + 3e-4, rel=1e-6, abs=1e-12), s
+        # W: one more action, and the stage's parameters' accumulation
+        moved = (z.weight_s - zb0.weight_s) - 3e-4
+        assert moved > 0, s
+        assert (o.backward_s - o0.backward_s) == pytest.approx(3e-4 + moved, rel=1e-6), s
+
+
+def test_a_transfer_delay_is_charged_only_where_an_action_waits_for_it():
+    """`Hardware.transfer_overhead_s` (what a pipeline transfer adds where the action
+    needing it waits: `pxform.tools.runtime_costs` fits it on 1F1B pipelines) leaves every
+    action's price as it was and goes to the schedule simulator as `Costs.p2p`: the
+    plan's step is the simulation's with it, every schedule's step grows, and by less
+    than charging it on every F and B would (zero-bubble and the shifted schedule have
+    slack where 1F1B waits), and by at least the first microbatch's way there and back;
+    the closed forms past `TIMED_UP_TO` charge it on every F and B of a stage that
+    receives."""
+    from pxform.cost.hardware import hardware
+    from pxform.schedules import Costs, resolve, simulate
+    from pxform.search import pipelines
+
+    args = mlp_args(d=1024, layers=4, batch=4096)
+    delay = 2e-4
+    slow = dataclasses.replace(hardware("a100-80gb"), transfer_overhead_s=delay)
+    for choice in (ScheduleChoice(), ScheduleChoice("zb"), ScheduleChoice("shifted")):
+        base = plan_schedule(residual_mlp, args, schedule=choice)
+        plan = plan_schedule(residual_mlp, args, hardware=slow, schedule=choice,
+                             block_stage=pin_of(base).block_stage)
+        assert plan.microbatches == base.microbatches
+        for b, p in zip(base.stage_plans, plan.stage_plans):
+            assert (p.forward_s, p.backward_s, p.weight_s, p.recompute_s) == \
+                (b.forward_s, b.backward_s, b.weight_s, b.recompute_s)
+            assert (b.transfer_s, p.transfer_s) == (0.0, delay)
+        split = choice.split
+        stages = plan.stage_plans
+        sim = simulate(resolve(choice.name, plan.stages, plan.microbatches), Costs(
+            forward=[s.forward_s for s in stages],
+            backward=[s.backward_s - (s.weight_s if split else 0.0) for s in stages],
+            weight=[s.weight_s if split else 0.0 for s in stages],
+            recompute=[s.recompute_s for s in stages],
+            p2p=[s.transfer_s for s in stages]))
+        assert plan.step_time_s == pytest.approx(sim.step_time, rel=1e-3)
+        p, m = plan.stages, plan.microbatches
+        # at least the first microbatch's way there and back (2 (p - 1) transfers in a
+        # chain); less than charged on every F and B of the m + p - 1 slots
+        grown = plan.step_time_s - base.step_time_s
+        assert 2 * (p - 1) * delay * (1 - 1e-6) <= grown < 2 * delay * (m + p - 1), choice
+    # past the simulated sizes: every F of a stage after the first and every B of a stage
+    # before the last carries it
+    big = 4 * pipelines.TIMED_UP_TO
+    fw, bw, wt = [1.0] * 4, [2.0] * 4, [0.0] * 4
+    plain = pipelines.step_time(ScheduleChoice(), 4, big, fw, bw, wt)
+    delayed = pipelines.step_time(ScheduleChoice(), 4, big, fw, bw, wt, p2p=[0.5] * 4)
+    assert delayed == pytest.approx(pipelines.step_time(
+        ScheduleChoice(), 4, big, fw, bw, wt, forward_sync=[0.0, 0.5, 0.5, 0.5],
+        backward_sync=[0.5, 0.5, 0.5, 0.0]))
+    assert delayed > plain
+
+
 @pytest.mark.parametrize("name", ["1f1b", "zb", "shifted"])
 def test_closed_form_counts_equal_the_walk_of_the_schedule(name):
     """The counts the search takes from closed forms (`pipelines.COUNTED`) are what the

@@ -199,7 +199,7 @@ def _power_law(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
 _FIXED_COSTS = ("step_overhead_s", "param_overhead_s", "action_overhead_s",
                 "collective_overhead_s", "param_action_overhead_s", "weight_op_overhead_s",
                 "op_step_overhead_s", "op_action_overhead_s", "recompute_overhead_s",
-                "relayout_overhead_s", "autograd_op_overhead_s")
+                "relayout_overhead_s", "autograd_op_overhead_s", "transfer_overhead_s")
 """The runtime's own fixed costs a profile may carry (`Hardware`)."""
 
 OP_CLASSES = ("matmul", "attention", "gelu", "gelu_tanh", "silu", "softmax",
@@ -403,6 +403,17 @@ class Hardware:
             and without gradients at each of its sizes, the differences fitted against
             the model's forward (`pxform.tools.runtime_costs`); on this CPU 5-7.5 us per
             op and 0-2 % on 2 ranks; 0: not measured.
+        transfer_overhead_s: seconds a pipeline transfer between ranks delays the action
+            that waits for it, beyond its bytes' time (the comm tables' p2p, in the
+            sending and receiving actions) and `sync_wait`: the receiving rank woken, the
+            transfer's thread scheduled, a peer's slow spell passed on. The schedule
+            simulator charges it on a cross-rank dependency (`pxform.schedules.Costs.p2p`),
+            so only where an action waits for its input: a schedule with slack there (the
+            shifted schedule's early recompute, zero-bubble's W) hides it.
+            `pxform.tools.runtime_costs` measures it on a 2-stage 1F1B pipeline at 2 and 16
+            microbatches, after the actions' own costs (`action_overhead_s`,
+            `op_action_overhead_s`) are read off the actions' recorded times; 0: not
+            measured.
         host_overlaps: the device runs kernels asynchronously to the host (CUDA): the
             host's time per op (`op_step_overhead_s`) runs while the device computes,
             so a stage's forward or backward pass takes the longer of the two, not their
@@ -447,6 +458,7 @@ class Hardware:
     relayout_overhead_s: float = 0.0
     autograd_op_overhead_s: float = 0.0
     autograd_share: float = 0.0
+    transfer_overhead_s: float = 0.0
     host_overlaps: bool = False
     sync_wait: tuple[tuple[float, float], ...] = ()
 
@@ -1007,7 +1019,7 @@ _MEDIAN_FIELDS = ("efficiency", "memory_bandwidth", "op_overhead_s", "overlap_sl
                   "collective_overhead_s", "param_action_overhead_s", "weight_op_overhead_s",
                   "op_time_scale", "op_step_overhead_s", "op_action_overhead_s",
                   "recompute_overhead_s", "relayout_overhead_s", "autograd_op_overhead_s",
-                  "autograd_share")
+                  "autograd_share", "transfer_overhead_s")
 
 
 def check_one_machine(profiles: Sequence[Hardware], what: str) -> None:

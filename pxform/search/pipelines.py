@@ -243,13 +243,16 @@ def step_time(choice: ScheduleChoice, p: int, m: int, forward: Sequence[float],
               backward: Sequence[float], weight: Sequence[float],
               recompute: Sequence[float] | None = None,
               forward_sync: Sequence[float] | None = None,
-              backward_sync: Sequence[float] | None = None) -> float:
+              backward_sync: Sequence[float] | None = None,
+              p2p: Sequence[float] | None = None) -> float:
     """Seconds per step: per stage (virtual stages counted), `forward` and `backward` per
     microbatch (the backward whole), `weight` its weight-gradient part (zero-bubble's W),
     `recompute` an early recompute (the shifted schedule's R; default: `forward`),
     `forward_sync` and `backward_sync` what an F or a B waits more when its input arrives
-    just as its rank is ready (`Hardware.sync_wait`; default 0). The schedule's `Timer`
-    charges those only where the two meet (`pxform.schedules.expected_later`); the
+    just as its rank is ready (`Hardware.sync_wait`; default 0), `p2p` what a transfer from
+    the stage to another rank adds to the wait of the action that needs it
+    (`Hardware.transfer_overhead_s`; default 0). The schedule's `Timer` charges those only
+    where an action waits for another rank (`pxform.schedules.expected_later`); the
     closed forms (past `TIMED_UP_TO`) add them to every F and B.
 
     Example:
@@ -260,12 +263,17 @@ def step_time(choice: ScheduleChoice, p: int, m: int, forward: Sequence[float],
     zero = (0.0,) * len(forward)
     fs = zero if forward_sync is None else tuple(forward_sync)
     bs = zero if backward_sync is None else tuple(backward_sync)
+    sends = zero if p2p is None else tuple(p2p)
     timer = _timer(choice, p, m)
     if timer is not None:
         return _timed(choice, p, m, tuple(forward), tuple(backward), tuple(weight), redo,
-                      fs, bs)
-    forward = [f + x for f, x in zip(forward, fs)]
-    backward = [b + x for b, x in zip(backward, bs)]
+                      fs, bs, sends)
+    # (a stage's input comes from the stage before it, its output gradient from the one
+    # after it)
+    into = (0.0, *sends[:-1])
+    back = (*sends[1:], 0.0)
+    forward = [f + x + t for f, x, t in zip(forward, fs, into)]
+    backward = [b + x + t for b, x, t in zip(backward, bs, back)]
     per = [f + b for f, b in zip(forward, backward)]
     if choice.name == "zb":
         # m x the slowest stage, and a warm-up/drain of (F + B - W) per further stage
@@ -292,16 +300,16 @@ def step_time(choice: ScheduleChoice, p: int, m: int, forward: Sequence[float],
 def _timed(choice: ScheduleChoice, p: int, m: int, forward: tuple[float, ...],
            backward: tuple[float, ...], weight: tuple[float, ...],
            recompute: tuple[float, ...], forward_sync: tuple[float, ...],
-           backward_sync: tuple[float, ...]) -> float:
+           backward_sync: tuple[float, ...], p2p: tuple[float, ...]) -> float:
     """`step_time` by the schedule's `Timer`, once per costs: the search prices the same
     stages again at several memory levels of the frontier."""
     timer = _timer(choice, p, m)
     assert timer is not None
     if choice.split:
         return timer.step_time(forward, [b - w for b, w in zip(backward, weight)], weight,
-                               recompute, forward_sync=forward_sync,
+                               recompute, p2p=p2p, forward_sync=forward_sync,
                                backward_sync=backward_sync)
-    return timer.step_time(forward, backward, recompute=recompute,
+    return timer.step_time(forward, backward, recompute=recompute, p2p=p2p,
                            forward_sync=forward_sync, backward_sync=backward_sync)
 
 

@@ -108,6 +108,9 @@ class StagePlan:
     # (`Hardware.sync_wait`; `pxform.schedules.expected_later`), apart from `forward_s`
     forward_sync_s: float = 0.0
     backward_sync_s: float = 0.0
+    # what a transfer from this stage to another rank adds where the action that needs
+    # it waits for it (`Hardware.transfer_overhead_s`; `pxform.schedules.Costs.p2p`)
+    transfer_s: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -314,7 +314,7 @@ def _make_plan(c: Candidate, ctx: SearchContext, found: Sequence[Candidate], sec
                    for b in a.blocks)
     stages = tuple(StagePlan(s.stage, s.blocks, s.forward, s.backward, s.memory, s.in_flight,
                              s.param_bytes, s.weight, s.recompute, s.forward_sync,
-                             s.backward_sync) for s in c.stages)
+                             s.backward_sync, s.transfer) for s in c.stages)
     tensor: dict[int, tuple] = {}
     specs: dict[str, P] = {}
     mesh = cfg.stage_mesh
@@ -422,7 +422,8 @@ def _simulated_step(c: Candidate, step_overhead: float) -> float:
         weight=[s.weight if split else 0.0 for s in c.stages],
         recompute=[s.recompute for s in c.stages],
         forward_sync=[s.forward_sync for s in c.stages],
-        backward_sync=[s.backward_sync for s in c.stages]))
+        backward_sync=[s.backward_sync for s in c.stages],
+        p2p=[s.transfer for s in c.stages]))
     # the runtime's per-step host cost, which `assemble` adds to the schedule's time
     return timeline.step_time + step_overhead
 

@@ -38,6 +38,9 @@ class StageResult:
     recompute: float = 0.0  # per microbatch, an early recompute (the shifted schedule's R)
     forward_sync: float = 0.0  # per F or B that meets its input's arrival
     backward_sync: float = 0.0  # (`pipelines.step_time`)
+    # per transfer from this stage to another rank, where the action needing it waits
+    # (`Hardware.transfer_overhead_s`)
+    transfer: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -213,6 +216,9 @@ def assemble(ctx: SearchContext, config: Config, part: tuple[int, ...],
     block_mem = [0.0] * len(part)
     stages = []
     fw, bw, wt, rc, fs, bs = [], [], [], [], [], []
+    # what a transfer to another rank adds where an action waits for it: the schedule's
+    # timer charges it on those waits only (`pipelines.step_time`)
+    transfer = ctx.hardware.transfer_overhead_s if config.stages > 1 else 0.0
     for s, ((idx, _), (pt, mem)) in enumerate(zip(stage_points, picked)):
         wait = waits[s] if waits else 0
         sums = _stage_sums(ctx, config, idx, pt, tables, flights[s], wait, schedule.split)
@@ -238,9 +244,10 @@ def assemble(ctx: SearchContext, config: Config, part: tuple[int, ...],
         bs.append(sums.backward_sync)
         stages.append(StageResult(s, tuple(idx), pt.time, forward, sums.backward, mem,
                                   flights[s], pbytes, sums.weight, sums.recompute,
-                                  sums.forward_sync, sums.backward_sync))
+                                  sums.forward_sync, sums.backward_sync, transfer))
     if config.stages > 1:
-        step = pipeline_step(schedule, config.stages, m, fw, bw, wt, rc, fs, bs)
+        step = pipeline_step(schedule, config.stages, m, fw, bw, wt, rc, fs, bs,
+                             [transfer] * len(fw))
     else:
         step = m * (fw[0] + bw[0])
     step += ctx.hardware.step_overhead_s
@@ -365,8 +372,8 @@ def _stage_sums(ctx: SearchContext, config: Config, idx: list[int], pt: Point,
     extra += hw.param_overhead_s * num_params
     # an early recompute (R, the shifted schedule) runs the stage's forward again from the
     # inputs it kept: no receive to wait for, no send; of the per-action costs only those
-    # per parameter and per op (`action_overhead_s` is read from 1F1B steps, where each
-    # action has a transfer on the critical path: `runtime_costs._action_costs`)
+    # per parameter and per op (GPT small's R, recorded, 2026-11-28: 2.9 ms, priced 3.2
+    # without `action_overhead_s`)
     r = f
     f_sync = b_sync = 0.0
     if config.stages > 1:
@@ -386,9 +393,16 @@ def _stage_sums(ctx: SearchContext, config: Config, idx: list[int], pt: Point,
         b += action
         r += action - hw.action_overhead_s
         if split:
-            weight_action = action + hw.weight_op_overhead_s * weight_ops
-            b += weight_action
-            w += weight_action
+            # a W is one more action (the executor's own cost), asks autograd for each
+            # weight op's gradient apart, and accumulates the stage's parameter gradients,
+            # which its B (input gradients only) then does not: the per-parameter cost
+            # moves from B to W, it is not paid twice (GPT small's 2-stage zero-bubble
+            # pipelines, every action recorded, 2026-11-28: B + W took 1.3 ms more than
+            # 1F1B's B per microbatch, priced 2.1 ms more with it paid twice, and
+            # zero-bubble plans came out 5-7 points further over than 1F1B)
+            moved = hw.param_action_overhead_s * num_params
+            b += hw.action_overhead_s + hw.weight_op_overhead_s * weight_ops
+            w += hw.action_overhead_s + hw.weight_op_overhead_s * weight_ops + moved
     # transitions are in the point's time; spread them over forward and backward
     trans = (pt.time - sum(times)) / m
     p2p = _p2p(ctx, config, idx) if config.stages > 1 else 0.0

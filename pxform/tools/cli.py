@@ -526,6 +526,8 @@ def plot_timeline(plan: Plan, path: str) -> None:
         forward=[s.forward_s / scale for s in per_stage],
         backward=[(s.backward_s - (s.weight_s if split else 0.0)) / scale for s in per_stage],
         weight=[s.weight_s / scale for s in per_stage],
+        recompute=[(s.recompute_s or s.forward_s) / scale for s in per_stage],
+        p2p=[s.transfer_s / scale for s in per_stage],
         forward_sync=[s.forward_sync_s / scale for s in per_stage],
         backward_sync=[s.backward_sync_s / scale for s in per_stage])
     if stages > 1:

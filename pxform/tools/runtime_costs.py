@@ -25,17 +25,25 @@ world and returns the profile with them set:
 * `step_overhead_s`, per step: the K = 4 step less its 4 parameters, less what the cost
   model prices its ops and its all-reduce at.
 * `action_overhead_s` and `op_action_overhead_s`, per pipeline action (one stage's
-  forward or backward of one microbatch: the executor, its transfers posted and waited
-  for, autograd building and walking the stage's graph anew each time) and per op of
-  the stage per action: the reference transformer at 2 and at 4 layers cut into 2
-  stages, its 1F1B pipeline at 2 and at 16 microbatches of the same batch. On 2 stages
-  the step takes `m + 1` forward-backward slots, so the measured difference less the one
-  the cost model predicts without these two costs, over 2 x 14 actions, is `per_action
-  + per_op x ops` at each depth (`_action_costs`). Until 2026-11-27 the per-action cost
-  came from a pipeline of two tiny matmuls at 2 and at 8 microbatches: it measured the
-  transfers' round trips, which stages with compute to do hide since the executor posts
-  its receives ahead (`pxform.runtime.pipeline._posted_ahead`), and 8-microbatch GPT
-  pipelines came out 5-21 % over.
+  forward or backward of one microbatch: the executor, its transfers posted, autograd
+  building and walking the stage's graph anew each time) and per op of the stage per
+  action, and `transfer_overhead_s`, per pipeline transfer an action waits for (the
+  waiting rank woken, the peer's slow spells passed on): the reference transformer at 2
+  and at 4 layers cut into 2 stages, its 1F1B pipeline at 2 and at 16 microbatches of the
+  same batch, the longer one's actions recorded as they run. The recorded forwards and
+  backwards (with their sends, and their receives where the data had come) less the
+  model's prices of them give the first two at the two depths; what the measured
+  difference of the two pipelines has beyond the model's with them, over how much the
+  model's difference grows per second of `transfer_overhead_s` (charged by the schedule
+  simulator only where an action waits for another rank), gives the third
+  (`_action_costs`). Until 2026-11-28 the first two were fitted to the step difference
+  alone and took the ranks' waits for each other into every forward and backward:
+  schedules that wait less (the shifted one, zero-bubble) came out 5-13 points further
+  over than 1F1B. Until 2026-11-27 they came from a pipeline of two tiny matmuls at 2
+  and at 8 microbatches: it measured the transfers' round trips, which stages with
+  compute to do hide since the executor posts its receives ahead
+  (`pxform.runtime.pipeline._posted_ahead`), and 8-microbatch GPT pipelines came out
+  5-21 % over.
 * `param_action_overhead_s`, per parameter tensor of a stage per pipeline action (its
   conversion's autograd function, its gradient accumulated over microbatches): a 2-stage
   1F1B pipeline of two tiny matmuls at 2 and at 8 microbatches, with 16 parameters per
@@ -102,7 +110,7 @@ table's barrier-timed ones that the per-collective figure is corrected by).
 Example (every rank):
     >>> hw = pxform.runtime.calibrate.calibrate()
     >>> hw = runtime_costs(hw)
-    >>> hw.param_overhead_s, hw.step_overhead_s, hw.action_overhead_s
+    >>> hw.param_overhead_s, hw.step_overhead_s, hw.action_overhead_s, hw.transfer_overhead_s
 """
 
 from __future__ import annotations
@@ -264,9 +272,9 @@ def runtime_costs(hw: Hardware, repeats: int = 9) -> Hardware:
                                              0.0, "matmul"))
         per_weight_op = max(0.0, (many_ops - one) / 15 - per_param_action - compute)
 
-    per_action = per_op_action = 0.0
+    per_action = per_op_action = per_transfer = 0.0
     if n >= 2 and n % 2 == 0:
-        per_action, per_op_action = _action_costs(dataclasses.replace(
+        per_action, per_op_action, per_transfer = _action_costs(dataclasses.replace(
             hw, param_overhead_s=per_param, step_overhead_s=per_step,
             collective_overhead_s=per_collective, param_action_overhead_s=per_param_action),
             gen, repeats)
@@ -282,13 +290,13 @@ def runtime_costs(hw: Hardware, repeats: int = 9) -> Hardware:
             collective_overhead_s=per_collective), gen, repeats)
 
     mine = (per_param, per_step, per_action, per_collective, per_param_action, per_weight_op,
-            per_op_action, per_region, per_run)
+            per_op_action, per_region, per_run, per_transfer)
     kept = world.gather_objects(mine)[0] if n > 1 else mine
     return dataclasses.replace(hw, param_overhead_s=kept[0], step_overhead_s=kept[1],
                                action_overhead_s=kept[2], collective_overhead_s=kept[3],
                                param_action_overhead_s=kept[4], weight_op_overhead_s=kept[5],
                                op_action_overhead_s=kept[6], recompute_overhead_s=kept[7],
-                               relayout_overhead_s=kept[8])
+                               relayout_overhead_s=kept[8], transfer_overhead_s=kept[9])
 
 
 def representative_profile(profiles: Sequence[Hardware]) -> Hardware:
@@ -728,47 +736,107 @@ def _staged(params: dict[str, Any], tokens: torch.Tensor) -> torch.Tensor:
     return _head(params, h, tokens)
 
 
-def _action_costs(hw: Hardware, gen: torch.Generator, repeats: int) -> tuple[float, float]:
-    """(`action_overhead_s`, `op_action_overhead_s`) (module doc): the reference
-    transformer at each depth of `_ACTION_DEPTHS`, cut into 2 stages, its 1F1B pipeline at
-    `_ACTION_MICROBATCHES` microbatches of 16 sequences per data-parallel replica (the
-    two timed alternately, every rank at once); per depth, what the measured difference
-    has beyond the cost model's without these two costs, over the `2 x 14` actions it
-    adds, is `per_action + per_op x ops` (ops: a stage's mean op count); the two depths
-    give both. Where that makes one negative, it is 0 and the other is fitted alone
-    (least squares through the origin)."""
+def _action_costs(hw: Hardware, gen: torch.Generator, repeats: int
+                  ) -> tuple[float, float, float]:
+    """(`action_overhead_s`, `op_action_overhead_s`, `transfer_overhead_s`) (module doc):
+    the reference transformer at each depth of `_ACTION_DEPTHS`, cut into 2 stages, its
+    1F1B pipeline at `_ACTION_MICROBATCHES` microbatches of 16 sequences per data-parallel
+    replica (the two timed alternately, every rank at once; the longer one's actions
+    recorded, `pxform.runtime.pipeline.recording`).
+
+    The actions' own cost: per depth, a forward and a backward of one microbatch as they
+    ran (their means, each stage's sends, and its receives' lower quartile: a receive
+    whose data has arrived, not one that waited), averaged over the stages, less the cost
+    model's forward and backward without these costs, is `2 x (per_action + per_op x
+    ops)` (ops: a stage's mean op count); the two depths give both (`_fit_action`).
+
+    The transfers: what the measured difference of the two pipelines has beyond the
+    model's with those two costs, over what the model's difference grows by per second
+    of `transfer_overhead_s` (the schedule simulator charges it where an action waits for
+    another rank's), averaged over the depths. Until 2026-11-28 the per-action costs
+    were fitted to the step difference alone: they took the 1F1B ranks' waits for each
+    other's transfers into every forward and backward (GPT small's stage 0: F priced
+    4.1 ms, run 3.0; B 7.0 and 4.5), and schedules that wait less (the shifted one,
+    zero-bubble) came out 5-13 points further over than 1F1B."""
     n = world.size()
     device = default_device()
     _, _, vocab, seq = _reference_shape(device)
     few, many = _ACTION_MICROBATCHES
     tokens = _on(torch.randint(0, vocab, (many * (n // 2), seq), generator=gen), device)
-    bare = dataclasses.replace(hw, action_overhead_s=0.0, op_action_overhead_s=0.0)
-    per_action, ops_per_stage = [], []
+    # the model without the three costs, and without what a step costs outside its
+    # actions (the per-step and per-parameter costs, which `assemble` spreads over the
+    # backwards): the actions' prices to compare with their recorded times
+    bare = dataclasses.replace(hw, action_overhead_s=0.0, op_action_overhead_s=0.0,
+                               transfer_overhead_s=0.0)
+    actions_only = dataclasses.replace(bare, param_overhead_s=0.0, step_overhead_s=0.0)
+    per_action, ops_per_stage, runs = [], [], []
     for depth in _ACTION_DEPTHS:
         params = _reference_params(gen, device, depth)
         blocks = len(auto(_staged, mesh=abstract_mesh(n), hardware=bare,
                           plan=Pin(stages=2)).plan(params, tokens).blocks)
-        calls, predicted, ops = [], [], 0
+        roles = (("outer", "dp"),) if n > 2 else ()
+        calls, pins = [], []
         for m in (few, many):
             piped = pipeline(_staged, stages=2, microbatches=m)
             sharded = shard(piped, mesh=Mesh({"pp": 2, "dp": n // 2}),
                             in_specs=(None, P("dp")))
             calls.append(functools.partial(value_and_grad(sharded), params, tokens))
             # the same pipeline as the cost model prices it: data parallel, 1F1B
-            roles = (("outer", "dp"),) if n > 2 else ()
-            pin = Pin(stages=2, outer=n // 2, inner=1, microbatches=m,
-                      schedule=ScheduleChoice(), block_options=(Option(roles, False),) * blocks)
-            plan = auto(_staged, mesh=abstract_mesh(n), hardware=bare, memory_margin=0.0,
-                        plan=pin).plan(params, tokens)
-            predicted.append(plan.step_time_s)
-            ops = sum(b.stop - b.start for b in plan.blocks) / 2  # a stage's, on average
+            pins.append(Pin(stages=2, outer=n // 2, inner=1, microbatches=m,
+                            schedule=ScheduleChoice(), block_options=(Option(roles, False),)
+                            * blocks))
+        priced = functools.partial(_priced_pipeline, params=params, tokens=tokens, n=n)
+        plan = priced(actions_only, pins[1])
+        ops = sum(b.stop - b.start for b in plan.blocks) / 2  # a stage's, on average
+        priced_pair = statistics.mean(s.forward_s + s.backward_s for s in plan.stage_plans)
         # twice the repeats: a difference of steps of tens of milliseconds, each spread
         # by a third on a loaded machine
-        _, longer = _paired(calls[0], calls[1], 2 * repeats)
-        # 2 stages: m + 1 forward-backward slots on the critical path, 2 actions each
-        per_action.append((longer - (predicted[1] - predicted[0])) / (2 * (many - few)))
+        _, longer, events = _paired_recorded(calls[0], calls[1], 2 * repeats)
+        # each rank recorded its own stage's actions
+        pairs = [p for p in world.gather_objects(_action_pair(events)) if p > 0]
+        per_action.append((statistics.mean(pairs) - priced_pair) / 2 if pairs else 0.0)
         ops_per_stage.append(ops)
-    return _fit_action(per_action, ops_per_stage)
+        runs.append((longer, pins, priced))
+    action, per_op = _fit_action(per_action, ops_per_stage)
+    delays = []
+    for longer, pins, priced in runs:
+        at = [dataclasses.replace(hw, action_overhead_s=action, op_action_overhead_s=per_op,
+                                  transfer_overhead_s=t) for t in (0.0, 1e-3)]
+        base = priced(at[0], pins[1]).step_time_s - priced(at[0], pins[0]).step_time_s
+        grown = priced(at[1], pins[1]).step_time_s - priced(at[1], pins[0]).step_time_s
+        per_second = (grown - base) / 1e-3  # transfers waited for, more in the longer
+        if per_second > 0.5:
+            delays.append((longer - base) / per_second)
+    transfer = max(0.0, statistics.mean(delays)) if delays else 0.0
+    return action, per_op, transfer
+
+
+def _priced_pipeline(profile: Hardware, pin: Pin, params: Any, tokens: torch.Tensor,
+                     n: int) -> Any:
+    """`_staged`'s plan for `pin` on `n` devices, priced with `profile`."""
+    return auto(_staged, mesh=abstract_mesh(n), hardware=profile, memory_margin=0.0,
+                plan=pin).plan(params, tokens)
+
+
+def _action_pair(events: Sequence[tuple[Any, float, float]]) -> float:
+    """Seconds of one microbatch's forward and backward on this rank, as recorded: the
+    mean F and B, with the sends after them (`SF`, `SB`: on the rank's thread) and the
+    lower quartile of its receives (`RF`, `RB`: a receive's own cost where the data had
+    come; the rest is waiting, the schedule's and the transfers'); 0 without both."""
+    kinds: dict[str, list[float]] = {}
+    for a, start, end in events:
+        kinds.setdefault(a.kind, []).append(end - start)
+    if "F" not in kinds or "B" not in kinds:
+        return 0.0
+    pair = statistics.mean(kinds["F"]) + statistics.mean(kinds["B"])
+    for kind in ("SF", "SB"):
+        if kind in kinds:
+            pair += statistics.mean(kinds[kind])
+    for kind in ("RF", "RB"):
+        if kind in kinds:
+            pair += statistics.quantiles(kinds[kind], n=4)[0] if len(kinds[kind]) > 1 \
+                else kinds[kind][0]
+    return pair
 
 
 def _fit_action(per_action: Sequence[float], ops: Sequence[float]) -> tuple[float, float]:
@@ -927,6 +995,25 @@ def _paired(short: Callable[[], Any], long: Callable[[], Any], repeats: int
         alone.append(a)
         more.append(b - a)
     return statistics.median(alone), statistics.median(more)
+
+
+def _paired_recorded(short: Callable[[], Any], long: Callable[[], Any], repeats: int
+                     ) -> tuple[float, float, list[tuple[Any, float, float]]]:
+    """`_paired`, with the pipeline actions this rank ran in the timed calls of `long`
+    (`pxform.runtime.pipeline.recording`: a clock read per action, microseconds)."""
+    for _ in range(2):
+        short()
+        long()
+    alone, more = [], []
+    events: list[tuple[Any, float, float]] = []
+    for _ in range(repeats):
+        a = _timed(short)
+        with recording() as got:
+            b = _timed(long)
+        events += got
+        alone.append(a)
+        more.append(b - a)
+    return statistics.median(alone), statistics.median(more), events
 
 
 def _timed(call: Callable[[], Any]) -> float:
