@@ -498,8 +498,9 @@ def test_representative_profile_keeps_the_middle_calibration_whole():
     fast = replace(base, op_time_scale=1.0, param_overhead_s=4e-4, source="fast")
     middle = replace(base, op_time_scale=1.4, param_overhead_s=2e-4, source="middle")
     steps = [_representative_steps(p) for p in (fast, middle, slow)]
-    # dp, tp, 2 stages of the 2-layer reference and of its 8-layer form, on 2 devices
-    assert all(len(s) == 4 and min(s) > 0 for s in steps)
+    # dp, tp, 2 stages of the 2-layer reference and of its 8-layer form, ZeRO-3, and the
+    # 8-layer form under zero-bubble, interleaved and shifted schedules, on 2 devices
+    assert all(len(s) == 8 and min(s) > 0 for s in steps)
     assert [s[0] for s in steps] == sorted(s[0] for s in steps)
     # the deep pipeline's stages hold 4x the parameters: a cost per parameter and action
     # weighs 4x there (what let one calibration's outlier sit in the middle at 2 layers)
@@ -511,6 +512,12 @@ def test_representative_profile_keeps_the_middle_calibration_whole():
     assert chosen.source.startswith("calibration 3 of 3, the one whose predictions sit in "
                                     "the middle") and chosen.source.endswith("; middle")
     assert representative_profile([fast]) is fast
+    # a calibration in the middle of the others for data parallelism, tensor parallelism
+    # and 1F1B, but far off for zero-bubble's W actions, is not the one kept
+    odd = replace(middle, weight_op_overhead_s=5e-3, source="odd")
+    below, above = (replace(middle, op_time_scale=x, source=str(x)) for x in (1.38, 1.42))
+    assert _representative_steps(odd)[:3] == _representative_steps(middle)[:3]
+    assert representative_profile([below, odd, above]).source.endswith(("1.38", "1.42"))
     # `pxform calibrate --runs N` writes it (`main`'s default combines by `median_profile`)
     from pxform.tools.cli import build_parser
     run = build_parser().parse_args(["calibrate", "--out", "x.json", "--runs", "3"]).run

@@ -302,9 +302,9 @@ def runtime_costs(hw: Hardware, repeats: int = 9) -> Hardware:
 def representative_profile(profiles: Sequence[Hardware]) -> Hardware:
     """The one of `profiles` (calibrations of one machine, same sizes) whose predictions
     sit in the middle of theirs, kept whole: each prices the reference transformer's
-    steps on one node of its devices (`_representative_steps`: data parallel, tensor
-    parallel over pairs, 2 pipeline stages of 8 microbatches at 2 and at 8 layers), and
-    the profile whose
+    steps on one node of its devices (`_representative_steps`: data parallel, ZeRO-3,
+    tensor parallel over pairs, 2 pipeline stages of 8 microbatches at 2 and at 8 layers,
+    and at 8 under each schedule), and the profile whose
     predictions are nearest the median prediction per step (the sum of their absolute
     log ratios; the first on a tie) is returned, its `source` saying so.
 
@@ -345,9 +345,11 @@ def representative_profile(profiles: Sequence[Hardware]) -> Hardware:
 def _representative_steps(hw: Hardware) -> list[float]:
     """`hw`'s predicted seconds for the reference transformer (8 sequences per device) on
     one node of `hw.devices_per_node` devices: data parallel; with an even count, tensor
-    parallel over pairs (data parallel across them) and a 2-stage 1F1B pipeline of 8
-    microbatches, of the reference and of its 8-layer form (`representative_profile`); a
-    step the search cannot plan is left out alike for every profile."""
+    parallel over pairs (data parallel across them), a 2-stage 1F1B pipeline of 8
+    microbatches of the reference and of its 8-layer form, ZeRO-3 over the node, and the
+    8-layer pipeline under zero-bubble, interleaved and shifted schedules
+    (`representative_profile`); a step the search cannot plan is left out alike for every
+    profile."""
     n = max(1, hw.devices_per_node)
     gen = torch.Generator().manual_seed(0)
     device = default_device()
@@ -372,6 +374,17 @@ def _representative_steps(hw: Hardware) -> list[float]:
         cpu = torch.device("cpu")
         deep = _reference_params(gen, cpu, layers=4 * _reference_shape(cpu)[0])
         steps += [(params, _pairs_pin(n, blocks)), (params, pipelined), (deep, pipelined)]
+        # and every other family the search prices: ZeRO-3, and the deep form under the
+        # other schedules. A calibration whose numbers for one of them were off (its
+        # per-transfer delay, or its waits after compute, which price ZeRO-3's and the
+        # schedules' waits) sat in the middle of the four steps above and priced those
+        # plans 10-13 % under (2026-11-28: the chosen calibration 8 of 13 plans within
+        # 10 %, each of three others 13 of 13)
+        steps.append((params, Pin(stages=1, outer=n, inner=1, microbatches=1, block_options=(
+            Option((("outer", "sdp"),), False),) * blocks)))
+        steps += [(deep, dataclasses.replace(pipelined, schedule=choice))
+                  for choice in (ScheduleChoice("zb"), ScheduleChoice("interleaved", 2),
+                                 ScheduleChoice("shifted"))]
     out = []
     for tree, pin in steps:
         try:
