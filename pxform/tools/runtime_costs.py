@@ -3,8 +3,8 @@
 `pxform.runtime.calibrate` measures the hardware: op curves, collectives, overlap. What a
 training step costs beyond its ops and collectives is pxform's own host work, and the
 cost model needs it too (`docs/search.md`, "Fixed costs"): on CPUs it is several
-milliseconds of a step of tens. `runtime_costs(hw)` measures four numbers on the current
-world and returns the profile with them set:
+milliseconds of a step of tens. `runtime_costs(hw)` measures these numbers on the current
+world and returns the profile with them set (`runtime_costs` lists them below):
 
 * `collective_overhead_s`, per collective the program runs: the conversion's autograd
   function, the functional collective's wrapping and waiting, copies into and out of
@@ -49,11 +49,12 @@ world and returns the profile with them set:
   1F1B pipeline of two tiny matmuls at 2 and at 8 microbatches, with 16 parameters per
   stage and with 1: the difference of the two differences over 2 x 6 x 15.
 * `weight_op_overhead_s`, per weight op of a zero-bubble W action (the executor asks
-  autograd for each weight op's gradient on its own, then hands it on): a 2-stage ZB-H1
-  pipeline of chained tiny matmuls, 1 and 16 per stage, its W actions timed as they run
-  (`pxform.runtime.pipeline.recording`): the difference of the median W over 15, less
-  what the cost model already charges per parameter and action and for the op's weight
-  gradient.
+  autograd for each weight op's gradient on its own, then hands it on): the same
+  reference pipelines under zero-bubble at 16 microbatches, their W actions recorded:
+  their mean less the model's W without it, over the stage's weight ops
+  (`_action_costs`). Until 2026-11-28 a 2-stage ZB-H1 pipeline of chained tiny 8 x 8
+  matmuls, 1 and 16 per stage: 14-95 us per op, while GPT small's W actions ran 4.5-5.1
+  ms against 2.2-2.5 priced (its weight ops' gradients over 2 sequences each, not 2 rows).
 * `recompute_overhead_s`, per recompute region per microbatch (torch's non-reentrant
   checkpoint: its frame, the saved tensors' hooks, the RNG state, stopping the recompute;
   the region's re-entry into pxform's process groups): tiny residual layers, data
@@ -220,7 +221,7 @@ def runtime_costs(hw: Hardware, repeats: int = 9) -> Hardware:
         ops += model.bucketed_all_reduce(few * _WIDTH * 4.0 * 2 * (n - 1) / n, "dp", axes)
     per_step = max(0.0, t_few - few * per_param - ops)
 
-    per_param_action = per_weight_op = 0.0
+    per_param_action = 0.0
     if n >= 2 and n % 2 == 0:
         def two_stages(p: dict[str, list[torch.Tensor]], x: torch.Tensor) -> torch.Tensor:
             h = stage_boundary(x @ torch.stack(p["w1"]).sum(0))
@@ -247,36 +248,13 @@ def runtime_costs(hw: Hardware, repeats: int = 9) -> Hardware:
         _, slots_many = _paired(pp_step(2, 16), pp_step(8, 16), 3 * repeats)
         per_param_action = max(0.0, (slots_many - slots) / (2 * 6 * 15))
 
-        def chained(p: dict[str, list[torch.Tensor]], x: torch.Tensor) -> torch.Tensor:
-            for w in p["w1"]:  # each matmul a weight op of its own
-                x = x @ w
-            x = stage_boundary(x)
-            for w in p["w2"]:
-                x = x @ w
-            return x.sum()
-
-        def zb_step(count: int) -> Callable[[], Any]:
-            piped = pipeline(chained, stages=2, microbatches=8, schedule="zb")
-            step = value_and_grad(shard(piped, mesh=Mesh({"pp": 2, "dp": n // 2}),
-                                        in_specs=(None, P("dp"))))
-            params = _on({k: [torch.randn(_WIDTH, _WIDTH, generator=gen) / _WIDTH ** 0.5
-                              for _ in range(count)] for k in ("w1", "w2")}, device)
-            batch = _on(torch.randn(8 * n, _WIDTH, generator=gen), device)
-            return lambda: step(params, batch)
-
-        one, many_ops = _weight_action(zb_step(1), repeats), _weight_action(zb_step(16), repeats)
-        # the model prices a W as its ops' weight gradients (about each op's forward: a
-        # matmul of 2 rows here) plus the per-action and per-parameter costs above
-        rows = 8 * n // 8 // (n // 2)
-        compute = min(CostModel(hw).op_times(2.0 * rows * _WIDTH * _WIDTH, torch.float32,
-                                             0.0, "matmul"))
-        per_weight_op = max(0.0, (many_ops - one) / 15 - per_param_action - compute)
-
-    per_action = per_op_action = per_transfer = 0.0
+    per_action = per_op_action = per_transfer = per_weight_op = 0.0
     if n >= 2 and n % 2 == 0:
-        per_action, per_op_action, per_transfer = _action_costs(dataclasses.replace(
-            hw, param_overhead_s=per_param, step_overhead_s=per_step,
-            collective_overhead_s=per_collective, param_action_overhead_s=per_param_action),
+        per_action, per_op_action, per_transfer, per_weight_op = _action_costs(
+            dataclasses.replace(
+                hw, param_overhead_s=per_param, step_overhead_s=per_step,
+                collective_overhead_s=per_collective,
+                param_action_overhead_s=per_param_action),
             gen, repeats)
 
     per_region = _recompute_region(dataclasses.replace(
@@ -750,8 +728,9 @@ def _staged(params: dict[str, Any], tokens: torch.Tensor) -> torch.Tensor:
 
 
 def _action_costs(hw: Hardware, gen: torch.Generator, repeats: int
-                  ) -> tuple[float, float, float]:
-    """(`action_overhead_s`, `op_action_overhead_s`, `transfer_overhead_s`) (module doc):
+                  ) -> tuple[float, float, float, float]:
+    """(`action_overhead_s`, `op_action_overhead_s`, `transfer_overhead_s`,
+    `weight_op_overhead_s`) (module doc):
     the reference transformer at each depth of `_ACTION_DEPTHS`, cut into 2 stages, its
     1F1B pipeline at `_ACTION_MICROBATCHES` microbatches of 16 sequences per data-parallel
     replica (the two timed alternately, every rank at once; the longer one's actions
@@ -770,7 +749,14 @@ def _action_costs(hw: Hardware, gen: torch.Generator, repeats: int
     were fitted to the step difference alone: they took the 1F1B ranks' waits for each
     other's transfers into every forward and backward (GPT small's stage 0: F priced
     4.1 ms, run 3.0; B 7.0 and 4.5), and schedules that wait less (the shifted one,
-    zero-bubble) came out 5-13 points further over than 1F1B."""
+    zero-bubble) came out 5-13 points further over than 1F1B.
+
+    The weight ops: the same pipeline at `_ACTION_MICROBATCHES[1]` under zero-bubble, its
+    W actions recorded: per depth, their mean less the model's W without this cost, over
+    the stage's weight ops (what the model's W grows by per second of it), averaged over
+    stages and depths. Until 2026-11-28 it came from tiny 8 x 8 matmuls chained 1 and 16
+    to a stage: 14-95 us per op, and GPT small's W actions ran 4.5-5.1 ms against 2.2-2.5
+    priced."""
     n = world.size()
     device = default_device()
     _, _, vocab, seq = _reference_shape(device)
@@ -782,7 +768,7 @@ def _action_costs(hw: Hardware, gen: torch.Generator, repeats: int
     bare = dataclasses.replace(hw, action_overhead_s=0.0, op_action_overhead_s=0.0,
                                transfer_overhead_s=0.0)
     actions_only = dataclasses.replace(bare, param_overhead_s=0.0, step_overhead_s=0.0)
-    per_action, ops_per_stage, runs = [], [], []
+    per_action, ops_per_stage, runs, zb_runs = [], [], [], []
     for depth in _ACTION_DEPTHS:
         params = _reference_params(gen, device, depth)
         blocks = len(auto(_staged, mesh=abstract_mesh(n), hardware=bare,
@@ -810,6 +796,13 @@ def _action_costs(hw: Hardware, gen: torch.Generator, repeats: int
         per_action.append((statistics.mean(pairs) - priced_pair) / 2 if pairs else 0.0)
         ops_per_stage.append(ops)
         runs.append((longer, pins, priced))
+        # zero-bubble's W actions at the longer pipeline's microbatches (its step is not
+        # timed: the Ws as they ran are what is read)
+        piped = pipeline(_staged, stages=2, microbatches=many, schedule="zb")
+        zb = functools.partial(value_and_grad(shard(piped, mesh=Mesh({"pp": 2, "dp": n // 2}),
+                                                    in_specs=(None, P("dp")))), params, tokens)
+        zb_pin = dataclasses.replace(pins[1], schedule=ScheduleChoice("zb"))
+        zb_runs.append((_recorded(zb, repeats), zb_pin, priced))
     action, per_op = _fit_action(per_action, ops_per_stage)
     delays = []
     for longer, pins, priced in runs:
@@ -821,7 +814,43 @@ def _action_costs(hw: Hardware, gen: torch.Generator, repeats: int
         if per_second > 0.5:
             delays.append((longer - base) / per_second)
     transfer = max(0.0, statistics.mean(delays)) if delays else 0.0
-    return action, per_op, transfer
+    per_weight_op = []
+    for events, zb_pin, priced in zb_runs:
+        at = [dataclasses.replace(hw, action_overhead_s=action, op_action_overhead_s=per_op,
+                                  weight_op_overhead_s=t) for t in (0.0, 1e-3)]
+        weights = [priced(h, zb_pin).stage_plans for h in at]
+        # (stage, its recorded W's mean) of each rank
+        for stage, mean in world.gather_objects(_mean_weight(events)):
+            if stage is None:
+                continue
+            ops = (weights[1][stage].weight_s - weights[0][stage].weight_s) / 1e-3
+            if ops > 0.5:
+                per_weight_op.append((mean - weights[0][stage].weight_s) / ops)
+    weight_op = max(0.0, statistics.mean(per_weight_op)) if per_weight_op else 0.0
+    return action, per_op, transfer, weight_op
+
+
+def _recorded(call: Callable[[], Any], repeats: int) -> list[tuple[Any, float, float]]:
+    """The pipeline actions this rank ran in `repeats` calls of `call`, each after a
+    barrier, after two unrecorded calls."""
+    for _ in range(2):
+        call()
+    events: list[tuple[Any, float, float]] = []
+    for _ in range(repeats):
+        world.barrier()
+        with recording() as got:
+            call()
+        events += got
+    return events
+
+
+def _mean_weight(events: Sequence[tuple[Any, float, float]]) -> tuple[int | None, float]:
+    """(the stage, the mean seconds) of the W actions among `events` (one stage's: a
+    rank of a 2-stage pipeline); (None, 0.0) without any."""
+    seconds = [end - start for a, start, end in events if a.kind == "W"]
+    if not seconds:
+        return None, 0.0
+    return next(a.stage for a, _, _ in events if a.kind == "W"), statistics.mean(seconds)
 
 
 def _priced_pipeline(profile: Hardware, pin: Pin, params: Any, tokens: torch.Tensor,
@@ -977,21 +1006,6 @@ def _relayout_overhead(hw: Hardware, gen: torch.Generator, repeats: int) -> floa
     # a run costs about a millisecond, noisy from one pair to the next: thrice the repeats
     _, longer = _paired(one_device, sharded, 3 * repeats)
     return max(0.0, (longer - (base - alone)) / runs)
-
-
-def _weight_action(call: Callable[[], Any], repeats: int) -> float:
-    """The median seconds of the W actions this rank runs in `repeats` calls of `call` (a
-    zero-bubble pipeline's step), after two untimed calls."""
-    for _ in range(2):
-        call()
-    seconds = []
-    for _ in range(repeats):
-        if world.initialized():
-            world.barrier()
-        with recording() as events:
-            call()
-        seconds += [end - start for a, start, end in events if a.kind == "W"]
-    return statistics.median(seconds) if seconds else 0.0
 
 
 def _paired(short: Callable[[], Any], long: Callable[[], Any], repeats: int
