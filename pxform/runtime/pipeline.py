@@ -58,6 +58,7 @@ from pxform.runtime.graph_module import (
     module_of,
     regions_off,
     runtime_device,
+    synchronize,
     with_groups,
 )
 from pxform.runtime.mesh import Mesh
@@ -72,7 +73,11 @@ _RECORD: contextvars.ContextVar[list[tuple[Action, float, float]] | None] = \
 @contextlib.contextmanager
 def recording() -> Iterator[list[tuple[Action, float, float]]]:
     """Record `(action, start, end)` wall-clock times of every action this rank runs
-    (benchmarks compare them with `pxform.schedules.simulate`).
+    (benchmarks compare them with `pxform.schedules.simulate`; `pxform.tools.runtime_costs`
+    prices pipeline actions from them). On a CUDA device the executor waits for the
+    device before and after each action while recording (an action returns before its
+    kernels ran): the times are the device's, and the recorded step runs without the
+    overlap of one action's kernels with the next action's host work.
 
     Example:
         >>> with recording() as events:
@@ -333,6 +338,8 @@ def run(program: PipelineProgram, actions: Sequence[Action | None], place: Pipel
     for a in actions:
         if a is None:
             continue
+        if record is not None:
+            synchronize(device)  # (CUDA: the action's own time, not its launch)
         started = time.time() if record is not None else 0.0
         s, i = a.stage, a.microbatch
         if a.kind == "F":
@@ -369,6 +376,7 @@ def run(program: PipelineProgram, actions: Sequence[Action | None], place: Pipel
         if ahead:
             post_ahead()
         if record is not None:
+            synchronize(device)
             record.append((a, started, time.time()))
     for sent, works in pending.items():  # sends still in flight
         for work in works:
