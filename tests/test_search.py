@@ -1052,11 +1052,10 @@ def test_a_transfer_delay_is_charged_only_where_an_action_waits_for_it():
     """`Hardware.transfer_overhead_s` (what a pipeline transfer adds where the action
     needing it waits: `pxform.tools.runtime_costs` fits it on 1F1B pipelines) leaves every
     action's price as it was and goes to the schedule simulator as `Costs.p2p`: the
-    plan's step is the simulation's with it, every schedule's step grows, and by less
-    than charging it on every F and B would (zero-bubble and the shifted schedule have
-    slack where 1F1B waits), and by at least the first microbatch's way there and back;
-    the closed forms past `TIMED_UP_TO` charge it on every F and B of a stage that
-    receives."""
+    plan's step is the simulation's with it, every schedule's step grows by at least the
+    first microbatch's way there and back and by less than charging it on every F and B
+    of the `m + p - 1` slots would (only the waits pay it); the closed forms past
+    `TIMED_UP_TO` charge it on every F and B of a stage that receives."""
     from pxform.cost.hardware import hardware
     from pxform.schedules import Costs, resolve, simulate
     from pxform.search import pipelines
