@@ -116,6 +116,7 @@ Example (every rank):
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -1013,21 +1014,16 @@ def _paired(short: Callable[[], Any], long: Callable[[], Any], repeats: int
     """(median seconds of `short`, median of `long`'s seconds less `short`'s), the two
     timed alternately `repeats` times, each call after a barrier, after two untimed runs
     of each: a drift in the machine's load falls on both sides of each difference."""
-    for _ in range(2):
-        short()
-        long()
-    alone, more = [], []
-    for _ in range(repeats):
-        a, b = _timed(short), _timed(long)
-        alone.append(a)
-        more.append(b - a)
-    return statistics.median(alone), statistics.median(more)
+    alone, more, _ = _paired_recorded(short, long, repeats, record=False)
+    return alone, more
 
 
-def _paired_recorded(short: Callable[[], Any], long: Callable[[], Any], repeats: int
+def _paired_recorded(short: Callable[[], Any], long: Callable[[], Any], repeats: int,
+                     record: bool = True
                      ) -> tuple[float, float, list[tuple[Any, float, float]]]:
     """`_paired`, with the pipeline actions this rank ran in the timed calls of `long`
-    (`pxform.runtime.pipeline.recording`: a clock read per action, microseconds)."""
+    (`pxform.runtime.pipeline.recording`: a clock read per action, microseconds; none
+    without `record`)."""
     for _ in range(2):
         short()
         long()
@@ -1035,7 +1031,9 @@ def _paired_recorded(short: Callable[[], Any], long: Callable[[], Any], repeats:
     events: list[tuple[Any, float, float]] = []
     for _ in range(repeats):
         a = _timed(short)
-        with recording() as got:
+        recorded: contextlib.AbstractContextManager[list[tuple[Any, float, float]]] = \
+            recording() if record else contextlib.nullcontext([])
+        with recorded as got:
             b = _timed(long)
         events += got
         alone.append(a)
