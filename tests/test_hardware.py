@@ -41,6 +41,7 @@ def measured(**kw) -> Hardware:
                 op_step_overhead_s=5e-6, op_action_overhead_s=7e-6,
                 recompute_overhead_s=2e-4, relayout_overhead_s=6e-4,
                 autograd_op_overhead_s=3e-6, autograd_share=0.07, transfer_overhead_s=9e-4,
+                send_overhead_s=2e-4, receive_overhead_s=3e-4,
                 sync_wait=((3e-4, 0.0), (2e-3, 5e-4), (8e-3, 1e-3)))
     args.update(kw)
     return Hardware(**args)  # type: ignore[arg-type]
@@ -275,6 +276,8 @@ def write(tmp_path, content) -> str:
      r"action_overhead_s must be a number >= 0 \(seconds\), got -1.0"),
     (lambda d: d.update(transfer_overhead_s=-1e-3),
      r"transfer_overhead_s must be a number >= 0 \(seconds\), got -0.001"),
+    (lambda d: d.update(receive_overhead_s="fast"),
+     r"key 'receive_overhead_s' must be a number, got 'fast'"),
     (lambda d: d.update(op_time_scale=0),
      r"op_time_scale must be a number > 0 \(1: not measured\), got 0"),
     (lambda d: d.update(autograd_share=1.0),
@@ -701,7 +704,8 @@ def measure_runtime_costs() -> tuple[float, ...]:
             hw.collective_overhead_s, hw.param_action_overhead_s, hw.weight_op_overhead_s,
             hw.op_time_scale, hw.op_step_overhead_s, hw.op_action_overhead_s,
             hw.recompute_overhead_s, hw.relayout_overhead_s, hw.autograd_op_overhead_s,
-            hw.autograd_share, hw.transfer_overhead_s)
+            hw.autograd_share, hw.transfer_overhead_s, hw.send_overhead_s,
+            hw.receive_overhead_s)
 
 
 def test_runtime_costs_are_measured_on_real_programs(world):
@@ -719,7 +723,7 @@ def test_runtime_costs_are_measured_on_real_programs(world):
     assert results[0] == results[1]
     per_param, per_step, per_action, per_collective, per_param_action, per_weight_op, \
         scale, per_op, per_op_action, per_region, per_run, per_node, share, \
-        per_transfer = results[0]
+        per_transfer, per_send, per_receive = results[0]
     # a reference transformer step at two sizes against its ops timed alone: measured,
     # not the defaults (its ops run somewhat slower in a step, not several times; and
     # microseconds more per op, not milliseconds)
@@ -747,14 +751,18 @@ def test_runtime_costs_are_measured_on_real_programs(world):
     # a 1F1B pipeline's waits for its transfers beyond the actions as recorded: up to a
     # few milliseconds a transfer here (1.75 in one calibration), not a step's worth
     assert 0 <= per_transfer < 0.02
+    # a send and a receive as recorded: each rank made some, and each costs its thread
+    # something (0.1-0.7 ms here), not a step's worth
+    assert 0 < per_send < 0.02 and 0 < per_receive < 0.02
 
 
 def test_an_action_pair_is_read_off_the_recorded_actions():
     """`runtime_costs` prices a pipeline's actions from their recorded times: a forward and
-    a backward of one microbatch are their means, with the sends after them and the
-    lower quartile of the receives (a receive that waited for its peer is the schedule's
-    wait and the transfer's, which the simulator prices apart); a rank that ran no
-    forward or no backward gives nothing; a zero-bubble rank's W is their mean."""
+    a backward of one microbatch are their means; apart from them, a send is the sends'
+    mean and a receive the receives' lower quartile (a receive that waited for its peer is
+    the schedule's wait and the transfer's, which the simulator prices apart); a rank
+    that ran no forward or no backward gives nothing; a zero-bubble rank's W is their
+    mean."""
     from pxform.schedules.actions import Action
     from pxform.tools.runtime_costs import _action_pair, _mean_weight
 
@@ -763,8 +771,10 @@ def test_an_action_pair_is_read_off_the_recorded_actions():
 
     events = (ran("F", [3.0, 5.0]) + ran("B", [6.0, 6.0]) + ran("SF", [0.5, 0.5])
               + ran("RB", [0.25, 0.25, 0.25, 0.25, 9.0, 9.0, 9.0]))
-    assert _action_pair(events) == pytest.approx(4.0 + 6.0 + 0.5 + 0.25)
-    assert _action_pair(ran("F", [1.0]) + ran("RB", [1.0])) == 0.0
+    assert _action_pair(events) == pytest.approx((4.0 + 6.0, 0.5, 0.25))
+    # a stage that sent and received nothing (a 1-stage pipeline's) has no transfer cost
+    assert _action_pair(ran("F", [1.0]) + ran("B", [2.0])) == (3.0, 0.0, 0.0)
+    assert _action_pair(ran("F", [1.0]) + ran("RB", [1.0])) == (0.0, 0.0, 0.0)
     # a zero-bubble rank's W actions: their stage and mean
     assert _mean_weight(ran("F", [1.0]) + [(Action(1, "W", i), 0.0, t)
                                            for i, t in enumerate((2.0, 4.0))]) == (1, 3.0)

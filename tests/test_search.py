@@ -1048,6 +1048,46 @@ def test_zero_bubble_moves_the_gradient_accumulation_to_w_and_pays_one_more_acti
         assert (o.backward_s - o0.backward_s) == pytest.approx(3e-4 + moved, rel=1e-6), s
 
 
+def test_sends_and_receives_are_charged_to_the_actions_that_make_them():
+    """`Hardware.send_overhead_s` and `receive_overhead_s` (a pipeline transfer's cost to
+    each end's thread, read off recorded 1F1B pipelines by `runtime_costs`): a stage's
+    forward pays a send unless it is the last stage and a receive unless it is the first,
+    its backward the other way round; so a middle stage pays two per action, an end one
+    one, and an interleaved schedule's chunks (virtual stages) count as stages: with 2
+    ranks and 2 chunks each, 6 of its 8 actions per microbatch pay both (GPT small's
+    interleaved pipeline made three sends and three receives per microbatch on each
+    rank). A zero-bubble W and the shifted schedule's early recompute make none."""
+    from pxform.cost.hardware import hardware
+
+    args = mlp_args(d=1024, layers=4, batch=4096)
+    send, receive = 3e-4, 5e-4
+    slow = dataclasses.replace(hardware("a100-80gb"), send_overhead_s=send,
+                               receive_overhead_s=receive)
+    for choice in (ScheduleChoice(), ScheduleChoice("zb"), ScheduleChoice("shifted")):
+        base = plan_schedule(residual_mlp, args, schedule=choice)
+        plan = plan_schedule(residual_mlp, args, hardware=slow, schedule=choice,
+                             block_stage=pin_of(base).block_stage)
+        last = len(plan.stage_plans) - 1
+        for s, (b, p) in enumerate(zip(base.stage_plans, plan.stage_plans)):
+            fwd = (send if s < last else 0.0) + (receive if s > 0 else 0.0)
+            bwd = (send if s > 0 else 0.0) + (receive if s < last else 0.0)
+            assert p.forward_s - b.forward_s == pytest.approx(fwd, rel=1e-6), (choice, s)
+            assert p.backward_s - b.backward_s == pytest.approx(bwd, rel=1e-6), (choice, s)
+            assert (p.weight_s, p.recompute_s) == (b.weight_s, b.recompute_s)
+        assert plan.step_time_s > base.step_time_s
+    # interleaved on 2 ranks, 2 chunks each: 4 stages as the simulator sees them, the two
+    # in the middle paying a send and a receive per action
+    pin = Pin(stages=2, outer=1, inner=1, microbatches=4,
+              schedule=ScheduleChoice("interleaved", 2))
+    base, plan = (pxform.auto(residual_mlp, mesh=pxform.Mesh.abstract(2), hardware=hw,
+                              plan=pin, memory_margin=0.0).plan(*args)
+                  for hw in ("a100-80gb", slow))
+    grown = [d for b, p in zip(base.stage_plans, plan.stage_plans)
+             for d in (p.forward_s - b.forward_s, p.backward_s - b.backward_s)]
+    both = send + receive
+    assert grown == pytest.approx([send, receive, both, both, both, both, receive, send])
+
+
 def test_a_transfer_delay_is_charged_only_where_an_action_waits_for_it():
     """`Hardware.transfer_overhead_s` (what a pipeline transfer adds where the action
     needing it waits: `pxform.tools.runtime_costs` fits it on 1F1B pipelines) leaves every

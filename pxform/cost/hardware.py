@@ -199,7 +199,8 @@ def _power_law(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
 _FIXED_COSTS = ("step_overhead_s", "param_overhead_s", "action_overhead_s",
                 "collective_overhead_s", "param_action_overhead_s", "weight_op_overhead_s",
                 "op_step_overhead_s", "op_action_overhead_s", "recompute_overhead_s",
-                "relayout_overhead_s", "autograd_op_overhead_s", "transfer_overhead_s")
+                "relayout_overhead_s", "autograd_op_overhead_s", "transfer_overhead_s",
+                "send_overhead_s", "receive_overhead_s")
 """The runtime's own fixed costs a profile may carry (`Hardware`)."""
 
 OP_CLASSES = ("matmul", "attention", "gelu", "gelu_tanh", "silu", "softmax",
@@ -414,6 +415,16 @@ class Hardware:
             microbatches, after the actions' own costs (`action_overhead_s`,
             `op_action_overhead_s`) are read off the actions' recorded times; 0: not
             measured.
+        send_overhead_s, receive_overhead_s: seconds a pipeline send costs the sending
+            rank's thread (posting it, packing the boundary values), and a receive whose
+            data has come the receiving rank's (waiting on it, unpacking), beyond the
+            bytes' time: charged to every action per transfer it makes (a stage's F sends
+            unless the stage is the last, receives unless it is the first; its B the other
+            way round), so a stage in the middle (an interleaved schedule's chunks, a
+            pipeline of more than 2 stages) pays two per action where a 2-stage pipeline's
+            pay one. `pxform.tools.runtime_costs` reads both off the recorded sends and
+            receives (`SF`, `SB`: their mean; `RF`, `RB`: their lower quartile) of a
+            2-stage 1F1B pipeline; 0: not measured.
         host_overlaps: the device runs kernels asynchronously to the host (CUDA): the
             host's time per op (`op_step_overhead_s`) runs while the device computes,
             so a stage's forward or backward pass takes the longer of the two, not their
@@ -459,6 +470,8 @@ class Hardware:
     autograd_op_overhead_s: float = 0.0
     autograd_share: float = 0.0
     transfer_overhead_s: float = 0.0
+    send_overhead_s: float = 0.0
+    receive_overhead_s: float = 0.0
     host_overlaps: bool = False
     sync_wait: tuple[tuple[float, float], ...] = ()
 
@@ -1019,7 +1032,8 @@ _MEDIAN_FIELDS = ("efficiency", "memory_bandwidth", "op_overhead_s", "overlap_sl
                   "collective_overhead_s", "param_action_overhead_s", "weight_op_overhead_s",
                   "op_time_scale", "op_step_overhead_s", "op_action_overhead_s",
                   "recompute_overhead_s", "relayout_overhead_s", "autograd_op_overhead_s",
-                  "autograd_share", "transfer_overhead_s")
+                  "autograd_share", "transfer_overhead_s", "send_overhead_s",
+                  "receive_overhead_s")
 
 
 def check_one_machine(profiles: Sequence[Hardware], what: str) -> None:

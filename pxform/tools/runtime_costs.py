@@ -25,18 +25,22 @@ world and returns the profile with them set (`runtime_costs` lists them below):
 * `step_overhead_s`, per step: the K = 4 step less its 4 parameters, less what the cost
   model prices its ops and its all-reduce at.
 * `action_overhead_s` and `op_action_overhead_s`, per pipeline action (one stage's
-  forward or backward of one microbatch: the executor, its transfers posted, autograd
-  building and walking the stage's graph anew each time) and per op of the stage per
-  action, and `transfer_overhead_s`, per pipeline transfer an action waits for (the
+  forward or backward of one microbatch: the executor, autograd building and walking
+  the stage's graph anew each time) and per op of the stage per action,
+  `send_overhead_s` and `receive_overhead_s`, per transfer an action makes, and
+  `transfer_overhead_s`, per pipeline transfer an action waits for (the
   waiting rank woken, the peer's slow spells passed on): the reference transformer at 2
   and at 4 layers cut into 2 stages, its 1F1B pipeline at 2 and at 16 microbatches of the
   same batch, the longer one's actions recorded as they run. The recorded forwards and
-  backwards (with their sends, and their receives where the data had come) less the
-  model's prices of them give the first two at the two depths; what the measured
-  difference of the two pipelines has beyond the model's with them, over how much the
-  model's difference grows per second of `transfer_overhead_s` (charged by the schedule
-  simulator only where an action waits for another rank), gives the third
-  (`_action_costs`). Until 2026-11-28 the first two were fitted to the step difference
+  backwards less the model's prices of them give the first two at the two depths; the
+  recorded sends (their mean) and receives (their lower quartile: where the data had
+  come) the next two; what the measured difference of the two pipelines has beyond the
+  model's with them, over how much the model's difference grows per second of
+  `transfer_overhead_s` (charged by the schedule simulator only where an action waits
+  for another rank), gives the last (`_action_costs`). Until late 2026-11-28 the
+  transfers were in the forwards and backwards: one per action, as a 2-stage pipeline
+  makes, and interleaved plans (one and a half per action) came out 8-13 % under.
+  Until 2026-11-28 the first two were fitted to the step difference
   alone and took the ranks' waits for each other into every forward and backward:
   schedules that wait less (the shifted one, zero-bubble) came out 5-13 points further
   over than 1F1B. Until 2026-11-27 they came from a pipeline of two tiny matmuls at 2
@@ -249,9 +253,10 @@ def runtime_costs(hw: Hardware, repeats: int = 9) -> Hardware:
         _, slots_many = _paired(pp_step(2, 16), pp_step(8, 16), 3 * repeats)
         per_param_action = max(0.0, (slots_many - slots) / (2 * 6 * 15))
 
-    per_action = per_op_action = per_transfer = per_weight_op = 0.0
+    per_action = per_op_action = per_transfer = per_weight_op = per_send = per_receive = 0.0
     if n >= 2 and n % 2 == 0:
-        per_action, per_op_action, per_transfer, per_weight_op = _action_costs(
+        (per_action, per_op_action, per_transfer, per_weight_op, per_send,
+         per_receive) = _action_costs(
             dataclasses.replace(
                 hw, param_overhead_s=per_param, step_overhead_s=per_step,
                 collective_overhead_s=per_collective,
@@ -269,13 +274,14 @@ def runtime_costs(hw: Hardware, repeats: int = 9) -> Hardware:
             collective_overhead_s=per_collective), gen, repeats)
 
     mine = (per_param, per_step, per_action, per_collective, per_param_action, per_weight_op,
-            per_op_action, per_region, per_run, per_transfer)
+            per_op_action, per_region, per_run, per_transfer, per_send, per_receive)
     kept = world.gather_objects(mine)[0] if n > 1 else mine
     return dataclasses.replace(hw, param_overhead_s=kept[0], step_overhead_s=kept[1],
                                action_overhead_s=kept[2], collective_overhead_s=kept[3],
                                param_action_overhead_s=kept[4], weight_op_overhead_s=kept[5],
                                op_action_overhead_s=kept[6], recompute_overhead_s=kept[7],
-                               relayout_overhead_s=kept[8], transfer_overhead_s=kept[9])
+                               relayout_overhead_s=kept[8], transfer_overhead_s=kept[9],
+                               send_overhead_s=kept[10], receive_overhead_s=kept[11])
 
 
 def representative_profile(profiles: Sequence[Hardware]) -> Hardware:
@@ -729,19 +735,23 @@ def _staged(params: dict[str, Any], tokens: torch.Tensor) -> torch.Tensor:
 
 
 def _action_costs(hw: Hardware, gen: torch.Generator, repeats: int
-                  ) -> tuple[float, float, float, float]:
+                  ) -> tuple[float, float, float, float, float, float]:
     """(`action_overhead_s`, `op_action_overhead_s`, `transfer_overhead_s`,
-    `weight_op_overhead_s`) (module doc):
+    `weight_op_overhead_s`, `send_overhead_s`, `receive_overhead_s`) (module doc):
     the reference transformer at each depth of `_ACTION_DEPTHS`, cut into 2 stages, its
     1F1B pipeline at `_ACTION_MICROBATCHES` microbatches of 16 sequences per data-parallel
     replica (the two timed alternately, every rank at once; the longer one's actions
     recorded, `pxform.runtime.pipeline.recording`).
 
     The actions' own cost: per depth, a forward and a backward of one microbatch as they
-    ran (their means, each stage's sends, and its receives' lower quartile: a receive
-    whose data has arrived, not one that waited), averaged over the stages, less the cost
-    model's forward and backward without these costs, is `2 x (per_action + per_op x
-    ops)` (ops: a stage's mean op count); the two depths give both (`_fit_action`).
+    ran (their means), averaged over the stages, less the cost model's forward and
+    backward without these costs, is `2 x (per_action + per_op x ops)` (ops: a stage's
+    mean op count); the two depths give both (`_fit_action`). The transfers' own cost:
+    the recorded sends' mean and the receives' lower quartile (a receive whose data has
+    arrived, not one that waited), over the stages and depths. Until 2026-11-28 (late)
+    the two were in the forward and backward: one transfer per action, as a 2-stage
+    pipeline makes, where an interleaved schedule's chunks make one and a half per
+    action on average (its plans came out 8-13 % under).
 
     The transfers: what the measured difference of the two pipelines has beyond the
     model's with those two costs, over what the model's difference grows by per second
@@ -767,9 +777,11 @@ def _action_costs(hw: Hardware, gen: torch.Generator, repeats: int
     # actions (the per-step and per-parameter costs, which `assemble` spreads over the
     # backwards): the actions' prices to compare with their recorded times
     bare = dataclasses.replace(hw, action_overhead_s=0.0, op_action_overhead_s=0.0,
-                               transfer_overhead_s=0.0)
+                               transfer_overhead_s=0.0, send_overhead_s=0.0,
+                               receive_overhead_s=0.0)
     actions_only = dataclasses.replace(bare, param_overhead_s=0.0, step_overhead_s=0.0)
     per_action, ops_per_stage, runs, zb_runs = [], [], [], []
+    sends, receives = [], []
     for depth in _ACTION_DEPTHS:
         params = _reference_params(gen, device, depth)
         blocks = len(auto(_staged, mesh=abstract_mesh(n), hardware=bare,
@@ -792,8 +804,12 @@ def _action_costs(hw: Hardware, gen: torch.Generator, repeats: int
         # twice the repeats: a difference of steps of tens of milliseconds, each spread
         # by a third on a loaded machine
         _, longer, events = _paired_recorded(calls[0], calls[1], 2 * repeats)
-        # each rank recorded its own stage's actions
-        pairs = [p for p in world.gather_objects(_action_pair(events)) if p > 0]
+        # each rank recorded its own stage's actions, and its transfers: a 2-stage
+        # pipeline's forward and backward make one each between them
+        recorded = [r for r in world.gather_objects(_action_pair(events)) if r[0] > 0]
+        pairs = [pair for pair, _, _ in recorded]
+        sends += [send for _, send, _ in recorded if send > 0]
+        receives += [receive for _, _, receive in recorded if receive > 0]
         per_action.append((statistics.mean(pairs) - priced_pair) / 2 if pairs else 0.0)
         ops_per_stage.append(ops)
         runs.append((longer, pins, priced))
@@ -805,10 +821,13 @@ def _action_costs(hw: Hardware, gen: torch.Generator, repeats: int
         zb_pin = dataclasses.replace(pins[1], schedule=ScheduleChoice("zb"))
         zb_runs.append((_recorded(zb, repeats), zb_pin, priced))
     action, per_op = _fit_action(per_action, ops_per_stage)
+    send = statistics.mean(sends) if sends else 0.0
+    receive = statistics.mean(receives) if receives else 0.0
+    fitted = dataclasses.replace(hw, action_overhead_s=action, op_action_overhead_s=per_op,
+                                 send_overhead_s=send, receive_overhead_s=receive)
     delays = []
     for longer, pins, priced in runs:
-        at = [dataclasses.replace(hw, action_overhead_s=action, op_action_overhead_s=per_op,
-                                  transfer_overhead_s=t) for t in (0.0, 1e-3)]
+        at = [dataclasses.replace(fitted, transfer_overhead_s=t) for t in (0.0, 1e-3)]
         base = priced(at[0], pins[1]).step_time_s - priced(at[0], pins[0]).step_time_s
         grown = priced(at[1], pins[1]).step_time_s - priced(at[1], pins[0]).step_time_s
         per_second = (grown - base) / 1e-3  # transfers waited for, more in the longer
@@ -817,8 +836,7 @@ def _action_costs(hw: Hardware, gen: torch.Generator, repeats: int
     transfer = max(0.0, statistics.mean(delays)) if delays else 0.0
     per_weight_op = []
     for events, zb_pin, priced in zb_runs:
-        at = [dataclasses.replace(hw, action_overhead_s=action, op_action_overhead_s=per_op,
-                                  weight_op_overhead_s=t) for t in (0.0, 1e-3)]
+        at = [dataclasses.replace(fitted, weight_op_overhead_s=t) for t in (0.0, 1e-3)]
         weights = [priced(h, zb_pin).stage_plans for h in at]
         # (stage, its recorded W's mean) of each rank
         for stage, mean in world.gather_objects(_mean_weight(events)):
@@ -828,7 +846,7 @@ def _action_costs(hw: Hardware, gen: torch.Generator, repeats: int
             if ops > 0.5:
                 per_weight_op.append((mean - weights[0][stage].weight_s) / ops)
     weight_op = max(0.0, statistics.mean(per_weight_op)) if per_weight_op else 0.0
-    return action, per_op, transfer, weight_op
+    return action, per_op, transfer, weight_op, send, receive
 
 
 def _recorded(call: Callable[[], Any], repeats: int) -> list[tuple[Any, float, float]]:
@@ -861,25 +879,25 @@ def _priced_pipeline(profile: Hardware, pin: Pin, params: Any, tokens: torch.Ten
                 plan=pin).plan(params, tokens)
 
 
-def _action_pair(events: Sequence[tuple[Any, float, float]]) -> float:
-    """Seconds of one microbatch's forward and backward on this rank, as recorded: the
-    mean F and B, with the sends after them (`SF`, `SB`: on the rank's thread) and the
-    lower quartile of its receives (`RF`, `RB`: a receive's own cost where the data had
-    come; the rest is waiting, the schedule's and the transfers'); 0 without both."""
+def _action_pair(events: Sequence[tuple[Any, float, float]]
+                 ) -> tuple[float, float, float]:
+    """(seconds of one microbatch's forward and backward on this rank, as recorded: the
+    mean F and B; its sends' mean (`SF`, `SB`: on the rank's thread); its receives' lower
+    quartile (`RF`, `RB`: a receive's own cost where the data had come; the rest is
+    waiting, the schedule's and the transfers')); zeros without both F and B, a zero
+    for a kind of transfer the rank made none of."""
     kinds: dict[str, list[float]] = {}
     for a, start, end in events:
         kinds.setdefault(a.kind, []).append(end - start)
     if "F" not in kinds or "B" not in kinds:
-        return 0.0
+        return 0.0, 0.0, 0.0
     pair = statistics.mean(kinds["F"]) + statistics.mean(kinds["B"])
-    for kind in ("SF", "SB"):
-        if kind in kinds:
-            pair += statistics.mean(kinds[kind])
-    for kind in ("RF", "RB"):
-        if kind in kinds:
-            pair += statistics.quantiles(kinds[kind], n=4)[0] if len(kinds[kind]) > 1 \
-                else kinds[kind][0]
-    return pair
+    sends = [t for kind in ("SF", "SB") for t in kinds.get(kind, ())]
+    receives = [t for kind in ("RF", "RB") for t in kinds.get(kind, ())]
+    send = statistics.mean(sends) if sends else 0.0
+    receive = (statistics.quantiles(receives, n=4)[0] if len(receives) > 1 else
+               receives[0] if receives else 0.0)
+    return pair, send, receive
 
 
 def _fit_action(per_action: Sequence[float], ops: Sequence[float]) -> tuple[float, float]:
