@@ -70,6 +70,8 @@ def rank_main(config: str, batch_size: int, runs: int, calibrations: int = 1
                                "sync_wait": [list(p) for p in hw.sync_wait],
                                "op_action_overhead_s": hw.op_action_overhead_s,
                                "transfer_overhead_s": hw.transfer_overhead_s,
+                               "send_overhead_s": hw.send_overhead_s,
+                               "receive_overhead_s": hw.receive_overhead_s,
                                "hardware": hw.to_json()}
         # what each calibration predicts for the same plans (a fixed plan's prediction
         # moves with the profile alone)
@@ -137,6 +139,9 @@ def main() -> None:
         f"{r['op_action_overhead_s'] * 1e6:.1f} us" for r in runs))
     print("  pipeline transfer delay (transfer_overhead_s): " + ", ".join(
         f"{r.get('transfer_overhead_s', 0.0) * 1e3:.2f} ms" for r in runs))
+    print("  pipeline send, receive (send_overhead_s, receive_overhead_s): " + ", ".join(
+        f"{r.get('send_overhead_s', 0.0) * 1e3:.2f}, {r.get('receive_overhead_s', 0.0) * 1e3:.2f}"
+        f" ms" for r in runs))
     for name in runs[0]["pinned"]:
         times = [r["pinned"][name] * 1e3 for r in runs]
         print(f"  predicted for the pinned plan {name}: "

@@ -326,7 +326,15 @@ def walk(a: Analysis, block: BlockInfo, strats: list[Strategy], outside: Mapping
         n = axes[axis][0]
         local = sent * n / (n - 1) if kind == "reduce_scatter" else 0.0
         grad_comm += transfer - per_collective
-        bwd_comm += per_collective + model.pack_time(local)
+        # launched as the block's backward ends, it meets the peers there, after that
+        # backward's compute (`Hardware.sync_wait`), and gloo's one collective at a time
+        # (`pxform.runtime.collectives.launch`) holds the next block's gather behind it:
+        # as data parallelism's last bucket does once per step (`stages._stage_sums`),
+        # ZeRO-3 does per block (its plans had come out 5-12 % under beside data
+        # parallelism's 0-5 on GPT small, 2026-11-28: a probe had 37 ms of its step
+        # blocked in collectives' waits against data parallelism's 7)
+        bwd_comm += per_collective + model.pack_time(local) + model.hardware.sync_wait_s(
+            bwd_compute)
     packed_sent = {axis: sent for (kind, axis), sent in bucket.items() if kind == "all_reduce"}
     # data parallel's bucket is packed into one buffer before its all-reduce: its bytes
     # (local: the ring volume's n / 2(n - 1))
