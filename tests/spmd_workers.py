@@ -528,3 +528,54 @@ def collectives_against_ddp(batch_size=16):
     return {"pxform": counts["pxform"], "ddp": counts["ddp"], "grad_err": grad_err,
             "loss_err": abs(float(px_loss) - float(ddp_loss) / 2), "functions": functions,
             "hooked": hooked}
+
+
+def collectives_let_go(calls: int, disable: bool = False):
+    """Per synchronous collective step (all-gather along dim 0 and along dim 1, a
+    reduce-scatter along dim 0, an all-reduce), `calls` times with a matmul between: how
+    many returned while the process group's work object still held the input (more
+    holders than before the step) or the result (a holder beside the caller). `disable`:
+    as if every wait of `collectives.settled` had run out (the runtime without it)."""
+    from pxform.core.layout import Step
+    from pxform.runtime import collectives
+    from pxform.runtime.collectives import AxisGroups, run_step
+    from pxform.runtime.mesh import Mesh
+
+    mesh = Mesh({"dp": 2})
+    group = mesh.group("dp")
+    axes = AxisGroups({"dp": group}, mesh.coordinate(), {"dp": 2})
+    if disable:
+        collectives._RUNS_OUT[group] = collectives._RAN_OUT
+    steps = {"all_gather 0": Step("all_gather", "dp", 0),
+             "all_gather 1": Step("all_gather", "dp", 1),
+             "reduce_scatter 0": Step("reduce_scatter", "dp", 0),
+             "all_reduce": Step("all_reduce", "dp")}
+    a = torch.randn(256, 256)
+    held = {}
+    try:
+        for name, step in steps.items():
+            held[name] = 0
+            for k in range(calls):
+                x = torch.full((64, 32, 16), float(k))
+                before = _holders(x)
+                got = run_step(x, step, axes)
+                # the input beyond what held it before, the result beyond `got` itself
+                held[name] += (any(n > b for n, b in zip(_holders(x), before))
+                               or got._use_count() > 1)
+                a = torch.tanh(a @ a)
+        ran_out = collectives._RUNS_OUT.get(group, 0)
+        # a collective's result still in flight (a wrapper) read by the next one
+        x = torch.full((4, 3), 1.0 + torch.distributed.get_rank())
+        pending = run_step(x, steps["all_reduce"], axes, wait=False)
+        chained = run_step(pending, steps["all_gather 0"], axes)
+        chained_ok = torch.equal(chained, torch.full((8, 3), 3.0))
+    finally:
+        collectives._RUNS_OUT.pop(group, None)
+    return {"held": held, "ran_out": ran_out, "chained": chained_ok}
+
+
+def _holders(t: torch.Tensor) -> tuple[int, int]:
+    """What holds `t`: the tensor itself (its count), and its memory (its storage's count:
+    tensors and views of it)."""
+    storage = t.untyped_storage()
+    return t._use_count(), torch._C._storage_Use_Count(storage._cdata)

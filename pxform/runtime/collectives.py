@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import math
+import time
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -20,6 +21,7 @@ from typing import Any
 
 import torch
 import torch.distributed._functional_collectives as fc
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from pxform.core.errors import CollectiveError, PipelineError, PxformError
 from pxform.core.layout import LOCAL_STEPS, Step
@@ -98,28 +100,40 @@ def _run_step(x: torch.Tensor, step: Step, axes: AxisGroups, wait: bool = True
                             f"microbatches run one at a time")
     done = fc.wait_tensor if wait else _launched
     if step.kind == "all_gather":
-        assert step.dim is not None
-        if not _chunks_view(x, step.dim):
+        gather_dim = step.dim
+        assert gather_dim is not None
+        src = x.contiguous()
+        if not _chunks_view(x, gather_dim):
             # the chunks must be copied into place: the gathered buffer is a temporary
             # (torch would wait here too, to concatenate)
-            raw = fc.wait_tensor(all_gather(x.contiguous(), 0, group))
-            out = torch.cat(raw.chunk(n), dim=step.dim)
+            raw = settled(group, src, True, lambda: fc.wait_tensor(all_gather(src, 0, group)))
+            out = torch.cat(raw.chunk(n), dim=gather_dim)
             free_now(raw)
             return out
-        return done(all_gather(x.contiguous(), step.dim, group))
+        return settled(group, src, wait, lambda: done(all_gather(src, gather_dim, group)))
     if step.kind == "reduce_scatter":
-        assert step.dim is not None
-        if step.dim == 0 or not wait:
-            return done(launch(group, functools.partial(
-                fc.reduce_scatter_single, x.contiguous(), "sum", step.dim, group)))
+        scatter_dim = step.dim
+        assert scatter_dim is not None
+        if scatter_dim == 0 or not wait:
+            src = x.contiguous()
+            return settled(group, src, wait, lambda: done(launch(group, functools.partial(
+                fc.reduce_scatter_single, src, "sum", scatter_dim, group))))
         # every rank's piece made contiguous along dim 0: a temporary the collective reads
-        send = torch.cat(x.chunk(n, dim=step.dim))
+        send = torch.cat(x.chunk(n, dim=scatter_dim))
         out = fc.wait_tensor(launch(group, lambda: fc.reduce_scatter_single(send, "sum", 0,
                                                                               group)))
         free_now(send)
         return out
     if step.kind == "all_reduce":
-        return done(launch(group, lambda: fc.all_reduce(x.contiguous(), "sum", group)))
+        if not wait:
+            return done(launch(group, lambda: fc.all_reduce(x.contiguous(), "sum", group)))
+        # in place on a copy of our own (what the functional all-reduce does inside): its
+        # work object holds the result, not the input, so the copy is what `settled`
+        # waits for gloo to let go of
+        buf = x.clone(memory_format=torch.contiguous_format)
+        return settled(group, buf, True, lambda: fc.wait_tensor(launch(
+            group, lambda: torch.ops._c10d_functional.all_reduce_(buf, "sum",
+                                                                    group.group_name))))
     if step.kind == "all_to_all":
         assert step.dim is not None and step.to_dim is not None
         send = torch.stack(x.chunk(n, dim=step.to_dim), dim=0).contiguous()
@@ -240,6 +254,71 @@ def free_now(buffer: torch.Tensor) -> None:
     storage is resized to nothing (as FSDP2 frees unsharded parameters), through the
     dispatcher so that `pxform.MemoryMeter` sees it."""
     _RESIZE_STORAGE(buffer, 0)
+
+
+# How long a caller waits, after a collective on gloo has completed, for the process
+# group's worker thread to let go of the collective's input (`settled`); per group, the
+# waits that ran out (after `_RAN_OUT` of them it waits no more: something else holds
+# the inputs)
+LET_GO_S = 0.05
+_RAN_OUT = 3
+_RUNS_OUT: dict[Any, int] = {}
+
+
+def settled(group: Any, src: torch.Tensor, wait: bool, run: Callable[[], torch.Tensor]
+            ) -> torch.Tensor:
+    """`run()`, a collective on `group` that reads `src`; when `wait` (the collective is
+    waited for in `run`), on gloo also until the group's worker thread has let go of the
+    collective's input and result.
+
+    The work object holds both until that thread drops it, after it has woken the caller.
+    With 2 ranks on 2 cores, 1-10 % of the all-gathers and 4-14 % of the all-reduces of a
+    loop returned while it still held them, for 0.1-0.4 ms (2026-11-28), and a tensor
+    nothing else read outlived the ops after it: a sequence-parallel GPT step's peak took
+    in a 2 MiB all-reduce result in one call of 30 on one rank, in 4 accuracy runs of 5
+    (`docs/benchmarks/accuracy.md`, eighteenth session). The caller
+    yields until what holds the input is back to what held it before the launch and the
+    result is held by nothing but the caller, for at most `LET_GO_S` (after three waits
+    that ran out, no more on that group: something else holds them). NCCL's work objects
+    live on for its watchdog, so only gloo waits.
+
+    Example:
+        >>> src = x.contiguous()
+        >>> out = settled(group, src, True, lambda: fc.wait_tensor(all_gather(src, 0, group)))
+    """
+    storage_count = getattr(torch._C, "_storage_Use_Count", None)
+    # a wrapper (a collective's result still in flight, left by `run_step(wait=False)`)
+    # has no memory of its own to watch: its collective reads what it wraps
+    if (not wait or storage_count is None or is_traceable_wrapper_subclass(src)
+            or not _one_at_a_time(group) or _RUNS_OUT.get(group, 0) >= _RAN_OUT):
+        return run()
+    # what holds the input: the work holds the tensor itself (its count), or views of its
+    # memory (its storage's count, this handle of it included)
+    storage = src.untyped_storage()
+
+    def holders() -> tuple[int, int]:
+        return _holders_of(src), storage_count(storage._cdata)
+
+    held = holders()
+    out = run()
+
+    def let_go() -> bool:  # of the input and of the result (which only `out` holds)
+        return (all(now <= then for now, then in zip(holders(), held))
+                and _holders_of(out) <= 1)
+
+    if not let_go():
+        deadline = time.perf_counter() + LET_GO_S
+        while not let_go():
+            if time.perf_counter() > deadline:
+                _RUNS_OUT[group] = _RUNS_OUT.get(group, 0) + 1
+                break
+            time.sleep(0)  # a core for the worker thread
+    return out
+
+
+def _holders_of(t: torch.Tensor) -> int:
+    """How many references hold the tensor `t` itself (its views aside)."""
+    return int(t._use_count())  # type: ignore[attr-defined]
 
 
 def _launched(x: torch.Tensor) -> torch.Tensor:
