@@ -257,9 +257,9 @@ def free_now(buffer: torch.Tensor) -> None:
 
 
 # How long a caller waits, after a collective on gloo has completed, for the process
-# group's worker thread to let go of the collective's input (`settled`); per group, the
-# waits that ran out (after `_RAN_OUT` of them it waits no more: something else holds
-# the inputs)
+# group's worker thread to let go of the collective's input and result (`settled`); per
+# group, the waits that ran out (after `_RAN_OUT` of them it waits no more: something
+# else holds them)
 LET_GO_S = 0.05
 _RAN_OUT = 3
 _RUNS_OUT: dict[Any, int] = {}
@@ -276,11 +276,11 @@ def settled(group: Any, src: torch.Tensor, wait: bool, run: Callable[[], torch.T
     loop returned while it still held them, for 0.1-0.4 ms (2026-11-28), and a tensor
     nothing else read outlived the ops after it: a sequence-parallel GPT step's peak took
     in a 2 MiB all-reduce result in one call of 30 on one rank, in 4 accuracy runs of 5
-    (`docs/benchmarks/accuracy.md`, eighteenth session). The caller
-    yields until what holds the input is back to what held it before the launch and the
-    result is held by nothing but the caller, for at most `LET_GO_S` (after three waits
-    that ran out, no more on that group: something else holds them). NCCL's work objects
-    live on for its watchdog, so only gloo waits.
+    (`docs/benchmarks/accuracy.md`, eighteenth session). The caller yields until what
+    holds the input is back to what held it before the launch and the result is held by
+    nothing but the caller, for at most `LET_GO_S` (after three waits that ran out, no
+    more on that group: something else holds them). NCCL's work objects live on for its
+    watchdog, so only gloo waits.
 
     Example:
         >>> src = x.contiguous()
