@@ -474,6 +474,11 @@ def tensor_strategies(a: Analysis, block: BlockInfo, axis: str, size: int, level
         dtype = op.outputs[0].type.dtype if op.outputs else op.inputs[0].type.dtype
         sc = scale if a.op_batch[k] else 1.0
         grown: dict[tuple, _State] = {}
+        # a choice's price depends only on how the state holds the op's inputs (layout,
+        # parameter seen, layout used before): states of a beam mostly agree there, and
+        # pricing each anew was half of the tensor search (BERT-large on 8: 8,735
+        # prices, 0.19 s of a 0.35 s search)
+        priced: dict[tuple, tuple[float, float | None]] = {}
         for st in beam:
             allowed = options
             if sequence_parallel and (a.op_classes[k] if a.op_classes else "") not in \
@@ -482,8 +487,15 @@ def tensor_strategies(a: Analysis, block: BlockInfo, axis: str, size: int, level
                 # share of the tokens; a split value is gathered only for a matmul
                 kept = [s for s in options if not _gathers(op, s, st)]
                 allowed = kept or options
+            held = tuple((st.layouts.get(v.name), st.params.get(v.name),
+                          v.name in st.params) for v in op.inputs)
             for s in allowed:
-                bad, t = _tensor_step(a, k, s, st, cache, sc, dtype, model)
+                key = (id(s), held, tuple((v.name, s.inputs[i]) in st.done
+                                          for i, v in enumerate(op.inputs)))
+                got = priced.get(key)
+                if got is None:
+                    got = priced[key] = _tensor_step(a, k, s, st, cache, sc, dtype, model)
+                bad, t = got
                 if t is None:
                     continue
                 layouts = dict(st.layouts)
