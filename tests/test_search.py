@@ -1398,3 +1398,49 @@ def test_zero3_reduce_scatters_cost_the_compute_thread_their_launch():
              for hw in (slow, dataclasses.replace(slow, collective_overhead_s=1e-3))]
     added = (times[1] - times[0]) / 1e-3
     assert 12 <= added <= 14, added
+
+
+def test_a_small_microbatch_is_priced_by_its_own_walk_not_a_line_from_larger_ones():
+    """Op curves with a knee between half the traced batch and all of it: a line through
+    those two walks carried down to a sixteenth went below zero (the balance of stages
+    then failed); the walk at a power of two of the batch is the walk of a batch that
+    size, and between two such sizes it lies between their walks."""
+    from pxform.cost.hardware import OP_CLASSES, OpCurve
+    from pxform.cost.model import CostModel
+    from pxform.search.analysis import analyse
+    from pxform.search.context import SearchContext
+    from pxform.search.options import walk_cost
+    from pxform.search.space import Config, options
+
+    def mlp(params, x):
+        for w in params:
+            x = torch.tanh(x @ w)
+        return x.square().mean()
+
+    params = [torch.randn(64, 64) for _ in range(2)]
+    # every op: 10 us up to 64 KiB (FLOPs or bytes), 10x that at 4x the size (a knee),
+    # then linear
+    curves = tuple(OpCurve(kind, ((2.0**16, 1e-5, 2e-5), (2.0**18, 1e-4, 2e-4)))
+                   for kind in OP_CLASSES)
+    hw = dataclasses.replace(pxform.hardware.hardware("a100-80gb"), op_curves=curves)
+
+    def costs(batch: int, microbatches: int) -> list[Any]:
+        step = pxform.auto(mlp, mesh=1, hardware=hw)
+        graph, names, _ = step._graph((params, torch.randn(batch, 64)))
+        a = analyse(graph, names)
+        ctx = SearchContext(a, CostModel(hw), math.inf, batch)
+        config = Config(1, 1, 1, microbatches)
+        option = options(config)[0]
+        return [walk_cost(ctx, block, config, option) for block in a.blocks]
+
+    whole = costs(512, 1)
+    for m in (2, 4, 16, 32):
+        split = costs(512, m)
+        alone = costs(512 // m, 1)  # a batch of one microbatch's size, walked whole
+        for s, w, one in zip(split, whole, alone):
+            assert s.fwd_compute > 0 and s.bwd_compute > 0
+            if m in (2, 32):  # 1/2 and 1/32: on the ladder of walks (1/2, 1/8, 1/32)
+                assert s.fwd_compute == pytest.approx(one.fwd_compute, rel=1e-3)
+                assert s.bwd_compute == pytest.approx(one.bwd_compute, rel=1e-3)
+            assert s.fwd_compute <= w.fwd_compute
+            assert s.saved_bytes == pytest.approx(w.saved_bytes / m)

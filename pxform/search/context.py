@@ -137,7 +137,7 @@ class SearchContext:
     tensor: dict[tuple[int, int, int, bool], tuple[Strategy, ...]] = field(
         default_factory=dict)
     walks: dict[WalkKey, WalkCost] = field(default_factory=dict)
-    # walked at the two scales `walk_cost` interpolates between (1 and 0.5)
+    # walked at the scales `walk_cost` interpolates between (1, 1/2, 1/8, 1/32, ...)
     measured_walks: dict[WalkKey, WalkCost] = field(default_factory=dict)
     block_layouts: dict[tuple[int, int, int, Roles], BlockLayouts] = field(
         default_factory=dict)

@@ -94,19 +94,33 @@ def canonical(ctx: SearchContext, name: str, rank: int, option: Option,
 
 def walk_cost(ctx: SearchContext, block: BlockInfo, config: Config, option: Option
               ) -> WalkCost:
-    """The block's walk at this configuration's microbatch size. Every term is affine in
-    the microbatch size (compute and bytes scale, latencies do not), so two walks per
-    kind, roles and mesh (at the traced batch and at half of it) give every size; with a
-    measured comm table, which is not affine, this interpolates it linearly."""
+    """The block's walk at this configuration's microbatch size, interpolated linearly
+    between walks at the powers of two of the traced batch around it (at the traced
+    batch and half of it above half). Bytes and the affine part of times scale with the
+    microbatch, but a measured op curve or comm table is not affine: an op's time stays
+    at its smallest measured point's below it (`OpCurve`), so a line through the walks
+    at 1 and 1/2 of the batch, carried down to 1/32, priced small microbatches too low
+    (and, where a curve rose faster than its size between them, below zero: a block of
+    the reference transformer at -6 us forward, 2026-11-29). Walks are cached per
+    scale: one per power of two the microbatch counts reach."""
     scale = (ctx.global_batch // config.microbatches) / ctx.analysis.traced_batch
     key = (block.kind, config.outer, config.inner, option.roles, scale)
     hit = ctx.walks.get(key)
     if hit is not None:
         return hit
-    one = _walk_at(ctx, block, config, option, 1.0)
-    half = _walk_at(ctx, block, config, option, 0.5)
-    cost = WalkCost(*(h + (o - h) * (scale - 0.5) / 0.5 for o, h in zip(_fields(one),
-                                                                          _fields(half))))
+    # the walks around it: 1 and 1/2 from half the batch up (a line beyond the batch),
+    # then every fourth power of two below (1/2, 1/8, 1/32, ...): one level per factor
+    # of 4 takes a third fewer walks than one per factor of 2 on BERT-large's search
+    upper, lower = 1.0, 0.5
+    while scale < lower and lower > 2.0 ** -30:
+        upper, lower = lower, lower / 4
+    if scale == lower:
+        cost = _walk_at(ctx, block, config, option, lower)
+    else:
+        one = _walk_at(ctx, block, config, option, upper)
+        half = _walk_at(ctx, block, config, option, lower)
+        cost = WalkCost(*(h + (o - h) * (scale - lower) / (upper - lower)
+                          for o, h in zip(_fields(one), _fields(half))))
     ctx.walks[key] = cost
     return cost
 
