@@ -99,10 +99,11 @@ def walk_cost(ctx: SearchContext, block: BlockInfo, config: Config, option: Opti
     batch and half of it above half). Bytes and the affine part of times scale with the
     microbatch, but a measured op curve or comm table is not affine: an op's time stays
     at its smallest measured point's below it (`OpCurve`), so a line through the walks
-    at 1 and 1/2 of the batch, carried down to 1/32, priced small microbatches too low
-    (and, where a curve rose faster than its size between them, below zero: a block of
-    the reference transformer at -6 us forward, 2026-11-29). Walks are cached per
-    scale: one per power of two the microbatch counts reach."""
+    at 1 and 1/2 of the batch, carried down to 1/8 or 1/32, missed what the curves say
+    there (GPT small's 8-microbatch pipelines moved by -2 to +7 % with four calibrated
+    profiles) and, where a curve rose faster than its size between them, went below
+    zero (a block of the reference transformer at -6 us forward, 2026-11-29). Walks are
+    cached per scale."""
     scale = (ctx.global_batch // config.microbatches) / ctx.analysis.traced_batch
     key = (block.kind, config.outer, config.inner, option.roles, scale)
     hit = ctx.walks.get(key)
