@@ -119,10 +119,10 @@ def walk_cost(ctx: SearchContext, block: BlockInfo, config: Config, option: Opti
     if scale == lower:
         cost = _walk_at(ctx, block, config, option, lower)
     else:
-        one = _walk_at(ctx, block, config, option, upper)
-        half = _walk_at(ctx, block, config, option, lower)
-        cost = WalkCost(*(h + (o - h) * (scale - lower) / (upper - lower)
-                          for o, h in zip(_fields(one), _fields(half))))
+        above = _walk_at(ctx, block, config, option, upper)
+        below = _walk_at(ctx, block, config, option, lower)
+        cost = WalkCost(*(b + (a - b) * (scale - lower) / (upper - lower)
+                          for a, b in zip(_fields(above), _fields(below))))
     ctx.walks[key] = cost
     return cost
 
