@@ -72,6 +72,7 @@ def rank_main(config: str, batch_size: int, runs: int, calibrations: int = 1
                                "transfer_overhead_s": hw.transfer_overhead_s,
                                "send_overhead_s": hw.send_overhead_s,
                                "receive_overhead_s": hw.receive_overhead_s,
+                               "receive_stall_s": hw.receive_stall_s,
                                "hardware": hw.to_json()}
         # what each calibration predicts for the same plans (a fixed plan's prediction
         # moves with the profile alone)
@@ -137,8 +138,8 @@ def main() -> None:
         f"{r['op_time_scale']:.2f} x, {r['op_step_overhead_s'] * 1e6:.0f} us" for r in runs))
     print("  per-op pipeline cost (op_action_overhead_s): " + ", ".join(
         f"{r['op_action_overhead_s'] * 1e6:.1f} us" for r in runs))
-    print("  pipeline transfer delay (transfer_overhead_s): " + ", ".join(
-        f"{r.get('transfer_overhead_s', 0.0) * 1e3:.2f} ms" for r in runs))
+    print("  pipeline receive stall (receive_stall_s): " + ", ".join(
+        f"{r.get('receive_stall_s', 0.0) * 1e3:.2f} ms" for r in runs))
     print("  pipeline send, receive (send_overhead_s, receive_overhead_s): " + ", ".join(
         f"{r.get('send_overhead_s', 0.0) * 1e3:.2f}, {r.get('receive_overhead_s', 0.0) * 1e3:.2f}"
         f" ms" for r in runs))

@@ -704,15 +704,15 @@ def measure_runtime_costs() -> tuple[float, ...]:
             hw.collective_overhead_s, hw.param_action_overhead_s, hw.weight_op_overhead_s,
             hw.op_time_scale, hw.op_step_overhead_s, hw.op_action_overhead_s,
             hw.recompute_overhead_s, hw.relayout_overhead_s, hw.autograd_op_overhead_s,
-            hw.autograd_share, hw.transfer_overhead_s, hw.send_overhead_s,
-            hw.receive_overhead_s)
+            hw.autograd_share, hw.receive_stall_s, hw.send_overhead_s,
+            hw.receive_overhead_s, hw.transfer_overhead_s)
 
 
 def test_runtime_costs_are_measured_on_real_programs(world):
     """`pxform.tools.runtime_costs` times data-parallel steps over 4 and 64 parameters, a
     2-stage pipeline at 2 and 8 microbatches, a tensor-parallel chain at 2 and 26
-    layers, the reference transformer's 1F1B pipelines at 2 and 16 microbatches and its
-    zero-bubble one's W actions (recorded), a reference
+    layers, the reference transformer's 1F1B pipelines at 2 and 16 microbatches, its
+    zero-bubble and interleaved ones (their actions recorded), a reference
     transformer step against the op model (`op_time_scale`) and tensor parallel against
     on one device (`relayout_overhead_s`), and tiny layers recomputed against not
     (`recompute_overhead_s`): every rank
@@ -723,7 +723,7 @@ def test_runtime_costs_are_measured_on_real_programs(world):
     assert results[0] == results[1]
     per_param, per_step, per_action, per_collective, per_param_action, per_weight_op, \
         scale, per_op, per_op_action, per_region, per_run, per_node, share, \
-        per_transfer, per_send, per_receive = results[0]
+        per_stall, per_send, per_receive, per_transfer = results[0]
     # a reference transformer step at two sizes against its ops timed alone: measured,
     # not the defaults (its ops run somewhat slower in a step, not several times; and
     # microseconds more per op, not milliseconds)
@@ -748,9 +748,10 @@ def test_runtime_costs_are_measured_on_real_programs(world):
     # a run of a conversion's collectives in a tensor-parallel step beyond the model:
     # up to a few milliseconds here (clamped at 0 where the model prices the step over)
     assert 0 <= per_run < 0.02
-    # a 1F1B pipeline's waits for its transfers beyond the actions as recorded: up to a
-    # few milliseconds a transfer here (1.75 in one calibration), not a step's worth
-    assert 0 <= per_transfer < 0.02
+    # what a transfer stalls its receiver beyond the actions and receives as recorded:
+    # under a millisecond a transfer here (0.67-0.77 ms), not a step's worth; the delay
+    # charged only on waits is not fitted any more (the stall stands for it)
+    assert 0 <= per_stall < 0.02 and per_transfer == 0.0
     # a send and a receive as recorded: each rank made some, and each costs its thread
     # something (0.1-0.7 ms here), not a step's worth
     assert 0 < per_send < 0.02 and 0 < per_receive < 0.02
@@ -779,6 +780,49 @@ def test_an_action_pair_is_read_off_the_recorded_actions():
     assert _mean_weight(ran("F", [1.0]) + [(Action(1, "W", i), 0.0, t)
                                            for i, t in enumerate((2.0, 4.0))]) == (1, 3.0)
     assert _mean_weight(ran("F", [1.0])) == (None, 0.0)
+
+
+def test_a_receive_stall_is_fitted_so_that_the_simulated_span_is_the_recorded_one():
+    """`fit_receive_stall` inverts the schedule simulator: given each stage's actions as
+    they ran and a measured span, the stall per receiving action (every F of a stage but
+    the first, every B of a stage but the last) at which the simulation gives that span.
+    Checked against `pxform.schedules.simulate` (the event-by-event simulator, not the
+    `Timer` the fit uses) with the stall added to those actions by hand, for 1F1B and
+    zero-bubble, whose W fills the bubbles where a delay on the waits would hide; a span
+    the actions alone already fill gives 0. From recorded calls, a rank's stage, its
+    means (a receive's lower quartile) and each call's span are read off its actions."""
+    from pxform.schedules import Costs, resolve, simulate
+    from pxform.schedules.actions import Action
+    from pxform.tools.runtime_costs import _chunk_sum, _stage_record, fit_receive_stall
+
+    forward, backward, weight = [1.0, 1.5], [2.0, 1.0], [0.8, 0.6]
+    for name, split in (("1f1b", False), ("zb", True)):
+        for stall in (0.0, 0.3, 1.7):
+            costs = Costs(forward=[forward[0], forward[1] + stall],
+                          backward=[backward[0] + stall, backward[1]],
+                          weight=weight if split else [0.0, 0.0])
+            span = simulate(resolve(name, 2, 8), costs).step_time
+            got = fit_receive_stall(name, 8, span, forward, backward,
+                                    weight if split else [0.0, 0.0])
+            assert got == pytest.approx(stall, abs=1e-9), (name, stall)
+    # no stall where the span is no longer than the actions give without one
+    assert fit_receive_stall("1f1b", 4, 10.0, [1.0, 1.0], [2.0, 2.0], [0.0, 0.0]) == 0.0
+
+    def ran(kind, stage, seconds, at=0.0):
+        return [(Action(stage, kind, i), at + 10.0 * i, at + 10.0 * i + t)
+                for i, t in enumerate(seconds)]
+
+    calls = [ran("F", 1, [3.0, 5.0]) + ran("B", 1, [6.0, 6.0]) + ran("RF", 1, [1.0, 1.0, 9.0]),
+             ran("F", 1, [4.0], at=100.0) + ran("B", 1, [6.0], at=100.0)]
+    stage, costs, spans = _stage_record(calls)
+    assert stage == 1 and spans == pytest.approx([29.0, 6.0])
+    assert costs["F"] == pytest.approx(4.0) and costs["B"] == pytest.approx(6.0)
+    assert costs["RF"] == pytest.approx(1.0)  # the lower quartile: a receive that did not wait
+    assert _stage_record([[], []]) is None
+    # an interleaved rank's chunks: the sum of each one's mean forward and backward
+    chunks = ran("F", 0, [1.0, 3.0]) + ran("B", 0, [4.0]) + ran("F", 2, [1.0]) + ran("B", 2, [2.0])
+    assert _chunk_sum(chunks) == pytest.approx(2.0 + 4.0 + 1.0 + 2.0)
+    assert _chunk_sum(ran("F", 0, [1.0])) == 0.0
 
 
 @pytest.mark.gpu

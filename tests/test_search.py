@@ -1116,6 +1116,49 @@ def test_sends_and_receives_are_charged_to_the_actions_that_make_them():
     assert grown == pytest.approx([send, receive, both, both, both, both, receive, send])
 
 
+def test_a_receive_stall_is_charged_to_every_action_that_receives_whatever_the_slack():
+    """`Hardware.receive_stall_s` (what a pipeline transfer stalls its receiver while it
+    moves, where the schedule would have had the data there in time: `runtime_costs`
+    fits it on recorded 1F1B and zero-bubble spans) is the receiving action's time: a
+    stage's forward pays it unless the stage is the first, its backward unless it is the
+    last; sends, W and the early recompute pay nothing. Unlike a delay on the waits
+    (`transfer_overhead_s`), a schedule with slack does not hide it: zero-bubble's and the
+    shifted schedule's steps grow by as much as charging it on every receiving action
+    of the simulated schedule gives, and the plan's step is that simulation's."""
+    from pxform.cost.hardware import hardware
+    from pxform.schedules import Costs, resolve, simulate
+
+    args = mlp_args(d=1024, layers=4, batch=4096)
+    stall = 4e-4
+    slow = dataclasses.replace(hardware("a100-80gb"), receive_stall_s=stall)
+    for choice in (ScheduleChoice(), ScheduleChoice("zb"), ScheduleChoice("shifted")):
+        base = plan_schedule(residual_mlp, args, schedule=choice)
+        plan = plan_schedule(residual_mlp, args, hardware=slow, schedule=choice,
+                             block_stage=pin_of(base).block_stage)
+        assert plan.microbatches == base.microbatches
+        last = len(plan.stage_plans) - 1
+        for s, (b, p) in enumerate(zip(base.stage_plans, plan.stage_plans)):
+            fwd = stall if s > 0 else 0.0
+            bwd = stall if s < last else 0.0
+            assert p.forward_s - b.forward_s == pytest.approx(fwd, rel=1e-6), (choice, s)
+            assert p.backward_s - b.backward_s == pytest.approx(bwd, rel=1e-6), (choice, s)
+            assert (p.weight_s, p.recompute_s, p.transfer_s) == \
+                (b.weight_s, b.recompute_s, b.transfer_s)
+        split = choice.split
+        stages = plan.stage_plans
+        sim = simulate(resolve(choice.name, plan.stages, plan.microbatches,
+                               **plan.schedule_options), Costs(
+            forward=[s.forward_s for s in stages],
+            backward=[s.backward_s - (s.weight_s if split else 0.0) for s in stages],
+            weight=[s.weight_s if split else 0.0 for s in stages],
+            recompute=[s.recompute_s for s in stages],
+            forward_sync=[s.forward_sync_s for s in stages],
+            backward_sync=[s.backward_sync_s for s in stages]))
+        assert plan.step_time_s == pytest.approx(sim.step_time + slow.step_overhead_s,
+                                                 rel=1e-3), choice
+        assert plan.step_time_s > base.step_time_s, choice
+
+
 def test_a_transfer_delay_is_charged_only_where_an_action_waits_for_it():
     """`Hardware.transfer_overhead_s` (what a pipeline transfer adds where the action
     needing it waits: `pxform.tools.runtime_costs` fits it on 1F1B pipelines) leaves every

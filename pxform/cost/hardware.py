@@ -200,7 +200,7 @@ _FIXED_COSTS = ("step_overhead_s", "param_overhead_s", "action_overhead_s",
                 "collective_overhead_s", "param_action_overhead_s", "weight_op_overhead_s",
                 "op_step_overhead_s", "op_action_overhead_s", "recompute_overhead_s",
                 "relayout_overhead_s", "autograd_op_overhead_s", "transfer_overhead_s",
-                "send_overhead_s", "receive_overhead_s")
+                "send_overhead_s", "receive_overhead_s", "receive_stall_s")
 """The runtime's own fixed costs a profile may carry (`Hardware`)."""
 
 OP_CLASSES = ("matmul", "attention", "gelu", "gelu_tanh", "silu", "softmax",
@@ -411,10 +411,12 @@ class Hardware:
             simulator charges it on a cross-rank dependency (`pxform.schedules.Costs.p2p`),
             so only where an action waits for its input: a schedule with slack there (the
             shifted schedule's early recompute, zero-bubble's W) hides it.
-            `pxform.tools.runtime_costs` measures it on a 2-stage 1F1B pipeline at 2 and 16
-            microbatches, after the actions' own costs (`action_overhead_s`,
-            `op_action_overhead_s`) are read off the actions' recorded times; 0: not
-            measured.
+            `pxform.tools.runtime_costs` does not fit it since 2026-11-29: it writes 0
+            and fits `receive_stall_s`, which the recorded pipelines follow where this
+            does not (until then it was fitted on 2-stage 1F1B pipelines at 2 and 16
+            microbatches, 0.6-1.85 ms here, and zero-bubble, interleaved and shifted
+            plans came out 4-7 points under 1F1B's). A profile that carries it (an older
+            calibration, or set by hand) is priced with it.
         send_overhead_s, receive_overhead_s: seconds a pipeline send costs the sending
             rank's thread (posting it, packing the boundary values), and a receive whose
             data has come the receiving rank's (waiting on it, unpacking), beyond the
@@ -425,6 +427,18 @@ class Hardware:
             pay one. `pxform.tools.runtime_costs` reads both off the recorded sends and
             receives (`SF`, `SB`: their mean; `RF`, `RB`: their lower quartile) of a
             2-stage 1F1B pipeline; 0: not measured.
+        receive_stall_s: seconds each pipeline transfer costs the receiving rank beyond
+            `receive_overhead_s` and the bytes' time, charged like it, to every action
+            per transfer it receives: the transfer's own work (the communication threads
+            moving it) takes turns with both ranks' compute, so the receive stalls by
+            this much even where the schedule has the data there in time. GPT small's
+            2-stage pipelines at 8 microbatches, every action recorded and simulated with
+            the recorded means (2026-11-29): the stall that matches each measured span
+            was 0.65-0.73 ms under 1F1B, zero-bubble, interleaved and shifted alike,
+            where a delay charged only on the waits (`transfer_overhead_s`) had to be
+            0.83 ms for 1F1B and 1.7-2.3 ms for the others (they have slack to hide it
+            in). `pxform.tools.runtime_costs` fits it on recorded 1F1B and zero-bubble
+            pipelines; 0: not measured.
         host_overlaps: the device runs kernels asynchronously to the host (CUDA): the
             host's time per op (`op_step_overhead_s`) runs while the device computes,
             so a stage's forward or backward pass takes the longer of the two, not their
@@ -472,6 +486,7 @@ class Hardware:
     transfer_overhead_s: float = 0.0
     send_overhead_s: float = 0.0
     receive_overhead_s: float = 0.0
+    receive_stall_s: float = 0.0
     host_overlaps: bool = False
     sync_wait: tuple[tuple[float, float], ...] = ()
 
@@ -1033,7 +1048,7 @@ _MEDIAN_FIELDS = ("efficiency", "memory_bandwidth", "op_overhead_s", "overlap_sl
                   "op_time_scale", "op_step_overhead_s", "op_action_overhead_s",
                   "recompute_overhead_s", "relayout_overhead_s", "autograd_op_overhead_s",
                   "autograd_share", "transfer_overhead_s", "send_overhead_s",
-                  "receive_overhead_s")
+                  "receive_overhead_s", "receive_stall_s")
 
 
 def check_one_machine(profiles: Sequence[Hardware], what: str) -> None:

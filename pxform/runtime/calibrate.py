@@ -900,7 +900,9 @@ def summary(hw: Hardware) -> str:
                      f"{hw.relayout_overhead_s * 1e6:.3g} us per run of a conversion's "
                      f"collectives after compute, {hw.transfer_overhead_s * 1e6:.3g} us per "
                      f"pipeline transfer waited for, {hw.send_overhead_s * 1e6:.3g} us per "
-                     f"send and {hw.receive_overhead_s * 1e6:.3g} us per receive")
+                     f"send, {hw.receive_overhead_s * 1e6:.3g} us per receive and "
+                     f"{hw.receive_stall_s * 1e6:.3g} us of a receiving rank's stall per "
+                     f"transfer")
     if hw.autograd_op_overhead_s or hw.autograd_share:
         lines.append(f"  autograd: {hw.autograd_op_overhead_s * 1e6:.3g} us per op and "
                      f"{hw.autograd_share:.1%} of a forward's time (saved by a forward "

@@ -397,7 +397,9 @@ def _stage_sums(ctx: SearchContext, config: Config, idx: list[int], pt: Point,
         # per microbatch on each rank, where the per-action cost fitted to 1F1B carried
         # one of each per two actions, and interleaved plans came out 8-13 % under)
         first, last = idx[0] == 0, idx[-1] == len(a.blocks) - 1
-        send, receive = hw.send_overhead_s, hw.receive_overhead_s
+        # (a receive also stalls its rank while the transfer moves, where the schedule
+        # would have had the data there in time: `Hardware.receive_stall_s`)
+        send, receive = hw.send_overhead_s, hw.receive_overhead_s + hw.receive_stall_s
         f += action + (0.0 if last else send) + (0.0 if first else receive)
         b += action + (0.0 if first else send) + (0.0 if last else receive)
         r += action - hw.action_overhead_s

@@ -28,16 +28,25 @@ world and returns the profile with them set (`runtime_costs` lists them below):
   forward or backward of one microbatch: the executor, autograd building and walking
   the stage's graph anew each time) and per op of the stage per action,
   `send_overhead_s` and `receive_overhead_s`, per transfer an action makes, and
-  `transfer_overhead_s`, per pipeline transfer an action waits for (the
-  waiting rank woken, the peer's slow spells passed on): the reference transformer at 2
-  and at 4 layers cut into 2 stages, its 1F1B pipeline at 2 and at 16 microbatches of the
-  same batch, the longer one's actions recorded as they run. The recorded forwards and
-  backwards less the model's prices of them give the first two at the two depths; the
-  recorded sends (their mean) and receives (their lower quartile: where the data had
-  come) the next two; what the measured difference of the two pipelines has beyond the
-  model's with them, over how much the model's difference grows per second of
-  `transfer_overhead_s` (charged by the schedule simulator only where an action waits
-  for another rank), gives the last (`_action_costs`). Until late 2026-11-28 the
+  `receive_stall_s`, what each transfer stalls the receiving rank while it moves: the
+  reference transformer at 2 and at 4 layers cut into 2 stages, its 1F1B pipeline at 2
+  and at 16 microbatches of the same batch, the longer one's actions recorded as they
+  run, and the same at 16 microbatches under zero-bubble and interleaved (2 chunks a
+  rank), recorded (`_action_costs`). The interleaved pipeline runs the same ops in
+  twice the actions: what its forwards and backwards take more than 1F1B's, beyond
+  the model's difference, gives the per-action cost (`_extra_action`); the rest of
+  what the 1F1B forwards and backwards take beyond the model, over their ops, the
+  per-op cost. The recorded sends (their mean) and receives (their lower quartile:
+  where the data had come) give the next two. The stall is what the schedule
+  simulator, fed each stage's actions as recorded, must charge every receiving action
+  for its span to be the recorded one (`fit_receive_stall`), averaged over the 1F1B
+  and zero-bubble pipelines; `transfer_overhead_s` (a delay charged only on waits) is
+  set to 0. Until 2026-11-29 the per-action cost was the intercept of a line through
+  the per-action residues at the two depths (it came out 0 or near it, and interleaved
+  plans 8-12 % under), and the transfers' cost was that delay, fitted to the 1F1B
+  pipelines' step difference: zero-bubble, interleaved and shifted plans, whose
+  schedules have slack to hide a delay in, came out 4-7 points under 1F1B's, where
+  the recorded receives still stalled. Until late 2026-11-28 the
   transfers were in the forwards and backwards: one per action, as a 2-stage pipeline
   makes, and interleaved plans (one and a half per action) came out 8-13 % under.
   Until 2026-11-28 the first two were fitted to the step difference
@@ -144,6 +153,8 @@ from pxform.runtime.calibrate import sent_bytes
 from pxform.runtime.graph_module import default_device, synchronize
 from pxform.runtime.mesh import Mesh
 from pxform.runtime.pipeline import recording
+from pxform.schedules import Timer, resolve
+from pxform.schedules.rules import compute_only
 from pxform.search.context import Pin
 from pxform.search.pipelines import ScheduleChoice
 from pxform.search.solve import SearchError
@@ -253,9 +264,9 @@ def runtime_costs(hw: Hardware, repeats: int = 9) -> Hardware:
         _, slots_many = _paired(pp_step(2, 16), pp_step(8, 16), 3 * repeats)
         per_param_action = max(0.0, (slots_many - slots) / (2 * 6 * 15))
 
-    per_action = per_op_action = per_transfer = per_weight_op = per_send = per_receive = 0.0
+    per_action = per_op_action = per_stall = per_weight_op = per_send = per_receive = 0.0
     if n >= 2 and n % 2 == 0:
-        (per_action, per_op_action, per_transfer, per_weight_op, per_send,
+        (per_action, per_op_action, per_stall, per_weight_op, per_send,
          per_receive) = _action_costs(
             dataclasses.replace(
                 hw, param_overhead_s=per_param, step_overhead_s=per_step,
@@ -274,14 +285,17 @@ def runtime_costs(hw: Hardware, repeats: int = 9) -> Hardware:
             collective_overhead_s=per_collective), gen, repeats)
 
     mine = (per_param, per_step, per_action, per_collective, per_param_action, per_weight_op,
-            per_op_action, per_region, per_run, per_transfer, per_send, per_receive)
+            per_op_action, per_region, per_run, per_stall, per_send, per_receive)
     kept = world.gather_objects(mine)[0] if n > 1 else mine
     return dataclasses.replace(hw, param_overhead_s=kept[0], step_overhead_s=kept[1],
                                action_overhead_s=kept[2], collective_overhead_s=kept[3],
                                param_action_overhead_s=kept[4], weight_op_overhead_s=kept[5],
                                op_action_overhead_s=kept[6], recompute_overhead_s=kept[7],
-                               relayout_overhead_s=kept[8], transfer_overhead_s=kept[9],
-                               send_overhead_s=kept[10], receive_overhead_s=kept[11])
+                               relayout_overhead_s=kept[8], receive_stall_s=kept[9],
+                               send_overhead_s=kept[10], receive_overhead_s=kept[11],
+                               # a delay charged only on waits: the stall replaces it
+                               # (`Hardware.receive_stall_s`)
+                               transfer_overhead_s=0.0)
 
 
 def representative_profile(profiles: Sequence[Hardware]) -> Hardware:
@@ -736,38 +750,43 @@ def _staged(params: dict[str, Any], tokens: torch.Tensor) -> torch.Tensor:
 
 def _action_costs(hw: Hardware, gen: torch.Generator, repeats: int
                   ) -> tuple[float, float, float, float, float, float]:
-    """(`action_overhead_s`, `op_action_overhead_s`, `transfer_overhead_s`,
+    """(`action_overhead_s`, `op_action_overhead_s`, `receive_stall_s`,
     `weight_op_overhead_s`, `send_overhead_s`, `receive_overhead_s`) (module doc):
     the reference transformer at each depth of `_ACTION_DEPTHS`, cut into 2 stages, its
     1F1B pipeline at `_ACTION_MICROBATCHES` microbatches of 16 sequences per data-parallel
     replica (the two timed alternately, every rank at once; the longer one's actions
-    recorded, `pxform.runtime.pipeline.recording`).
+    recorded, `pxform.runtime.pipeline.recording`), and at the longer one's microbatches
+    under zero-bubble and interleaved, recorded.
 
-    The actions' own cost: per depth, a forward and a backward of one microbatch as they
-    ran (their means), averaged over the stages, less the cost model's forward and
-    backward without these costs, is `2 x (per_action + per_op x ops)` (ops: a stage's
-    mean op count); the two depths give both (`_fit_action`). The transfers' own cost:
-    the recorded sends' mean and the receives' lower quartile (a receive whose data has
+    The actions' own cost: per action, what the interleaved pipeline's forwards and
+    backwards (twice as many over the same ops) take more than 1F1B's beyond the model
+    (`_extra_action`), averaged over the depths; per op, per depth, a 1F1B forward and
+    backward of one microbatch as they ran (their means), averaged over the stages, less
+    the cost model's without these costs, is `2 x (per_action + per_op x ops)` (ops: a
+    stage's mean op count), averaged over the depths. The transfers' own cost: the
+    recorded sends' mean and the receives' lower quartile (a receive whose data has
     arrived, not one that waited), over the stages and depths. Until 2026-11-28 (late)
     the two were in the forward and backward: one transfer per action, as a 2-stage
     pipeline makes, where an interleaved schedule's chunks make one and a half per
     action on average (its plans came out 8-13 % under).
 
-    The transfers: what the measured difference of the two pipelines has beyond the
-    model's with those two costs, over what the model's difference grows by per second
-    of `transfer_overhead_s` (the schedule simulator charges it where an action waits for
-    another rank's), averaged over the depths. Until 2026-11-28 the per-action costs
-    were fitted to the step difference alone: they took the 1F1B ranks' waits for each
-    other's transfers into every forward and backward (GPT small's stage 0: F priced
-    4.1 ms, run 3.0; B 7.0 and 4.5), and schedules that wait less (the shifted one,
-    zero-bubble) came out 5-13 points further over than 1F1B.
+    The stall: per depth, for the 1F1B and the zero-bubble pipeline, what the schedule
+    simulator must charge each receiving action, on top of the stages' actions and
+    transfers as recorded, to give the recorded span (`_stall_of`), averaged. GPT
+    small's 8-microbatch pipelines (2026-11-29), simulated with their own recorded
+    actions: one stall of 0.6-0.98 ms matched 1F1B, zero-bubble, interleaved and shifted
+    spans alike, where a delay on the waits had to be 0.83-0.85 ms for 1F1B and 1.7-3.0
+    ms for the others. Until 2026-11-28 the per-action costs were fitted to the step
+    difference alone: they took the 1F1B ranks' waits for each other's transfers into
+    every forward and backward (GPT small's stage 0: F priced 4.1 ms, run 3.0; B 7.0
+    and 4.5), and schedules that wait less (the shifted one, zero-bubble) came out 5-13
+    points further over than 1F1B.
 
-    The weight ops: the same pipeline at `_ACTION_MICROBATCHES[1]` under zero-bubble, its
-    W actions recorded: per depth, their mean less the model's W without this cost, over
-    the stage's weight ops (what the model's W grows by per second of it), averaged over
-    stages and depths. Until 2026-11-28 it came from tiny 8 x 8 matmuls chained 1 and 16
-    to a stage: 14-95 us per op, and GPT small's W actions ran 4.5-5.1 ms against 2.2-2.5
-    priced."""
+    The weight ops: the zero-bubble pipeline's W actions: per depth, their mean less the
+    model's W without this cost, over the stage's weight ops (what the model's W grows
+    by per second of it), averaged over stages and depths. Until 2026-11-28 it came from
+    tiny 8 x 8 matmuls chained 1 and 16 to a stage: 14-95 us per op, and GPT small's W
+    actions ran 4.5-5.1 ms against 2.2-2.5 priced."""
     n = world.size()
     device = default_device()
     _, _, vocab, seq = _reference_shape(device)
@@ -778,9 +797,11 @@ def _action_costs(hw: Hardware, gen: torch.Generator, repeats: int
     # backwards): the actions' prices to compare with their recorded times
     bare = dataclasses.replace(hw, action_overhead_s=0.0, op_action_overhead_s=0.0,
                                transfer_overhead_s=0.0, send_overhead_s=0.0,
-                               receive_overhead_s=0.0)
+                               receive_overhead_s=0.0, receive_stall_s=0.0)
     actions_only = dataclasses.replace(bare, param_overhead_s=0.0, step_overhead_s=0.0)
-    per_action, ops_per_stage, runs, zb_runs = [], [], [], []
+    per_action, ops_per_stage, zb_runs = [], [], []
+    stalls: list[float] = []
+    per_extra_action: list[float] = []
     sends, receives = [], []
     for depth in _ACTION_DEPTHS:
         params = _reference_params(gen, device, depth)
@@ -803,37 +824,45 @@ def _action_costs(hw: Hardware, gen: torch.Generator, repeats: int
         priced_pair = statistics.mean(s.forward_s + s.backward_s for s in plan.stage_plans)
         # twice the repeats: a difference of steps of tens of milliseconds, each spread
         # by a third on a loaded machine
-        _, longer, events = _paired_recorded(calls[0], calls[1], 2 * repeats)
+        _, _, per_call = _paired_recorded(calls[0], calls[1], 2 * repeats)
+        events = [e for got in per_call for e in got]
         # each rank recorded its own stage's actions, and its transfers: a 2-stage
         # pipeline's forward and backward make one each between them
         recorded = [r for r in world.gather_objects(_action_pair(events)) if r[0] > 0]
+        stalls.append(_stall_of(per_call, "1f1b", many))
         pairs = [pair for pair, _, _ in recorded]
         sends += [send for _, send, _ in recorded if send > 0]
         receives += [receive for _, _, receive in recorded if receive > 0]
         per_action.append((statistics.mean(pairs) - priced_pair) / 2 if pairs else 0.0)
         ops_per_stage.append(ops)
-        runs.append((longer, pins, priced))
         # zero-bubble's W actions at the longer pipeline's microbatches (its step is not
-        # timed: the Ws as they ran are what is read)
+        # timed: the Ws and the spans as they ran are what is read)
         piped = pipeline(_staged, stages=2, microbatches=many, schedule="zb")
         zb = functools.partial(value_and_grad(shard(piped, mesh=Mesh({"pp": 2, "dp": n // 2}),
                                                     in_specs=(None, P("dp")))), params, tokens)
         zb_pin = dataclasses.replace(pins[1], schedule=ScheduleChoice("zb"))
-        zb_runs.append((_recorded(zb, repeats), zb_pin, priced))
-    action, per_op = _fit_action(per_action, ops_per_stage)
+        zb_calls = _recorded(zb, repeats)
+        stalls.append(_stall_of(zb_calls, "zb", many))
+        zb_runs.append(([e for got in zb_calls for e in got], zb_pin, priced))
+        # interleaved, 2 chunks a rank, at the same microbatches: the same ops in twice
+        # the actions, so what its forwards and backwards take more than 1F1B's over a
+        # microbatch, less what the model has them take more, is 4 actions' own cost
+        # (`_extra_action`)
+        if pairs:
+            per_extra_action.append(_extra_action(
+                params, tokens, n, hw, actions_only, repeats,
+                one_f_one_b_total=2 * statistics.mean(pairs),
+                priced_total=sum(s.forward_s + s.backward_s for s in plan.stage_plans)))
+    # per action: what the interleaved pipelines' extra actions cost; per op: the rest of
+    # what the 1F1B actions took beyond their prices, over their ops
+    action = max(0.0, statistics.mean(per_extra_action)) if per_extra_action else 0.0
+    per_op = max(0.0, statistics.mean((r - action) / o for r, o in
+                                      zip(per_action, ops_per_stage) if o > 0))
     send = statistics.mean(sends) if sends else 0.0
     receive = statistics.mean(receives) if receives else 0.0
     fitted = dataclasses.replace(hw, action_overhead_s=action, op_action_overhead_s=per_op,
                                  send_overhead_s=send, receive_overhead_s=receive)
-    delays = []
-    for longer, pins, priced in runs:
-        at = [dataclasses.replace(fitted, transfer_overhead_s=t) for t in (0.0, 1e-3)]
-        base = priced(at[0], pins[1]).step_time_s - priced(at[0], pins[0]).step_time_s
-        grown = priced(at[1], pins[1]).step_time_s - priced(at[1], pins[0]).step_time_s
-        per_second = (grown - base) / 1e-3  # transfers waited for, more in the longer
-        if per_second > 0.5:
-            delays.append((longer - base) / per_second)
-    transfer = max(0.0, statistics.mean(delays)) if delays else 0.0
+    stall = statistics.mean(stalls)
     per_weight_op = []
     for events, zb_pin, priced in zb_runs:
         at = [dataclasses.replace(fitted, weight_op_overhead_s=t) for t in (0.0, 1e-3)]
@@ -846,21 +875,169 @@ def _action_costs(hw: Hardware, gen: torch.Generator, repeats: int
             if ops > 0.5:
                 per_weight_op.append((mean - weights[0][stage].weight_s) / ops)
     weight_op = max(0.0, statistics.mean(per_weight_op)) if per_weight_op else 0.0
-    return action, per_op, transfer, weight_op, send, receive
+    return action, per_op, stall, weight_op, send, receive
 
 
-def _recorded(call: Callable[[], Any], repeats: int) -> list[tuple[Any, float, float]]:
-    """The pipeline actions this rank ran in `repeats` calls of `call`, each after a
-    barrier, after two unrecorded calls."""
+def _extra_action(params: dict[str, Any], tokens: torch.Tensor, n: int, hw: Hardware,
+                  actions_only: Hardware, repeats: int, one_f_one_b_total: float,
+                  priced_total: float) -> float:
+    """Seconds of one pipeline action's own cost (`Hardware.action_overhead_s`): the
+    reference transformer (`params`) under `auto` as a 2-rank interleaved pipeline with 2
+    chunks a rank (data parallel over the rest of the `n` ranks) at `tokens`'s
+    microbatches, its actions recorded. Its forwards' and backwards' means summed over
+    the chunks (over the ranks, each holding half of them) less `one_f_one_b_total`
+    (the same over the 1F1B pipeline's 2 stages), less what the model (`actions_only`:
+    without the per-action costs) prices that difference at (against `priced_total`),
+    over the 4 actions more per microbatch.
+
+    Until 2026-11-29 the per-action cost was the intercept of a line through the 1F1B
+    actions' costs at 1 and 2 layers a stage: it came out 0 (clamped) or near it, the
+    per-op cost took it all, and interleaved plans, whose chunks make twice the actions
+    over the same ops, came out 8-12 % under (GPT small's chunk forwards ran 0.3-0.6 ms
+    over their prices)."""
+    roles = (("outer", "dp"),) if n > 2 else ()
+    blocks = len(auto(_reference, mesh=abstract_mesh(n), hardware=actions_only,
+                      plan=Pin(stages=2)).plan(params, tokens).blocks)
+    pin = Pin(stages=2, outer=n // 2, inner=1, microbatches=_ACTION_MICROBATCHES[1],
+              schedule=ScheduleChoice("interleaved", 2),
+              block_options=(Option(roles, False),) * blocks)
+    priced = _priced_pipeline(actions_only, pin, params, tokens, n, fn=_reference)
+    model = sum(s.forward_s + s.backward_s for s in priced.stage_plans) - priced_total
+    step = auto(_reference, mesh=n, hardware=hw, memory_margin=0.0, plan=pin)
+    dparams, _ = step.distribute(params, tokens)
+    calls = _recorded(functools.partial(value_and_grad(step), dparams, tokens), repeats)
+    mine = _chunk_sum([e for got in calls for e in got])
+    sums = [x for x in world.gather_objects(mine) if x > 0]
+    if not sums:
+        return 0.0
+    measured = 2 * statistics.mean(sums) - one_f_one_b_total  # each rank: half the chunks
+    return (measured - model) / 4
+
+
+def _chunk_sum(events: Sequence[tuple[Any, float, float]]) -> float:
+    """Over the stages this rank ran, the sum of each one's mean F and mean B (seconds of
+    a microbatch's forward and backward through them); 0 without both."""
+    kinds: dict[tuple[int, str], list[float]] = {}
+    for a, start, end in events:
+        if a.kind in ("F", "B"):
+            kinds.setdefault((a.stage, a.kind), []).append(end - start)
+    stages = {stage for stage, _ in kinds}
+    if not stages or any((s, k) not in kinds for s in stages for k in "FB"):
+        return 0.0
+    return sum(statistics.mean(t) for t in kinds.values())
+
+
+def _stall_of(calls: Sequence[Sequence[tuple[Any, float, float]]], schedule: str,
+              microbatches: int) -> float:
+    """`Hardware.receive_stall_s` from a 2-stage pipeline of `schedule` at `microbatches`
+    that every rank ran and recorded, call by call (`calls`): each rank's stage's actions
+    as they ran (F, B, W: their means; SF, SB: their means; RF, RB: their lower
+    quartiles, a receive whose data had come), gathered over the ranks and averaged per
+    stage, and each call's span (its first action's start to its last's end, the longest
+    over the ranks; the median over the calls) go to `fit_receive_stall`."""
+    mine = _stage_record(calls)
+    got = [r for r in world.gather_objects(mine) if r is not None]
+    if not got:
+        return 0.0
+    num_calls = min(len(spans) for _, _, spans in got)
+    span = statistics.median(max(spans[k] for _, _, spans in got) for k in range(num_calls))
+    per_stage: dict[int, list[dict[str, float]]] = {}
+    for stage, costs, _ in got:
+        per_stage.setdefault(stage, []).append(costs)
+    if sorted(per_stage) != [0, 1]:
+        return 0.0
+
+    def mean(kind: str, stage: int) -> float:
+        return statistics.mean(c.get(kind, 0.0) for c in per_stage[stage])
+
+    stages = range(2)
+    return fit_receive_stall(
+        schedule, microbatches, span,
+        forward=[mean("F", s) + mean("SF", s) + mean("RF", s) for s in stages],
+        backward=[mean("B", s) + mean("SB", s) + mean("RB", s) for s in stages],
+        weight=[mean("W", s) for s in stages])
+
+
+def _stage_record(calls: Sequence[Sequence[tuple[Any, float, float]]]
+                  ) -> tuple[int, dict[str, float], list[float]] | None:
+    """(this rank's stage, per kind of action its mean seconds (RF, RB: the lower
+    quartile), each call's span) from its recorded calls; None without actions."""
+    kinds: dict[str, list[float]] = {}
+    spans = []
+    stage = None
+    for got in calls:
+        if not got:
+            continue
+        spans.append(max(end for _, _, end in got) - min(start for _, start, _ in got))
+        for a, start, end in got:
+            kinds.setdefault(a.kind, []).append(end - start)
+            if a.is_compute:
+                stage = a.stage
+    if stage is None or not spans:
+        return None
+    costs = {}
+    for kind, seconds in kinds.items():
+        costs[kind] = (statistics.quantiles(seconds, n=4)[0] if kind in ("RF", "RB")
+                       and len(seconds) > 1 else statistics.mean(seconds))
+    return stage, costs, spans
+
+
+def fit_receive_stall(schedule: str, microbatches: int, span: float,
+                      forward: Sequence[float], backward: Sequence[float],
+                      weight: Sequence[float]) -> float:
+    """The `Hardware.receive_stall_s` at which the schedule simulator gives a measured
+    `span`: a pipeline of `schedule` at `microbatches` over `len(forward)` stages, each on
+    its own rank, with the per-stage `forward`, `backward` (without the weight gradients
+    where `schedule` splits them off: zero-bubble's) and `weight` as they ran, sends and
+    receives (where the data had come) in them. The stall is charged as the search does:
+    to every F of a stage but the first and every B of a stage but the last, as time of
+    its rank. 0 where the span is no longer than the simulation without it.
+
+    Example (1F1B, 2 stages, 4 microbatches: F 1 s, B 2 s, a 15 s step without the
+    stall; 5 slots on the critical path, each with one receive):
+        >>> round(fit_receive_stall("1f1b", 4, 15.0 + 5 * 0.5, [1.0, 1.0], [2.0, 2.0],
+        ...                         [0.0, 0.0]), 6)
+        0.5
+    """
+    n = len(forward)
+    timer = Timer(compute_only(resolve(schedule, n, microbatches)))
+    split = schedule == "zb"
+
+    def step(stall: float) -> float:
+        f = [x + (stall if s > 0 else 0.0) for s, x in enumerate(forward)]
+        b = [x + (stall if s < n - 1 else 0.0) for s, x in enumerate(backward)]
+        if split:
+            return timer.step_time(f, b, list(weight))
+        return timer.step_time(f, [x + w for x, w in zip(b, weight)])
+
+    if n < 2 or step(0.0) >= span:
+        return 0.0
+    low, high = 0.0, 1e-3
+    # the step grows at least as fast as the stall (the last stage's first forward
+    # receives, and everything after waits for it): the span is reached
+    while step(high) < span:
+        low, high = high, 2 * high
+    for _ in range(60):  # bisect to far below a microsecond
+        mid = (low + high) / 2
+        if step(mid) < span:
+            low = mid
+        else:
+            high = mid
+    return (low + high) / 2
+
+
+def _recorded(call: Callable[[], Any], repeats: int) -> list[list[tuple[Any, float, float]]]:
+    """The pipeline actions this rank ran in each of `repeats` calls of `call`, each after
+    a barrier, after two unrecorded calls."""
     for _ in range(2):
         call()
-    events: list[tuple[Any, float, float]] = []
+    calls: list[list[tuple[Any, float, float]]] = []
     for _ in range(repeats):
         world.barrier()
         with recording() as got:
             call()
-        events += got
-    return events
+        calls.append(got)
+    return calls
 
 
 def _mean_weight(events: Sequence[tuple[Any, float, float]]) -> tuple[int | None, float]:
@@ -873,9 +1050,9 @@ def _mean_weight(events: Sequence[tuple[Any, float, float]]) -> tuple[int | None
 
 
 def _priced_pipeline(profile: Hardware, pin: Pin, params: Any, tokens: torch.Tensor,
-                     n: int) -> Any:
-    """`_staged`'s plan for `pin` on `n` devices, priced with `profile`."""
-    return auto(_staged, mesh=abstract_mesh(n), hardware=profile, memory_margin=0.0,
+                     n: int, fn: Callable[..., Any] = _staged) -> Any:
+    """`fn`'s plan for `pin` on `n` devices, priced with `profile`."""
+    return auto(fn, mesh=abstract_mesh(n), hardware=profile, memory_margin=0.0,
                 plan=pin).plan(params, tokens)
 
 
@@ -898,27 +1075,6 @@ def _action_pair(events: Sequence[tuple[Any, float, float]]
     receive = (statistics.quantiles(receives, n=4)[0] if len(receives) > 1 else
                receives[0] if receives else 0.0)
     return pair, send, receive
-
-
-def _fit_action(per_action: Sequence[float], ops: Sequence[float]) -> tuple[float, float]:
-    """(a, b) >= 0 with `per_action[k] = a + b x ops[k]` at two depths (`_action_costs`);
-    where that solution has one negative, it is 0 and the other fitted alone.
-
-    Example:
-        >>> _fit_action([3.0, 5.0], [10.0, 20.0])
-        (1.0, 0.2)
-        >>> _fit_action([3.0, 2.0], [10.0, 20.0])  # fewer per action with more ops
-        (2.5, 0.0)
-    """
-    (r0, r1), (o0, o1) = per_action, ops
-    b = (r1 - r0) / (o1 - o0) if o1 != o0 else 0.0
-    a = r0 - b * o0
-    if b < 0:
-        return max(0.0, (r0 + r1) / 2), 0.0
-    if a < 0:
-        square = o0 * o0 + o1 * o1
-        return 0.0, max(0.0, (r0 * o0 + r1 * o1) / square) if square > 0 else 0.0
-    return a, b
 
 
 _ACTION_MICROBATCHES = (2, 16)
@@ -1038,25 +1194,25 @@ def _paired(short: Callable[[], Any], long: Callable[[], Any], repeats: int
 
 def _paired_recorded(short: Callable[[], Any], long: Callable[[], Any], repeats: int,
                      record: bool = True
-                     ) -> tuple[float, float, list[tuple[Any, float, float]]]:
-    """`_paired`, with the pipeline actions this rank ran in the timed calls of `long`
+                     ) -> tuple[float, float, list[list[tuple[Any, float, float]]]]:
+    """`_paired`, with the pipeline actions this rank ran in each timed call of `long`
     (`pxform.runtime.pipeline.recording`: a clock read per action, microseconds; none
     without `record`)."""
     for _ in range(2):
         short()
         long()
     alone, more = [], []
-    events: list[tuple[Any, float, float]] = []
+    calls: list[list[tuple[Any, float, float]]] = []
     for _ in range(repeats):
         a = _timed(short)
         recorded: contextlib.AbstractContextManager[list[tuple[Any, float, float]]] = \
             recording() if record else contextlib.nullcontext([])
         with recorded as got:
             b = _timed(long)
-        events += got
+        calls.append(got)
         alone.append(a)
         more.append(b - a)
-    return statistics.median(alone), statistics.median(more), events
+    return statistics.median(alone), statistics.median(more), calls
 
 
 def _timed(call: Callable[[], Any]) -> float:
