@@ -429,15 +429,15 @@ class Hardware:
             2-stage 1F1B pipeline; 0: not measured.
         receive_stall_s: seconds each pipeline transfer costs the receiving rank beyond
             `receive_overhead_s` and the bytes' time, charged like it, to every action
-            per transfer it receives: the transfer's own work (the communication threads
-            moving it) takes turns with both ranks' compute, so the receive stalls by
-            this much even where the schedule has the data there in time. GPT small's
-            2-stage pipelines at 8 microbatches, every action recorded and simulated with
-            the recorded means (2026-11-29): the stall that matches each measured span
-            was 0.65-0.73 ms under 1F1B, zero-bubble, interleaved and shifted alike,
-            where a delay charged only on the waits (`transfer_overhead_s`) had to be
-            0.83 ms for 1F1B and 1.7-2.3 ms for the others (they have slack to hide it
-            in). `pxform.tools.runtime_costs` fits it on recorded 1F1B and zero-bubble
+            per transfer it receives: the receive stalls by this much even where the
+            schedule has the data there in time, so no schedule's slack hides it. GPT
+            small's 2-stage pipelines at 8 microbatches on 2 CPU ranks, every action
+            recorded and simulated with the recorded means (2026-11-29, three runs): the
+            stall that matches each measured span was 0.60-1.30 ms, within 0.4 ms of one
+            value for 1F1B, zero-bubble, interleaved and shifted in two runs, where a
+            delay charged only on the waits (`transfer_overhead_s`) had to be 0.83-1.42
+            ms for 1F1B and 1.7-3.0 ms for the others (they have slack to hide it in).
+            `pxform.tools.runtime_costs` fits it on recorded 1F1B and zero-bubble
             pipelines; 0: not measured.
         host_overlaps: the device runs kernels asynchronously to the host (CUDA): the
             host's time per op (`op_step_overhead_s`) runs while the device computes,
