@@ -192,7 +192,9 @@ def runtime_costs(hw: Hardware, repeats: int = 9) -> Hardware:
     forwards = _AutogradForwards(gen)
     steps.time(repeats)
     forwards.time(repeats)
-    per_collective = _per_collective(hw, gen, repeats) if n >= 2 else 0.0
+    # (every figure is rank 0's from here on, `_agreed`: the programs below are planned
+    # with them)
+    per_collective = _agreed(_per_collective(hw, gen, repeats)) if n >= 2 else 0.0
     steps.time(repeats)
     forwards.time(repeats)
     steps.time(repeats)
@@ -224,7 +226,7 @@ def runtime_costs(hw: Hardware, repeats: int = 9) -> Hardware:
     few, many = 4, 64
     # thrice the repeats: 60 parameters add a few milliseconds, as noisy here as that
     # (63-151 us per parameter from one calibration to the next at 9)
-    t_few, more = _paired(dp_step(few), dp_step(many), 3 * repeats)
+    t_few, more = _agreed(_paired(dp_step(few), dp_step(many), 3 * repeats))
     per_param = max(0.0, more / (many - few))
     model = CostModel(hw)
     axes = {"dp": (n, hw.level(n))}
@@ -262,7 +264,7 @@ def runtime_costs(hw: Hardware, repeats: int = 9) -> Hardware:
         # stage, 18 actions on the critical path)
         _, slots = _paired(pp_step(2, 1), pp_step(8, 1), 3 * repeats)
         _, slots_many = _paired(pp_step(2, 16), pp_step(8, 16), 3 * repeats)
-        per_param_action = max(0.0, (slots_many - slots) / (2 * 6 * 15))
+        per_param_action = _agreed(max(0.0, (slots_many - slots) / (2 * 6 * 15)))
 
     per_action = per_op_action = per_stall = per_weight_op = per_send = per_receive = 0.0
     if n >= 2 and n % 2 == 0:
@@ -296,6 +298,19 @@ def runtime_costs(hw: Hardware, repeats: int = 9) -> Hardware:
                                # a delay charged only on waits: the stall replaces it
                                # (`Hardware.receive_stall_s`)
                                transfer_overhead_s=0.0)
+
+
+def _agreed(value: Any) -> Any:
+    """Rank 0's `value` on every rank (itself without a process group). Each rank times
+    the programs itself, but what is planned from a figure must be planned from the same
+    one everywhere: `auto` plans on every rank, and profiles a few microseconds apart
+    can tip a near-tie (a tensor-parallel op's choice, a pipeline cut) one way on one
+    rank and the other way on another; the ranks then run different collectives until
+    the mesh's timeout. Until 2026-11-29 the per-collective and per-parameter figures
+    were each rank's own until the end of `runtime_costs`, and `pxform calibrate` on 2
+    ranks failed once in three CI runs with a broadcast of `distribute` timing out on
+    rank 0 (the cause not proven)."""
+    return world.gather_objects(value)[0]
 
 
 def representative_profile(profiles: Sequence[Hardware]) -> Hardware:
