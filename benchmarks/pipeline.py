@@ -150,6 +150,10 @@ def analyse(name: str, options: dict[str, Any], per_rank: list[dict[str, Any]], 
                   weight=[med(s, "W") for s in range(num_stages)],
                   recompute=[med(s, "R") for s in range(num_stages)], p2p=p2p)
     predicted = schedules.simulate(compute, costs)
+    # the cost model's transfers (`Hardware.receive_stall_s`): no latency on the waits, a
+    # stall on every receiving action instead, its size fitted on 1F1B's span (`main`)
+    plain = Costs(forward=costs.forward, backward=costs.backward, weight=costs.weight,
+                  recompute=costs.recompute)
     if picture:
         schedules.plot(predicted, picture.replace(".png", "-simulated.png"),
                        title=f"{name}: simulated from measured action times")
@@ -160,11 +164,51 @@ def analyse(name: str, options: dict[str, Any], per_rank: list[dict[str, Any]], 
             "step_over_predicted": statistics.median(whole) / predicted.step_time,
             "bubble": bubble, "predicted_bubble": predicted.bubble_fraction,
             "p2p_ms": 1e3 * p2p,
+            # (for `main`'s stall column; dropped before the JSON is written)
+            "_compute": compute, "_plain": plain, "_stages": num_stages,
             # the costs are tuples (per stage) or one number: milliseconds either way
             "costs_ms": {k: [round(1e3 * x, 3) for x in v] if isinstance(v, (list, tuple))
                          else round(1e3 * v, 3)
                          for k, v in (("F", costs.forward), ("B", costs.backward),
                                       ("W", costs.weight))}}
+
+
+def _with_stall(rows: dict[str, dict[str, Any]], microbatches: int) -> float:
+    """The transfers as the cost model prices them: the stall per receiving action at
+    which 1F1B's simulation gives its measured span (`runtime_costs.fit_receive_stall`),
+    then every schedule simulated with it and no latency (a held-out check for the
+    others: the stall was not fitted on them). Sets each row's `stall_predicted_s` and
+    `span_over_stall_predicted`, drops the row's working objects; returns the stall."""
+    from pxform import schedules
+    from pxform.schedules import Costs
+    from pxform.tools.runtime_costs import fit_receive_stall
+
+    base = rows["1f1b"]
+    costs = base["_plain"]
+    n = base["_stages"]
+
+    def per_stage(value: Any, stages: int) -> list[float]:
+        return list(value) if isinstance(value, (list, tuple)) else [value] * stages
+
+    stall = fit_receive_stall("1f1b", microbatches, base["span_s"],
+                              per_stage(costs.forward, n), per_stage(costs.backward, n),
+                              [0.0] * n)
+    for r in rows.values():
+        plain, stages = r.pop("_plain"), r.pop("_stages")
+        compute = r.pop("_compute")
+        # a forward receives unless its stage is the first, a backward unless the last
+        forward = [x + (stall if s > 0 else 0.0)
+                   for s, x in enumerate(per_stage(plain.forward, stages))]
+        backward = [x + (stall if s < stages - 1 else 0.0)
+                    for s, x in enumerate(per_stage(plain.backward, stages))]
+        sim = schedules.simulate(compute, Costs(
+            forward=forward, backward=backward, weight=plain.weight,
+            recompute=plain.recompute)).step_time
+        r["stall_predicted_s"] = sim
+        r["span_over_stall_predicted"] = r["span_s"] / sim
+    for r in rows.values():
+        r["stall_ms"] = 1e3 * stall
+    return stall
 
 
 def _hop_latencies(events: list[Any]) -> list[float]:
@@ -214,14 +258,20 @@ def main() -> None:
             rows[name]["posting"] = {"ahead_s": med["ahead"], "at_action_s": med["at_action"],
                                      "ahead_over_at_action": med["ahead"] / med["at_action"],
                                      "calls": args.posting}
+    stall = _with_stall(rows, args.microbatches)
     print(f"GPT {args.config}, {args.ranks} gloo ranks, batch {args.batch}, "
           f"{args.microbatches} microbatches, {reps} timed steps per schedule")
     print(f"{'schedule':12} {'span ms':>8} {'sim ms':>8} {'span/sim':>9} {'step/sim':>9} "
-          f"{'bubble':>7} {'sim bubble':>10}")
+          f"{'bubble':>7} {'sim bubble':>10} {'span/stall sim':>15}")
     for name, r in rows.items():
         print(f"{name:12} {1e3 * r['span_s']:8.1f} {1e3 * r['predicted_s']:8.1f} "
               f"{r['span_over_predicted']:9.3f} {r['step_over_predicted']:9.3f} "
-              f"{r['bubble']:7.3f} {r['predicted_bubble']:10.3f}")
+              f"{r['bubble']:7.3f} {r['predicted_bubble']:10.3f} "
+              f"{r['span_over_stall_predicted']:15.3f}")
+    print(f"sim: a latency per hop measured on each schedule's own run; stall sim: no "
+          f"latency, a stall of {1e3 * stall:.2f} ms on every receiving action, fitted on "
+          f"1F1B's span alone (`Hardware.receive_stall_s`, as the cost model prices "
+          f"transfers)")
     if args.posting:
         print(f"\nreceives posted ahead of their actions against at them, {args.posting} "
               f"steps each, alternately (slowest rank's median)")
