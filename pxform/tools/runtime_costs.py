@@ -788,14 +788,15 @@ def _action_costs(hw: Hardware, gen: torch.Generator, repeats: int
     The stall: per depth, for the 1F1B and the zero-bubble pipeline, what the schedule
     simulator must charge each receiving action, on top of the stages' actions and
     transfers as recorded, to give the recorded span (`_stall_of`), averaged. GPT
-    small's 8-microbatch pipelines (2026-11-29), simulated with their own recorded
-    actions: one stall of 0.6-0.98 ms matched 1F1B, zero-bubble, interleaved and shifted
-    spans alike, where a delay on the waits had to be 0.83-0.85 ms for 1F1B and 1.7-3.0
-    ms for the others. Until 2026-11-28 the per-action costs were fitted to the step
-    difference alone: they took the 1F1B ranks' waits for each other's transfers into
-    every forward and backward (GPT small's stage 0: F priced 4.1 ms, run 3.0; B 7.0
-    and 4.5), and schedules that wait less (the shifted one, zero-bubble) came out 5-13
-    points further over than 1F1B.
+    small's 8-microbatch pipelines (2026-11-29, three runs), simulated with their own
+    recorded actions: the stall that matched each span was 0.60-1.30 ms, within 0.4 ms
+    of one value for 1F1B, zero-bubble, interleaved and shifted in two runs (interleaved
+    needed half in the third), where a delay on the waits had to be 0.83-1.42 ms for
+    1F1B and 1.7-3.0 ms for the others. Until 2026-11-28 the per-action costs were
+    fitted to the step difference alone: they took the 1F1B ranks' waits for each
+    other's transfers into every forward and backward (GPT small's stage 0: F priced
+    4.1 ms, run 3.0; B 7.0 and 4.5), and schedules that wait less (the shifted one,
+    zero-bubble) came out 5-13 points further over than 1F1B.
 
     The weight ops: the zero-bubble pipeline's W actions: per depth, their mean less the
     model's W without this cost, over the stage's weight ops (what the model's W grows
