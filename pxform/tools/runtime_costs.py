@@ -153,10 +153,9 @@ from pxform.runtime.calibrate import sent_bytes
 from pxform.runtime.graph_module import default_device, synchronize
 from pxform.runtime.mesh import Mesh
 from pxform.runtime.pipeline import recording
-from pxform.schedules import Timer, resolve
-from pxform.schedules.rules import compute_only
 from pxform.search.context import Pin
 from pxform.search.pipelines import ScheduleChoice
+from pxform.search.pipelines import step_time as pipeline_step  # (`fit_receive_stall`)
 from pxform.search.solve import SearchError
 from pxform.search.space import Option
 from pxform.transforms.auto import auto
@@ -1016,15 +1015,15 @@ def fit_receive_stall(schedule: str, microbatches: int, span: float,
         0.5
     """
     n = len(forward)
-    timer = Timer(compute_only(resolve(schedule, n, microbatches)))
-    split = schedule == "zb"
+    choice = ScheduleChoice(schedule)
 
     def step(stall: float) -> float:
+        # the search's own pricing of a pipeline (`pipelines.step_time`: the backward
+        # whole, its weight part apart)
         f = [x + (stall if s > 0 else 0.0) for s, x in enumerate(forward)]
-        b = [x + (stall if s < n - 1 else 0.0) for s, x in enumerate(backward)]
-        if split:
-            return timer.step_time(f, b, list(weight))
-        return timer.step_time(f, [x + w for x, w in zip(b, weight)])
+        whole = [x + w + (stall if s < n - 1 else 0.0)
+                 for s, (x, w) in enumerate(zip(backward, weight))]
+        return pipeline_step(choice, n, microbatches, f, whole, list(weight))
 
     if n < 2 or step(0.0) >= span:
         return 0.0
