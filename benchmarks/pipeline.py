@@ -34,6 +34,7 @@ receives posted ahead of their actions (the default on gloo,
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib.util
 import os
@@ -152,8 +153,7 @@ def analyse(name: str, options: dict[str, Any], per_rank: list[dict[str, Any]], 
     predicted = schedules.simulate(compute, costs)
     # the cost model's transfers (`Hardware.receive_stall_s`): no latency on the waits, a
     # stall on every receiving action instead, its size fitted on 1F1B's span (`main`)
-    plain = Costs(forward=costs.forward, backward=costs.backward, weight=costs.weight,
-                  recompute=costs.recompute)
+    plain = dataclasses.replace(costs, p2p=0.0)
     if picture:
         schedules.plot(predicted, picture.replace(".png", "-simulated.png"),
                        title=f"{name}: simulated from measured action times")
@@ -180,30 +180,23 @@ def _with_stall(rows: dict[str, dict[str, Any]], microbatches: int) -> float:
     others: the stall was not fitted on them). Sets each row's `stall_predicted_s` and
     `span_over_stall_predicted`, drops the row's working objects; returns the stall."""
     from pxform import schedules
-    from pxform.schedules import Costs
     from pxform.tools.runtime_costs import fit_receive_stall
 
     base = rows["1f1b"]
-    costs = base["_plain"]
-    n = base["_stages"]
-
-    def per_stage(value: Any, stages: int) -> list[float]:
-        return list(value) if isinstance(value, (list, tuple)) else [value] * stages
-
+    costs, n = base["_plain"], base["_stages"]
     stall = fit_receive_stall("1f1b", microbatches, base["span_s"],
-                              per_stage(costs.forward, n), per_stage(costs.backward, n),
-                              [0.0] * n)
+                              [costs.at("forward", s, n) for s in range(n)],
+                              [costs.at("backward", s, n) for s in range(n)], [0.0] * n)
     for r in rows.values():
         plain, stages = r.pop("_plain"), r.pop("_stages")
         compute = r.pop("_compute")
         # a forward receives unless its stage is the first, a backward unless the last
-        forward = [x + (stall if s > 0 else 0.0)
-                   for s, x in enumerate(per_stage(plain.forward, stages))]
-        backward = [x + (stall if s < stages - 1 else 0.0)
-                    for s, x in enumerate(per_stage(plain.backward, stages))]
-        sim = schedules.simulate(compute, Costs(
-            forward=forward, backward=backward, weight=plain.weight,
-            recompute=plain.recompute)).step_time
+        sim = schedules.simulate(compute, dataclasses.replace(
+            plain,
+            forward=[plain.at("forward", s, stages) + (stall if s > 0 else 0.0)
+                     for s in range(stages)],
+            backward=[plain.at("backward", s, stages) + (stall if s < stages - 1 else 0.0)
+                      for s in range(stages)])).step_time
         r["stall_predicted_s"] = sim
         r["span_over_stall_predicted"] = r["span_s"] / sim
     for r in rows.values():
