@@ -34,6 +34,13 @@ every number (`median_profile`, what the benchmark priced with until 2026-11-27)
     python benchmarks/accuracy.py --once         # one calibration, before the rounds (~4 min)
     python benchmarks/accuracy.py --quick        # two cases, nothing written
     python benchmarks/accuracy.py --ranks 4      # adds the 4-rank compositions
+    python benchmarks/accuracy.py --reprice benchmarks/results/accuracy-*.json
+
+`--reprice` runs nothing: it prices the pinned cases of saved runs again with the current
+code, from each run's own calibrations (their representative), against the steps measured
+then (the searched case is left out: its plan is not saved, only its text). It tells
+what a change to the model or to the choice of profile does on measurements already
+taken, beside what new runs measure.
 
 Goal (the issue's): |time error| <= 10 %, |memory error| <= 5 % with a calibrated profile.
 """
@@ -286,6 +293,68 @@ def _leaves(tree: Any, none: bool = False) -> list[Any]:
                               none_is_leaf=none)  # type: ignore[arg-type]
 
 
+def reprice(paths: list[str]) -> list[dict[str, Any]]:
+    """Per saved run (a JSON result of this benchmark): its pinned cases priced again with
+    the representative of its calibrations under the current code, against its measured
+    steps; prints a line per run and returns {"path", "errors": {case: error}}."""
+    import json
+
+    out = []
+    for path in paths:
+        with open(path) as f:
+            saved = json.load(f)
+        name = os.path.basename(path)
+        try:
+            errors, source = _repriced(saved)
+        except ValueError as e:  # (a profile field an experiment added, since removed)
+            print(f"{name}: skipped, its profiles do not load here: {e}")
+            continue
+        worst = sorted(errors.items(), key=lambda kv: -abs(kv[1]))[:3]
+        print(f"{name}: {sum(abs(e) <= GOAL_TIME for e in errors.values())}/{len(errors)} "
+              f"pinned cases within {GOAL_TIME:.0%} (median "
+              f"{statistics.median(abs(e) for e in errors.values()):.1%}); worst "
+              + ", ".join(f"{k} {e:+.1%}" for k, e in worst) + f"; {source}")
+        out.append({"path": path, "errors": errors})
+    return out
+
+
+def _repriced(saved: dict[str, Any]) -> tuple[dict[str, float], str]:
+    """(case -> time error, the profile's source) of one saved run (`reprice`)."""
+    harness.add_paths()
+    import gpt
+    import torch
+
+    import pxform
+    from pxform.cost.hardware import Hardware
+    from pxform.search import pin_of
+    from pxform.tools.runtime_costs import representative_profile
+
+    conf = saved["config"]
+    cfg = gpt.GPT_CONFIGS[conf["model"]]
+    params = gpt.init_params(cfg, dtype=torch.float32)
+    batch = gpt.make_batch(cfg, conf["global_batch"])
+
+    def gpt_loss(p: dict, b: dict) -> torch.Tensor:
+        return gpt.loss_fn(p, b, cfg)
+
+    hw = representative_profile([Hardware.from_json(h) for h in saved["profiles"]])
+    first = Hardware.from_json(saved["first_hardware"])
+    mesh = pxform.Mesh.abstract(conf["ranks"])
+    blocks = len(pxform.auto(gpt_loss, mesh=mesh, hardware=hw).plan(params, batch).blocks)
+
+    def priced(pin: Any) -> float:
+        # as the run priced it: each pin planned with the first calibration (the choices
+        # a pin leaves open are settled there), then priced with the profile
+        plan = pxform.auto(gpt_loss, mesh=mesh, hardware=first, plan=pin).plan(params, batch)
+        return pxform.auto(gpt_loss, mesh=mesh, hardware=hw, plan=pin_of(plan)).plan(
+            params, batch).step_time_s
+
+    measured = {c["case"]: c["measured_time_s"] for c in saved["cases"]}
+    return ({name: priced(pin) / measured[name] - 1
+             for name, pin in cases(conf["ranks"], blocks) if pin is not None},
+            hw.source.split(";")[0])
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", default="small", help="a key of gpt.GPT_CONFIGS")
@@ -311,7 +380,13 @@ def main() -> None:
     p.add_argument("--malloc", choices=("default", "pinned"), default="default",
                    help="glibc's heap thresholds on every rank (`harness.pin_malloc`)")
     p.add_argument("--out", default=harness.RESULTS)
+    p.add_argument("--reprice", nargs="+", metavar="RESULT",
+                   help="price saved runs' pinned cases again with the current code "
+                        "(nothing runs; see the module doc)")
     args = p.parse_args()
+    if args.reprice:
+        reprice(args.reprice)
+        return
     if args.quick:
         args.steps, args.warmup, args.rounds = 2, 1, 1
     harness.add_paths()

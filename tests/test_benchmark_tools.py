@@ -1,0 +1,55 @@
+"""The benchmarks' own tools that run in one process: `benchmarks/accuracy.py --reprice`
+prices a saved run's pinned cases again with the current code and the run's calibrations.
+
+Run alone: `python -m pytest tests/test_benchmark_tools.py -q` (about 20 s on 2 cores).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+
+
+@pytest.fixture(scope="module")
+def accuracy():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import accuracy
+        yield accuracy
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+
+
+def test_reprice_gives_a_saved_runs_errors_back_and_moves_them_with_the_profile(accuracy,
+                                                                                capsys):
+    """A run whose representative calibration already priced the tensor-parallel pairs
+    at the calibrations' median gets its own errors back, case for case (the pins are
+    planned with its first calibration and priced with the representative, as the run
+    did); a run whose representative had a flipped relayout cost
+    (`representative_profile`) gets tensor parallelism priced anew, closer; a result
+    whose profiles hold a field this code does not know is skipped with the reason."""
+    same = RESULTS / "accuracy-twenty-first-d-stall-2026-11-29.json"
+    moved = RESULTS / "accuracy-twenty-first-b-stall-2026-11-29.json"
+    unreadable = RESULTS / "accuracy-twentieth-a-perbyte-2026-11-29.json"
+    got = accuracy.reprice([str(same), str(moved), str(unreadable)])
+    assert [g["path"] for g in got] == [str(same), str(moved)]
+    for result, saved_path in zip(got, (same, moved)):
+        saved = {c["case"]: c["time_error"] for c in json.loads(saved_path.read_text())["cases"]}
+        assert set(result["errors"]) == set(saved) - {"searched"}
+        if saved_path is same:
+            for case, error in result["errors"].items():
+                assert error == pytest.approx(saved[case], abs=1e-6), case
+        else:
+            assert saved["tp"] < -0.15 < -0.10 < result["errors"]["tp"] < 0.10
+            assert result["errors"]["dp"] == pytest.approx(saved["dp"], abs=1e-6)
+    out = capsys.readouterr().out
+    assert "accuracy-twenty-first-d-stall-2026-11-29.json: 12/12 pinned cases within 10%" in out
+    assert ("accuracy-twentieth-a-perbyte-2026-11-29.json: skipped, its profiles do not load "
+            "here: Hardware.load: the profile dict: key 'relayout_byte_s' is not a profile "
+            "key") in out
