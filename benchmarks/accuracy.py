@@ -23,11 +23,12 @@ The machine's speed drifts by 10-20 % over minutes (one calibration's op time sc
 as it was then. So, unless `--once`, the ranks calibrate again before every
 `--calibrate-every`-th round (6: 5 calibrations over the default 30 rounds), and
 every plan (pinned as it was chosen) is priced again with the run's representative
-calibration (`pxform.tools.runtime_costs.representative_profile`, kept whole, as `pxform
-calibrate --runs` writes): that error ("error") is the model's against the machine the
-rounds ran on; the first calibration's ("1st cal.") is what a user who calibrates once
-gets, drift included. Both are kept, with each calibration's and that of the median of
-every number (`median_profile`, what the benchmark priced with until 2026-11-27).
+calibration (`pxform.tools.runtime_costs.representative_profile`, kept whole but for its
+per-run conversion cost, as `pxform calibrate --runs` writes): that error ("error") is
+the model's against the machine the rounds ran on; the first calibration's ("1st cal.")
+is what a user who calibrates once gets, drift included. Both are kept, with each
+calibration's and that of the median of every number (`median_profile`, what the
+benchmark priced with until 2026-11-27).
 
     source .venv/bin/activate
     python benchmarks/accuracy.py                # GPT "small", batch 16, 2 ranks (~9 min)
@@ -183,7 +184,7 @@ def rank_main(config: str, batch_size: int, steps: int, warmup: int, quick: bool
                                               steps=steps, warmup=warmup if r == 0 else 1))
     # the machine's speed drifts by 10-20 % over minutes (`docs/benchmarks/accuracy.md`):
     # a plan priced with the representative of calibrations taken between the rounds
-    # (kept whole, as `pxform calibrate --runs` writes) is priced for the machine the
+    # (as `pxform calibrate --runs` writes) is priced for the machine the
     # rounds ran on, the first calibration's for the machine as it was before them (what
     # a user who calibrates once gets); both are reported, and beside them each
     # calibration's prices and the median of every number (which mixed calibrations'

@@ -809,8 +809,9 @@ def main(args: argparse.Namespace,
     calibrates N times in a row and writes one profile of them, `combine`'s (on every
     rank): by default the median of every number (`median_profile`); the CLI passes
     `pxform.tools.runtime_costs.representative_profile`, the calibration whose
-    predictions sit in the middle, kept whole (the fixed costs are measured against
-    each calibration's own scale, and field-by-field medians mixed them). Either
+    predictions sit in the middle, kept whole but for its per-run conversion cost (the
+    fixed costs are measured against each calibration's own scale, and field-by-field
+    medians mixed them). Either
     drops a fit that caught a short slow or fast spell of the machine. It does not help
     against a drift over minutes: on this project's CPU machine, profiles that were each
     the median of 3 calibrations in a row moved a pinned plan's prediction as much as
