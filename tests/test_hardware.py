@@ -537,8 +537,9 @@ def test_the_representative_prices_tensor_parallelism_at_the_calibrations_median
     """`representative_profile` keeps the middle calibration but for its cost per run of a
     conversion's collectives (`relayout_overhead_s`, which flips between calibrations
     while the rest sit alike): it is moved so that the chosen profile prices the
-    reference's tensor-parallel pairs at the median of the calibrations' prices, and the
-    profile's source says so; every other number is the chosen calibration's."""
+    reference's tensor-parallel pairs at the median of the calibrations' prices, within
+    the costs they measured, and the profile's source says so; every other number is the
+    chosen calibration's."""
     from dataclasses import replace
 
     from pxform.tools.runtime_costs import _representative_steps, representative_profile
@@ -558,6 +559,15 @@ def test_the_representative_prices_tensor_parallelism_at_the_calibrations_median
                    source="low") == low
     assert chosen.relayout_overhead_s > 5 * low.relayout_overhead_s
     assert _representative_steps(chosen)[1] == pytest.approx(sorted(pairs)[1], rel=1e-3)
+    # never outside what the calibrations measured: where none found a per-run cost,
+    # a difference in op time scale does not become one
+    # (the middle one's tensor-parallel price is off by its per-collective cost instead)
+    zero = [replace(p, relayout_overhead_s=0.0) for p in (below, low, above)]
+    zero[1] = replace(zero[1], collective_overhead_s=zero[1].collective_overhead_s / 4)
+    assert [_representative_steps(p)[1] for p in zero][1] < min(
+        _representative_steps(p)[1] for p in (zero[0], zero[2]))
+    kept = representative_profile(zero)
+    assert kept.source.startswith("calibration 2 of 3") and kept.relayout_overhead_s == 0.0
     # without a tensor-parallel step (one device per node) there is nothing to move
     ones = [replace(p, devices_per_node=1) for p in (below, low, above)]
     assert representative_profile(ones).relayout_overhead_s in {

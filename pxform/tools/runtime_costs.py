@@ -362,7 +362,8 @@ def representative_profile(profiles: Sequence[Hardware]) -> Hardware:
     # figure as it), and a calibration in the middle of the other steps was kept with
     # it, pricing tensor parallelism 17 % under; so it is set to price the
     # tensor-parallel pairs at the calibrations' median
-    per_run = _median_relayout(chosen, predicted[best], middle)
+    measured = [p.relayout_overhead_s for p in profiles]
+    per_run = _median_relayout(chosen, predicted[best], middle, min(measured), max(measured))
     if per_run != chosen.relayout_overhead_s:
         source += (f", its relayout_overhead_s {chosen.relayout_overhead_s * 1e6:.3g} -> "
                    f"{per_run * 1e6:.3g} us to price tensor parallelism at their median")
@@ -370,11 +371,15 @@ def representative_profile(profiles: Sequence[Hardware]) -> Hardware:
                                source=f"{source}; {chosen.source}")
 
 
-def _median_relayout(hw: Hardware, own: Sequence[float], middle: Sequence[float]) -> float:
+def _median_relayout(hw: Hardware, own: Sequence[float], middle: Sequence[float],
+                     low: float, high: float) -> float:
     """`hw.relayout_overhead_s` moved so that `hw` prices the reference's tensor-parallel
     pairs (`_representative_steps`' second step) at `middle`'s (the calibrations' median;
-    `own` is `hw`'s own prices): the step grows by its runs per unit of the cost (never
-    below 0). Unchanged where there is no such step (an odd node) or it has no runs."""
+    `own` is `hw`'s own prices): the step grows by its runs per unit of the cost. Kept
+    within `low`-`high`, the costs the calibrations measured: the pairs' prices also
+    differ by the calibrations' other numbers, and a difference of op time scale is not
+    to turn into a per-run cost none of them found (all 0 stays 0). Unchanged where
+    there is no such step (an odd node) or it has no runs."""
     if len(own) < 2 or own[1] <= 0 or middle[1] <= 0 or own[1] == middle[1]:
         return hw.relayout_overhead_s
     step = 1e-3
@@ -383,7 +388,7 @@ def _median_relayout(hw: Hardware, own: Sequence[float], middle: Sequence[float]
     runs = (more - own[1]) / step
     if runs <= 0:
         return hw.relayout_overhead_s
-    return max(0.0, hw.relayout_overhead_s + (middle[1] - own[1]) / runs)
+    return min(high, max(low, hw.relayout_overhead_s + (middle[1] - own[1]) / runs))
 
 
 def _representative_steps(hw: Hardware, pairs_only: bool = False) -> list[float]:
