@@ -117,24 +117,16 @@ def rank_main(config: str, batch_size: int, steps: int, warmup: int, quick: bool
     harness.add_paths()
     import dataclasses
 
-    import gpt
     import torch
     import torch.distributed as dist
 
     import pxform
-    from pxform.search import pin_of
 
     world = dist.get_world_size()
-    cfg = gpt.GPT_CONFIGS[config]
     start = time.perf_counter()
     hw = harness.calibrated(calibrations, f"cpu-x{world}", sizes)
     calibrate_s = time.perf_counter() - start
-    params = gpt.init_params(cfg, dtype=torch.float32)
-    batch = gpt.make_batch(cfg, batch_size)
-
-    def gpt_loss(p: dict, b: dict) -> torch.Tensor:
-        return gpt.loss_fn(p, b, cfg)
-
+    gpt_loss, params, batch = _gpt_case(config, batch_size)
     blocks = len(pxform.auto(gpt_loss, mesh=world, hardware=hw).plan(params, batch).blocks)
     chosen = cases(world, blocks)
     if quick:
@@ -146,8 +138,7 @@ def rank_main(config: str, batch_size: int, steps: int, warmup: int, quick: bool
     for name, pin in chosen:
         step = pxform.auto(gpt_loss, mesh=world, hardware=hw, plan=pin)
         plan = step.plan(params, batch)
-        plan_unsynced = pxform.auto(gpt_loss, mesh=pxform.Mesh.abstract(world),
-                                    hardware=unsynced, plan=pin_of(plan)).plan(params, batch)
+        plan_unsynced = _priced_again(gpt_loss, plan, unsynced, world, params, batch)
         dparams, _ = step.distribute(params, batch)
         held = step.holds(dparams, batch)[0]
         owned = [p for p, h in zip(_leaves(dparams), _leaves(held)) if h]
@@ -195,9 +186,8 @@ def rank_main(config: str, batch_size: int, steps: int, warmup: int, quick: bool
     by_field = median_profile(profiles)
 
     def priced(plan: Any, profile: Any) -> Any:
-        return plan if profile is hw else pxform.auto(
-            gpt_loss, mesh=pxform.Mesh.abstract(world), hardware=profile,
-            plan=pin_of(plan)).plan(params, batch)
+        return plan if profile is hw else _priced_again(gpt_loss, plan, profile, world,
+                                                        params, batch)
 
     rows = []
     for (name, _, plan, _, _, unsynced_s), got in zip(prepared, per_case):
@@ -294,6 +284,31 @@ def _leaves(tree: Any, none: bool = False) -> list[Any]:
                               none_is_leaf=none)  # type: ignore[arg-type]
 
 
+def _gpt_case(config: str, batch_size: int) -> tuple[Any, Any, Any]:
+    """(loss function, parameters, batch) of the example GPT `config` at `batch_size`
+    sequences, float32."""
+    harness.add_paths()
+    import gpt
+    import torch
+
+    cfg = gpt.GPT_CONFIGS[config]
+
+    def gpt_loss(p: dict, b: dict) -> torch.Tensor:
+        return gpt.loss_fn(p, b, cfg)
+
+    return gpt_loss, gpt.init_params(cfg, dtype=torch.float32), gpt.make_batch(cfg, batch_size)
+
+
+def _priced_again(loss: Any, plan: Any, profile: Any, ranks: int, params: Any,
+                  batch: Any) -> Any:
+    """`plan` (its choices pinned) priced with `profile` on `ranks` abstract devices."""
+    import pxform
+    from pxform.search import pin_of
+
+    return pxform.auto(loss, mesh=pxform.Mesh.abstract(ranks), hardware=profile,
+                       plan=pin_of(plan)).plan(params, batch)
+
+
 def reprice(paths: list[str]) -> list[dict[str, Any]]:
     """Per saved run (a JSON result of this benchmark): its pinned cases priced again with
     the representative of its calibrations under the current code, against its measured
@@ -322,22 +337,12 @@ def reprice(paths: list[str]) -> list[dict[str, Any]]:
 def _repriced(saved: dict[str, Any]) -> tuple[dict[str, float], str]:
     """(case -> time error, the profile's source) of one saved run (`reprice`)."""
     harness.add_paths()
-    import gpt
-    import torch
-
     import pxform
     from pxform.cost.hardware import Hardware
-    from pxform.search import pin_of
     from pxform.tools.runtime_costs import representative_profile
 
     conf = saved["config"]
-    cfg = gpt.GPT_CONFIGS[conf["model"]]
-    params = gpt.init_params(cfg, dtype=torch.float32)
-    batch = gpt.make_batch(cfg, conf["global_batch"])
-
-    def gpt_loss(p: dict, b: dict) -> torch.Tensor:
-        return gpt.loss_fn(p, b, cfg)
-
+    gpt_loss, params, batch = _gpt_case(conf["model"], conf["global_batch"])
     hw = representative_profile([Hardware.from_json(h) for h in saved["profiles"]])
     first = Hardware.from_json(saved["first_hardware"])
     mesh = pxform.Mesh.abstract(conf["ranks"])
@@ -347,8 +352,7 @@ def _repriced(saved: dict[str, Any]) -> tuple[dict[str, float], str]:
         # as the run priced it: each pin planned with the first calibration (the choices
         # a pin leaves open are settled there), then priced with the profile
         plan = pxform.auto(gpt_loss, mesh=mesh, hardware=first, plan=pin).plan(params, batch)
-        return pxform.auto(gpt_loss, mesh=mesh, hardware=hw, plan=pin_of(plan)).plan(
-            params, batch).step_time_s
+        return _priced_again(gpt_loss, plan, hw, conf["ranks"], params, batch).step_time_s
 
     measured = {c["case"]: c["measured_time_s"] for c in saved["cases"]}
     return ({name: priced(pin) / measured[name] - 1
