@@ -179,15 +179,15 @@ def run_memory_accuracy(the_pin: Pin) -> list[float]:
     return [r.memory_error for r in plan.report(measured).ranks]
 
 
-def relayout_overhead() -> float:
-    """`runtime_costs`'s `relayout_overhead_s` on this world (tensor parallel pairs, data
-    parallel across them), on a preset with 2 devices per node (as this machine's
-    profile, `cpu-x2`) whose ops take 10,000 times as long (so that the model counts runs
-    of collectives after compute and the program runs)."""
+def relayout_costs() -> tuple[float, float]:
+    """`runtime_costs`'s (`relayout_wait_share`, `all_to_all_share`) on this world (tensor
+    and sequence parallel pairs, data parallel across them), on a preset with 2 devices
+    per node (as this machine's profile, `cpu-x2`) whose ops take 10,000 times as long
+    (so that the model counts runs of collectives after compute and the programs run)."""
     import dataclasses
 
     from pxform.cost.hardware import hardware
-    from pxform.tools.runtime_costs import _relayout_overhead
+    from pxform.tools.runtime_costs import _relayout_costs
 
     slow = dataclasses.replace(hardware("a100-80gb"), op_time_scale=1e4, devices_per_node=2)
-    return _relayout_overhead(slow, torch.Generator().manual_seed(0), 1)
+    return _relayout_costs(slow, torch.Generator().manual_seed(0), 1)

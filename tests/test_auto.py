@@ -100,13 +100,13 @@ def test_searched_plan_runs_on_4_ranks(world4):
     _check(world4.run(W.run_plan, None))
 
 
-def test_the_relayout_overhead_is_measured_on_4_ranks(world4):
-    """`runtime_costs` measures `relayout_overhead_s` on any even world: the reference
-    transformer tensor parallel over pairs of ranks, data parallel across the pairs. With
-    2 devices per node, tensor parallelism over all 4 ranks has no plan (the inner axis
-    stays within a node), and calibrating failed."""
-    per_run = world4.run(W.relayout_overhead)
-    assert all(isinstance(x, float) and x >= 0.0 for x in per_run), per_run
+def test_the_conversion_costs_are_measured_on_4_ranks(world4):
+    """`runtime_costs` measures `relayout_wait_share` and `all_to_all_share` on any even
+    world: the reference transformer tensor and sequence parallel over pairs of ranks,
+    data parallel across the pairs. With 2 devices per node, tensor parallelism over all
+    4 ranks has no plan (the inner axis stays within a node), and calibrating failed."""
+    got = world4.run(W.relayout_costs)
+    assert all(isinstance(x, float) and x >= 0.0 for pair in got for x in pair), got
 
 
 def test_pipeline_of_tensor_parallel_stages_on_4_ranks(world4):

@@ -40,6 +40,7 @@ def measured(**kw) -> Hardware:
                 param_action_overhead_s=1e-5, op_time_scale=1.2,
                 op_step_overhead_s=5e-6, op_action_overhead_s=7e-6,
                 recompute_overhead_s=2e-4, relayout_overhead_s=6e-4,
+                relayout_wait_share=0.3, all_to_all_share=0.5,
                 autograd_op_overhead_s=3e-6, autograd_share=0.07, transfer_overhead_s=9e-4,
                 send_overhead_s=2e-4, receive_overhead_s=3e-4,
                 sync_wait=((3e-4, 0.0), (2e-3, 5e-4), (8e-3, 1e-3)))
@@ -283,6 +284,14 @@ def write(tmp_path, content) -> str:
     (lambda d: d.update(autograd_share=1.0),
      r"autograd_share must be a number in \[0, 1\) \(a share of a forward's time; 0: not "
      r"measured\), got 1.0"),
+    (lambda d: d.update(relayout_wait_share=-0.5),
+     r"relayout_wait_share must be a number >= 0 \(seconds per second of compute; 0: not "
+     r"measured\), got -0.5"),
+    (lambda d: d.update(all_to_all_share="half"),
+     r"key 'all_to_all_share' must be a number, got 'half'"),
+    (lambda d: d.update(all_to_all_share=-1.0),
+     r"all_to_all_share must be a number >= 0 \(a share of collective_overhead_s; 1: not "
+     r"measured\), got -1.0"),
     (lambda d: d.update(sync_wait=[[1e-3, 1e-4], [2e-3, 2e-4]]),
      r"sync_wait must be \(gap_s, wait_s\) pairs .* a first wait of 0"),
     (lambda d: d.update(sync_wait=[[1e-3, 0.0], [2e-3, 5e-4], [4e-3, 1e-4]]),
@@ -544,7 +553,8 @@ def test_the_representative_prices_tensor_parallelism_at_the_calibrations_median
 
     from pxform.tools.runtime_costs import _representative_steps, representative_profile
 
-    base = replace(measured(), transfer_overhead_s=0.0)
+    # (profiles measured before the share per second of compute: a cost per run)
+    base = replace(measured(), transfer_overhead_s=0.0, relayout_wait_share=0.0)
     # the middle calibration on every step but tensor parallelism, whose runs it priced
     # at almost nothing; the two others a little off on every step, alike on runs
     low = replace(base, op_time_scale=1.4, relayout_overhead_s=7e-5, source="low")
@@ -573,6 +583,55 @@ def test_the_representative_prices_tensor_parallelism_at_the_calibrations_median
     alone = representative_profile(ones)
     assert "relayout_overhead_s" not in alone.source
     assert alone.relayout_overhead_s in {p.relayout_overhead_s for p in ones}
+
+
+def test_the_representative_moves_the_share_where_the_calibrations_measured_one():
+    """Calibrations that measured the conversions' cost per second of compute
+    (`relayout_wait_share`, since 2026-11-29) have that share moved, not the cost per run,
+    so that the chosen profile prices the tensor-parallel pairs at their median."""
+    from dataclasses import replace
+
+    from pxform.tools.runtime_costs import _representative_steps, representative_profile
+
+    base = replace(measured(), transfer_overhead_s=0.0, relayout_overhead_s=0.0)
+    low = replace(base, op_time_scale=1.4, relayout_wait_share=0.05, source="low")
+    below = replace(base, op_time_scale=1.3, relayout_wait_share=0.6, source="below")
+    above = replace(base, op_time_scale=1.5, relayout_wait_share=0.7, source="above")
+    pairs = [_representative_steps(p)[1] for p in (low, below, above)]
+    chosen = representative_profile([below, low, above])
+    assert chosen.source.startswith("calibration 2 of 3")
+    assert "its relayout_wait_share 0.05 -> " in chosen.source
+    assert chosen.relayout_overhead_s == 0.0 and 0.05 < chosen.relayout_wait_share <= 0.7
+    assert replace(chosen, relayout_wait_share=0.05, source="low") == low
+    assert _representative_steps(chosen)[1] == pytest.approx(sorted(pairs)[1], rel=1e-3)
+
+
+def test_the_conversion_costs_are_solved_from_the_two_steps():
+    """`fit_relayout` solves a tensor- and a sequence-parallel step's residues (measured
+    less the model's) for the share per second of compute before each run of
+    conversions and the all-to-alls' share of the per-collective cost; a negative share
+    or all-to-all share is clamped at 0 and the other refitted; without all-to-alls to
+    tell apart, one share over both steps and the all-to-alls at 1."""
+    from pxform.tools.runtime_costs import fit_relayout
+
+    def residue(share, a2a, gaps, all_to_all):
+        return share * gaps + (a2a - 1.0) * all_to_all, gaps, all_to_all
+
+    share, a2a = fit_relayout(residue(0.7, 0.3, 0.03, 0.002), residue(0.7, 0.3, 0.025, 0.02))
+    assert (share, a2a) == (pytest.approx(0.7), pytest.approx(0.3))
+    # all-to-alls dearer than the other collectives: a share above 1 stands
+    assert fit_relayout(residue(0.2, 1.5, 0.03, 0.0), residue(0.2, 1.5, 0.02, 0.01)) == (
+        pytest.approx(0.2), pytest.approx(1.5))
+    # a step priced over (a negative residue) gives no negative share
+    share, a2a = fit_relayout((-0.004, 0.03, 0.001), (-0.012, 0.025, 0.02))
+    assert share == 0.0 and 0.0 <= a2a < 1.0
+    # all-to-alls cheaper than free: they cost nothing, and the share takes the rest
+    share, a2a = fit_relayout(residue(0.5, -0.2, 0.03, 0.0), residue(0.5, -0.2, 0.02, 0.01))
+    assert a2a == 0.0 and 0.4 < share < 0.5
+    # no all-to-alls in either step: one share, least squares over both
+    share, a2a = fit_relayout((0.01, 0.02, 0.0), (0.02, 0.02, 0.0))
+    assert (share, a2a) == (pytest.approx(0.75), 1.0)
+    assert fit_relayout((0.01, 0.0, 0.0), (0.01, 0.0, 0.0)) == (0.0, 1.0)
 
 
 def test_arguments_reject_bad_sizes(capsys):
@@ -747,7 +806,8 @@ def measure_runtime_costs() -> tuple[float, ...]:
             hw.op_time_scale, hw.op_step_overhead_s, hw.op_action_overhead_s,
             hw.recompute_overhead_s, hw.relayout_overhead_s, hw.autograd_op_overhead_s,
             hw.autograd_share, hw.receive_stall_s, hw.send_overhead_s,
-            hw.receive_overhead_s, hw.transfer_overhead_s)
+            hw.receive_overhead_s, hw.transfer_overhead_s, hw.relayout_wait_share,
+            hw.all_to_all_share)
 
 
 def test_runtime_costs_are_measured_on_real_programs(world):
@@ -755,8 +815,9 @@ def test_runtime_costs_are_measured_on_real_programs(world):
     2-stage pipeline at 2 and 8 microbatches, a tensor-parallel chain at 2 and 26
     layers, the reference transformer's 1F1B pipelines at 2 and 16 microbatches, its
     zero-bubble and interleaved ones (their actions recorded), a reference
-    transformer step against the op model (`op_time_scale`) and tensor parallel against
-    on one device (`relayout_overhead_s`), and tiny layers recomputed against not
+    transformer step against the op model (`op_time_scale`), tensor and sequence parallel
+    against on one device (`relayout_wait_share`, `all_to_all_share`), and tiny layers
+    recomputed against not
     (`recompute_overhead_s`): every rank
     gets rank 0's numbers, each positive and below the step times they come from (a hook
     and a gradient per parameter, a pipeline action, a collective's wrapping, autograd
@@ -765,7 +826,7 @@ def test_runtime_costs_are_measured_on_real_programs(world):
     assert results[0] == results[1]
     per_param, per_step, per_action, per_collective, per_param_action, per_weight_op, \
         scale, per_op, per_op_action, per_region, per_run, per_node, share, \
-        per_stall, per_send, per_receive, per_transfer = results[0]
+        per_stall, per_send, per_receive, per_transfer, wait_share, a2a_share = results[0]
     # a reference transformer step at two sizes against its ops timed alone: measured,
     # not the defaults (its ops run somewhat slower in a step, not several times; and
     # microseconds more per op, not milliseconds)
@@ -787,9 +848,12 @@ def test_runtime_costs_are_measured_on_real_programs(world):
     # ones it is corrected by); a hook per parameter always costs something
     assert 0 < per_param < 5e-3 and 0 <= per_step < 0.1 and 0 <= per_action < 0.1
     assert 0 <= per_collective < 0.05 and 0 <= per_param_action < 5e-3
-    # a run of a conversion's collectives in a tensor-parallel step beyond the model:
-    # up to a few milliseconds here (clamped at 0 where the model prices the step over)
-    assert 0 <= per_run < 0.02
+    # a run of a conversion's collectives in a tensor-parallel step beyond the model, per
+    # second of the compute before it: 0.4-1.2 here (clamped at 0 where the model prices
+    # the step over), not tens; an all-to-all's share of the per-collective cost: a
+    # number >= 0 (0.25-1.1 here); the cost per run is no longer fitted (the share
+    # stands for it)
+    assert 0 <= wait_share < 10 and 0 <= a2a_share < 20 and per_run == 0.0
     # what a transfer stalls its receiver beyond the actions and receives as recorded:
     # under a millisecond a transfer here (0.67-0.77 ms), not a step's worth; the delay
     # charged only on waits is not fitted any more (the stall stands for it)

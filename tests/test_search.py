@@ -898,6 +898,55 @@ def test_a_run_of_conversions_after_compute_pays_the_relayout_overhead():
     assert 0 < RELAYOUT_GAP_S < 1e-3
 
 
+def test_conversions_pay_a_share_of_the_compute_before_them_and_all_to_alls_their_own():
+    """`Hardware.relayout_wait_share`: each run of conversions after compute costs that
+    share of the compute before it, so a tensor-parallel step grows by the share times
+    the compute before its runs: less than the whole step's worth, and more at a larger
+    batch (the compute apart grows, the runs do not). `Hardware.all_to_all_share`: an
+    all-to-all's per-collective cost is that share of `collective_overhead_s`, so
+    sequence parallelism's price moves by a whole number of all-to-alls, and data
+    parallelism's (no conversions after compute, no all-to-all) by nothing."""
+    import gpt
+
+    from pxform.cost.hardware import hardware
+
+    slow = dataclasses.replace(hardware("a100-80gb"), op_time_scale=1000.0,
+                               collective_overhead_s=1e-3)
+    cfg = gpt.GPT_CONFIGS["small"]
+    params = gpt.init_params(cfg, device="meta")
+
+    def price(pin: Pin, batch: int, **costs: float) -> Any:
+        return pxform.auto(gpt.loss_fn, mesh=pxform.Mesh.abstract(2),
+                           hardware=dataclasses.replace(slow, **costs), plan=pin).plan(
+            params, gpt.make_batch(cfg, batch, device="meta"), cfg)
+
+    def on(role: str) -> Pin:
+        return Pin(stages=1, outer=1, inner=2, microbatches=1,
+                   block_options=(Option((("inner", role),), False),) * 6)
+
+    gaps = {}
+    for batch in (8, 16):
+        plan = price(on("tp"), batch)
+        gaps[batch] = (price(on("tp"), batch, relayout_wait_share=1e-3).step_time_s
+                       - plan.step_time_s) / 1e-3
+        per_run = (price(on("tp"), batch, relayout_overhead_s=1e-3).step_time_s
+                   - plan.step_time_s) / 1e-3
+        # (seconds of compute before the runs: some of the step's, not more than all)
+        assert round(per_run) >= 2 * 2 * 4, per_run
+        assert 0.01 * plan.step_time_s < gaps[batch] < plan.step_time_s, (gaps, plan)
+    assert gaps[16] > 1.5 * gaps[8]
+    # all-to-alls: sequence parallelism has them, a whole number at 1 ms each
+    sp = price(on("sp"), 16)
+    cheaper = price(on("sp"), 16, all_to_all_share=0.5)
+    removed = (sp.step_time_s - cheaper.step_time_s) / (0.5 * 1e-3)
+    assert removed == pytest.approx(round(removed), abs=1e-6) and round(removed) >= 4
+    dp = Pin(stages=1, outer=2, inner=1, microbatches=1,
+             block_options=(Option((("outer", "dp"),), False),) * 6)
+    assert price(dp, 16, all_to_all_share=0.5).step_time_s == price(dp, 16).step_time_s
+    assert price(dp, 16, relayout_wait_share=0.5).step_time_s == pytest.approx(
+        price(dp, 16).step_time_s, rel=0.02)
+
+
 def test_sync_waits_pay_once_per_run_of_collectives_after_the_compute_before_it():
     from pxform.search.blockcost import sync_waits
 

@@ -395,6 +395,21 @@ class Hardware:
             `pxform.tools.runtime_costs` measures it on the reference transformer under
             tensor parallelism, against the model; pipeline transfers and ZeRO-3's
             prefetched gathers do not pay it; 0: not measured.
+        relayout_wait_share: what such a run costs more per second of compute since the
+            rank's previous collectives (seconds per second), on top of
+            `relayout_overhead_s`: the run's cost grows with the compute before it well
+            beyond `sync_wait` (on this project's 2-core machine, the reference
+            transformer's tensor-parallel step at 8, 16, 32 and 64 sequences: 0.5-0.8,
+            1.3-1.4, 1.6-2.7 and 3.8-4.5 ms per run, 2026-11-29), and a step whose
+            conversions follow short compute pays less per run than one whose follow long
+            (sequence parallelism's against tensor parallelism's). Measured with it, on the
+            reference, against a share of 0; 0: not measured.
+        all_to_all_share: an all-to-all's cost per collective as a share of
+            `collective_overhead_s` (1: not measured). On gloo an all-to-all between a
+            pair is a send and a receive each way: a sequence-parallel GPT step's cost
+            0.5-0.6 ms beyond the comm table against 1.5-2.7 ms for its all-reduces
+            (2026-11-29). Measured with `relayout_wait_share`, on the reference under
+            sequence parallelism.
         autograd_op_overhead_s, autograd_share: what recording autograd's graph costs a
             forward beyond the same forward without it (the shifted schedule's first
             forward of a stage that recomputes early runs without: `pxform.search.
@@ -481,6 +496,8 @@ class Hardware:
     op_action_overhead_s: float = 0.0
     recompute_overhead_s: float = 0.0
     relayout_overhead_s: float = 0.0
+    relayout_wait_share: float = 0.0
+    all_to_all_share: float = 1.0
     autograd_op_overhead_s: float = 0.0
     autograd_share: float = 0.0
     transfer_overhead_s: float = 0.0
@@ -541,6 +558,14 @@ class Hardware:
             if not _number(value) or value < 0:
                 raise ValueError(f"{what}: {key} must be a number >= 0 (seconds), got "
                                  f"{value!r}")
+        if not _number(self.relayout_wait_share) or self.relayout_wait_share < 0:
+            raise ValueError(f"{what}: relayout_wait_share must be a number >= 0 (seconds per "
+                             f"second of compute; 0: not measured), got "
+                             f"{self.relayout_wait_share!r}")
+        if not _number(self.all_to_all_share) or self.all_to_all_share < 0:
+            raise ValueError(f"{what}: all_to_all_share must be a number >= 0 (a share of "
+                             f"collective_overhead_s; 1: not measured), got "
+                             f"{self.all_to_all_share!r}")
         if not _number(self.autograd_share) or not 0 <= self.autograd_share < 1:
             raise ValueError(f"{what}: autograd_share must be a number in [0, 1) (a share "
                              f"of a forward's time; 0: not measured), got "
@@ -735,6 +760,8 @@ class Hardware:
             **{key: getattr(self, key) for key in _FIXED_COSTS},
             "op_time_scale": self.op_time_scale,
             "autograd_share": self.autograd_share,
+            "relayout_wait_share": self.relayout_wait_share,
+            "all_to_all_share": self.all_to_all_share,
             "host_overlaps": self.host_overlaps,
             "sync_wait": [list(p) for p in self.sync_wait],
             "source": self.source,
@@ -807,8 +834,9 @@ def _from_json(d: Any, where: str) -> Hardware:
     known = {"format", "name", "devices_per_node", "memory_bytes", "peak_flops",
              "efficiency", "links", "comm_tables", "compute_flops", "source",
              "memory_bandwidth", "op_overhead_s", "op_curves", "overlap_slowdown",
-             "op_time_scale", "autograd_share", "host_overlaps", "sync_wait",
-             *_FIXED_COSTS}
+             "op_time_scale", "autograd_share", "relayout_wait_share", "all_to_all_share",
+             "host_overlaps",
+             "sync_wait", *_FIXED_COSTS}
     for key in d:
         if key not in known:
             raise bad(key, f"is not a profile key (known: {', '.join(sorted(known))})")
@@ -847,6 +875,8 @@ def _from_json(d: Any, where: str) -> Hardware:
     overlap = get("overlap_slowdown", "a number", 0.0, required=False)
     scale = get("op_time_scale", "a number", 1.0, required=False)
     autograd_share = get("autograd_share", "a number", 0.0, required=False)
+    wait_share = get("relayout_wait_share", "a number", 0.0, required=False)
+    a2a_share = get("all_to_all_share", "a number", 1.0, required=False)
     host_overlaps = get("host_overlaps", "true or false", False, required=False)
     fixed = {key: float(get(key, "a number", 0.0, required=False))
              for key in _FIXED_COSTS}
@@ -904,7 +934,9 @@ def _from_json(d: Any, where: str) -> Hardware:
                         source=source, memory_bandwidth=float(bandwidth),
                         op_overhead_s=float(overhead), op_curves=tuple(curves),
                         overlap_slowdown=float(overlap), op_time_scale=float(scale),
-                        autograd_share=float(autograd_share), host_overlaps=host_overlaps,
+                        autograd_share=float(autograd_share),
+                        relayout_wait_share=float(wait_share),
+                        all_to_all_share=float(a2a_share), host_overlaps=host_overlaps,
                         sync_wait=tuple((float(g), float(w)) for g, w in sync_json), **fixed)
     except ValueError as e:
         raise ValueError(f"Hardware.load: {where}: {e}; {_FIX}") from None
@@ -1046,9 +1078,10 @@ _MEDIAN_FIELDS = ("efficiency", "memory_bandwidth", "op_overhead_s", "overlap_sl
                   "step_overhead_s", "param_overhead_s", "action_overhead_s",
                   "collective_overhead_s", "param_action_overhead_s", "weight_op_overhead_s",
                   "op_time_scale", "op_step_overhead_s", "op_action_overhead_s",
-                  "recompute_overhead_s", "relayout_overhead_s", "autograd_op_overhead_s",
-                  "autograd_share", "transfer_overhead_s", "send_overhead_s",
-                  "receive_overhead_s", "receive_stall_s")
+                  "recompute_overhead_s", "relayout_overhead_s", "relayout_wait_share",
+                  "all_to_all_share", "autograd_op_overhead_s", "autograd_share",
+                  "transfer_overhead_s", "send_overhead_s", "receive_overhead_s",
+                  "receive_stall_s")
 
 
 def check_one_machine(profiles: Sequence[Hardware], what: str) -> None:

@@ -215,9 +215,11 @@ class CostModel:
         size, level = axes[axis]
         if kind in LOCAL_STEPS or size <= 1:
             return 0.0
-        # the transfer, and the runtime's own host time around it (`runtime_costs`)
-        return self.hardware.comm_time(kind, sent, size, level) + \
-            self.hardware.collective_overhead_s
+        # the transfer, and the runtime's own host time around it (`runtime_costs`); an
+        # all-to-all's is its own share of it (`Hardware.all_to_all_share`)
+        hw = self.hardware
+        own = hw.collective_overhead_s * (hw.all_to_all_share if kind == "all_to_all" else 1.0)
+        return hw.comm_time(kind, sent, size, level) + own
 
     def copies_time(self, relayout: Relayout, local: Sequence[int], dtype: torch.dtype,
                     axes: Mapping[str, tuple[int, int]], scale: float = 1.0) -> float:

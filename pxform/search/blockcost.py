@@ -359,8 +359,10 @@ def walk(a: Analysis, block: BlockInfo, strats: list[Strategy], outside: Mapping
         # conversion's collectives in a step beyond the comm tables' and
         # `collective_overhead_s` (`Hardware.relayout_overhead_s`); a few views between
         # two conversions leave the ranks together
-        return hw.sync_wait_s(gap) + (hw.relayout_overhead_s if gap > RELAYOUT_GAP_S
-                                      else 0.0)
+        # (and more the longer that compute: `Hardware.relayout_wait_share`)
+        if gap <= RELAYOUT_GAP_S:
+            return hw.sync_wait_s(gap)
+        return hw.sync_wait_s(gap) + hw.relayout_overhead_s + hw.relayout_wait_share * gap
 
     fwd_comm += sync_waits(fwd_seq, meet)
     bwd_comm += sync_waits(bwd_seq[::-1], meet)

@@ -74,12 +74,16 @@ world and returns the profile with them set (`runtime_costs` lists them below):
   parallel, every block recomputed against none; the measured difference less the
   predicted one (the ops recomputed), over the regions (`_recompute_region`).
 
-* `relayout_overhead_s`, per run of a conversion's collectives after compute (what tensor
-  and sequence parallelism pay in a step beyond the transfers, the per-collective cost
-  and the sync wait): the reference transformer (below) at 16 sequences of 64 tokens per
-  pair of ranks, every block tensor parallel over pairs (and data parallel across them),
-  paired with a pair's sequences on one device per rank; the measured difference less the
-  model's, over the runs the model counts (`_relayout_overhead`; 0 on an odd world).
+* `relayout_wait_share` and `all_to_all_share`, what a run of a conversion's collectives
+  after compute costs per second of that compute (what tensor and sequence parallelism
+  pay in a step beyond the transfers, the per-collective cost and the sync wait), and an
+  all-to-all's per-collective cost as a share of `collective_overhead_s`: the reference
+  transformer (below) at 16 sequences of 64 tokens per pair of ranks, every block tensor
+  parallel over pairs (and data parallel across them), and the same with sequence
+  parallelism between blocks, each paired with a pair's sequences on one device per
+  rank; the two measured differences less the model's, solved for both
+  (`_relayout_costs`, `fit_relayout`; 0 and 1 on an odd world). `relayout_overhead_s`,
+  a cost per run, is left at 0 (until 2026-11-29 it was this measurement).
 
 * `op_time_scale` and `op_step_overhead_s`, a factor on every op's time and a time per
   op: a reference training step (a 2-layer transformer language model: embedding, layer
@@ -279,20 +283,22 @@ def runtime_costs(hw: Hardware, repeats: int = 9) -> Hardware:
         hw, param_overhead_s=per_param, step_overhead_s=per_step,
         collective_overhead_s=per_collective), gen, repeats)
 
-    per_run = 0.0
+    wait_share, a2a_share = 0.0, 1.0
     if n >= 2:
-        per_run = _relayout_overhead(dataclasses.replace(
+        wait_share, a2a_share = _relayout_costs(dataclasses.replace(
             hw, param_overhead_s=per_param, step_overhead_s=per_step,
             collective_overhead_s=per_collective), gen, repeats)
 
     mine = (per_param, per_step, per_action, per_collective, per_param_action, per_weight_op,
-            per_op_action, per_region, per_run, per_stall, per_send, per_receive)
+            per_op_action, per_region, wait_share, per_stall, per_send, per_receive,
+            a2a_share)
     kept = world.gather_objects(mine)[0] if n > 1 else mine
     return dataclasses.replace(hw, param_overhead_s=kept[0], step_overhead_s=kept[1],
                                action_overhead_s=kept[2], collective_overhead_s=kept[3],
                                param_action_overhead_s=kept[4], weight_op_overhead_s=kept[5],
                                op_action_overhead_s=kept[6], recompute_overhead_s=kept[7],
-                               relayout_overhead_s=kept[8], receive_stall_s=kept[9],
+                               relayout_overhead_s=0.0, relayout_wait_share=kept[8],
+                               all_to_all_share=kept[12], receive_stall_s=kept[9],
                                send_overhead_s=kept[10], receive_overhead_s=kept[11],
                                # a delay charged only on waits: the stall replaces it
                                # (`Hardware.receive_stall_s`)
@@ -320,7 +326,8 @@ def representative_profile(profiles: Sequence[Hardware]) -> Hardware:
     and at 8 under each schedule), and the profile whose
     predictions are nearest the median prediction per step (the sum of their absolute
     log ratios; the first on a tie) is returned, its `source` saying so. One number is
-    not kept: `relayout_overhead_s` is set so that the profile prices the tensor-parallel
+    not kept: the conversions' cost (`relayout_wait_share`, or on older profiles
+    `relayout_overhead_s`) is set so that the profile prices the tensor-parallel
     pairs at the calibrations' median (`_median_relayout`; it flips between calibrations
     while the rest sit alike).
 
@@ -362,33 +369,42 @@ def representative_profile(profiles: Sequence[Hardware]) -> Hardware:
     # figure as it), and a calibration in the middle of the other steps was kept with
     # it, pricing tensor parallelism 17 % under; so it is set to price the
     # tensor-parallel pairs at the calibrations' median
-    measured = [p.relayout_overhead_s for p in profiles]
-    per_run = _median_relayout(chosen, predicted[best], middle, min(measured), max(measured))
-    if per_run != chosen.relayout_overhead_s:
-        source += (f", its relayout_overhead_s {chosen.relayout_overhead_s * 1e6:.3g} -> "
-                   f"{per_run * 1e6:.3g} us to price tensor parallelism at their median")
-    return dataclasses.replace(chosen, relayout_overhead_s=per_run,
-                               source=f"{source}; {chosen.source}")
+    # (profiles measured since 2026-11-29 carry a share per second of compute, older ones
+    # a cost per run: whichever the calibrations measured is the one moved)
+    field = ("relayout_wait_share" if any(p.relayout_wait_share > 0 for p in profiles)
+             else "relayout_overhead_s")
+    measured = [getattr(p, field) for p in profiles]
+    value = _median_relayout(chosen, predicted[best], middle, min(measured), max(measured),
+                             field)
+    if value != getattr(chosen, field):
+        shown = ((f"{getattr(chosen, field) * 1e6:.3g} -> {value * 1e6:.3g} us")
+                 if field == "relayout_overhead_s" else
+                 f"{getattr(chosen, field):.3g} -> {value:.3g}")
+        source += f", its {field} {shown} to price tensor parallelism at their median"
+    changed: dict[str, Any] = {field: value, "source": f"{source}; {chosen.source}"}
+    return dataclasses.replace(chosen, **changed)
 
 
 def _median_relayout(hw: Hardware, own: Sequence[float], middle: Sequence[float],
-                     low: float, high: float) -> float:
-    """`hw.relayout_overhead_s` moved so that `hw` prices the reference's tensor-parallel
-    pairs (`_representative_steps`' second step) at `middle`'s (the calibrations' median;
-    `own` is `hw`'s own prices): the step grows by its runs per unit of the cost. Kept
-    within `low`-`high`, the costs the calibrations measured: the pairs' prices also
-    differ by the calibrations' other numbers, and a difference of op time scale is not
-    to turn into a per-run cost none of them found (all 0 stays 0). Unchanged where
-    there is no such step (an odd node) or it has no runs."""
+                     low: float, high: float, field: str = "relayout_overhead_s") -> float:
+    """`hw`'s `field` (`relayout_overhead_s` or `relayout_wait_share`) moved so that `hw`
+    prices the reference's tensor-parallel pairs (`_representative_steps`' second step)
+    at `middle`'s (the calibrations' median; `own` is `hw`'s own prices): the step grows
+    linearly in either. Kept within `low`-`high`, the values the calibrations measured:
+    the pairs' prices also differ by the calibrations' other numbers, and a difference of
+    op time scale is not to turn into a conversion cost none of them found (all 0 stays
+    0). Unchanged where there is no such step (an odd node) or it does not move with the
+    field."""
+    current = getattr(hw, field)
     if len(own) < 2 or own[1] <= 0 or middle[1] <= 0 or own[1] == middle[1]:
-        return hw.relayout_overhead_s
+        return current
     step = 1e-3
-    more = _representative_steps(dataclasses.replace(
-        hw, relayout_overhead_s=hw.relayout_overhead_s + step), pairs_only=True)[0]
-    runs = (more - own[1]) / step
-    if runs <= 0:
-        return hw.relayout_overhead_s
-    return min(high, max(low, hw.relayout_overhead_s + (middle[1] - own[1]) / runs))
+    moved: dict[str, Any] = {field: current + step}
+    more = _representative_steps(dataclasses.replace(hw, **moved), pairs_only=True)[0]
+    slope = (more - own[1]) / step
+    if slope <= 0:
+        return current
+    return min(high, max(low, current + (middle[1] - own[1]) / slope))
 
 
 def _representative_steps(hw: Hardware, pairs_only: bool = False) -> list[float]:
@@ -446,16 +462,17 @@ def _representative_steps(hw: Hardware, pairs_only: bool = False) -> list[float]
     return out
 
 
-def _pairs_pin(n: int, blocks: int) -> Pin:
+def _pairs_pin(n: int, blocks: int, role: str = "tp") -> Pin:
     """Every block tensor parallel over pairs of `n` ranks (even), data parallel across the
-    pairs (`_relayout_overhead`, `_representative_steps`): the reference's 4 heads split
-    no further, and an inner axis of 2 stays within a node of 2 devices.
+    pairs (`_relayout_costs`, `_representative_steps`), with sequence parallelism between
+    the blocks where `role` is "sp": the reference's 4 heads split no further, and an
+    inner axis of 2 stays within a node of 2 devices.
 
     Example:
         >>> _pairs_pin(4, 3).block_options[0].roles
         (('outer', 'dp'), ('inner', 'tp'))
     """
-    roles = (("inner", "tp"),) if n == 2 else (("outer", "dp"), ("inner", "tp"))
+    roles = (("inner", role),) if n == 2 else (("outer", "dp"), ("inner", role))
     return Pin(stages=1, outer=n // 2, inner=2, microbatches=1,
                block_options=(Option(roles, False),) * blocks)
 
@@ -1178,30 +1195,38 @@ def _recompute_region(hw: Hardware, gen: torch.Generator, repeats: int) -> float
     return max(0.0, (longer - (predicted[1] - predicted[0])) / regions)
 
 
-# (sequences, tokens) of `_relayout_overhead`'s reference step: at 8 sequences its
-# compute between conversions is short (10 runs after more than `RELAYOUT_GAP_S`), and
-# the figure came out 0.3 ms under GPT small's at 16 (0.6-0.9 against 0.8-1.1 ms per run,
-# same profile); at 16, 14 runs and 0.9-1.4 ms
+# (sequences, tokens) of `_relayout_costs`' reference steps: at 8 sequences its compute
+# between conversions is short (10 runs after more than `RELAYOUT_GAP_S`); at 16, 14 runs
+# about 1.4 ms of compute apart, near a tensor-parallel GPT small step's 2.1
 _RELAYOUT_SIZE = (16, 64)
 
 
-def _relayout_overhead(hw: Hardware, gen: torch.Generator, repeats: int) -> float:
-    """`relayout_overhead_s` (module doc): the reference transformer at `_RELAYOUT_SIZE`
-    per pair of ranks, every block tensor parallel over pairs and data parallel across
-    them (planned and run by `auto`), paired with a pair's sequences on one device per
-    rank (every rank at once); the measured difference less the one the cost model
-    predicts, over the runs of collectives after compute that the
-    model counts in the tensor-parallel step (the derivative of its prediction in
-    `relayout_overhead_s`). The chain `collective_overhead_s` is timed on runs its
-    collectives back to back; in a step each conversion's collectives follow compute, and
-    on this project's 2-core machine a tensor-parallel GPT step's collectives took 1.5-2.5
-    ms each against the model's 1.9 (transfer and per-collective cost) while its compute
-    ran 7-13 ms over the model's: the conversions' autograd functions and wrapping, and
-    gloo's threads taking 22 ms of CPU per step from the ranks' compute (2 ms under data
-    parallelism)."""
+def _relayout_costs(hw: Hardware, gen: torch.Generator, repeats: int) -> tuple[float, float]:
+    """(`relayout_wait_share`, `all_to_all_share`) (module doc): the reference transformer
+    at `_RELAYOUT_SIZE` per pair of ranks, every block tensor parallel over pairs (data
+    parallel across them), and the same with sequence parallelism between blocks, each
+    paired with a pair's sequences on one device per rank (every rank at once); each
+    measured difference less the one the cost model predicts without either cost is
+    their share of the compute before the runs of collectives after compute (the
+    derivative of the prediction in the share) plus the all-to-alls' cost beyond their
+    share (`fit_relayout`). (1.0 share, 0 wait on an odd world or without a plan.)
+
+    Until 2026-11-29 this was `relayout_overhead_s`, one cost per run, timed on the tensor
+    parallel step alone; it is now left at 0. The reference's cost per run grew with the
+    compute between its conversions (on this project's 2-core machine 0.5-0.8, 1.3-1.4,
+    1.6-2.7 and 3.8-4.5 ms per run at 8, 16, 32 and 64 sequences, 0.9-4.7 ms of compute
+    apart; in another calibration over-priced by 0.5 ms a run at 8 sequences and under by
+    1.1 at 64), so a figure taken at one size flipped between 0 and 1 ms from one
+    calibration to the next. And sequence parallelism, whose conversions follow as much
+    compute as tensor parallelism's, paid half as much per run: its all-to-alls cost 0.5-0.6
+    ms beyond the comm table in a GPT small step against 1.5-2.7 for the all-reduces,
+    where the model charged each `collective_overhead_s` (about 1.2 ms). One cost per run
+    priced tensor parallelism 6 points under data parallelism's error on average over the
+    last nine runs of `benchmarks/accuracy.py`, and raising it priced sequence parallelism
+    over by as much."""
     n = world.size()
     if n % 2:
-        return 0.0  # (tensor parallel pairs need an even world)
+        return 0.0, 1.0  # (tensor parallel pairs need an even world)
     device = default_device()
     _, _, vocab, _ = _reference_shape(device)
     rows, seq = _RELAYOUT_SIZE
@@ -1210,30 +1235,70 @@ def _relayout_overhead(hw: Hardware, gen: torch.Generator, repeats: int) -> floa
     # data parallel across the pairs: each pair runs `rows` sequences, as 2 ranks do
     tokens = _on(torch.randint(0, vocab, (rows * n // 2, seq), generator=gen), device)
     mesh = abstract_mesh(n)
+    bare = dataclasses.replace(hw, relayout_overhead_s=0.0, relayout_wait_share=0.0,
+                               all_to_all_share=1.0)
     try:
-        blocks = len(auto(_reference, mesh=mesh, hardware=hw).plan(params, tokens).blocks)
-        pin = _pairs_pin(n, blocks)
-
-        def priced(per_run: float) -> float:
-            at = dataclasses.replace(hw, relayout_overhead_s=per_run)
-            return auto(_reference, mesh=mesh, hardware=at, memory_margin=0.0,
-                        plan=pin).plan(params, tokens).step_time_s
-
-        runs = (priced(1e-3) - priced(0.0)) / 1e-3  # what the model charges per run
-        base = priced(0.0)
+        blocks = len(auto(_reference, mesh=mesh, hardware=bare).plan(params, tokens).blocks)
     except SearchError:  # (every rank alike: planning is deterministic)
-        return 0.0
-    if runs < 0.5:
-        return 0.0
+        return 0.0, 1.0
     # the same work on one device per rank: a pair's sequences
-    alone = auto(_reference, mesh=abstract_mesh(1), hardware=hw,
+    alone = auto(_reference, mesh=abstract_mesh(1), hardware=bare,
                  memory_margin=0.0).plan(params, tokens[:rows]).step_time_s
-    step = auto(_reference, mesh=n, hardware=hw, memory_margin=0.0, plan=pin)
-    sharded = functools.partial(value_and_grad(step), *step.distribute(params, tokens))
     one_device = functools.partial(value_and_grad(_reference), params, tokens[:rows])
-    # a run costs about a millisecond, noisy from one pair to the next: thrice the repeats
-    _, longer = _paired(one_device, sharded, 3 * repeats)
-    return max(0.0, (longer - (base - alone)) / runs)
+    got = []
+    for role in ("tp", "sp"):
+        pin = _pairs_pin(n, blocks, role)
+
+        def priced(pin: Pin = pin, **costs: Any) -> float:
+            return auto(_reference, mesh=mesh, hardware=dataclasses.replace(bare, **costs),
+                        memory_margin=0.0, plan=pin).plan(params, tokens).step_time_s
+
+        try:
+            base = priced()
+            gaps = (priced(relayout_wait_share=1e-3) - base) / 1e-3
+            all_to_all = base - priced(all_to_all_share=0.0)
+        except SearchError:
+            return 0.0, 1.0
+        step = auto(_reference, mesh=n, hardware=bare, memory_margin=0.0, plan=pin)
+        sharded = functools.partial(value_and_grad(step), *step.distribute(params, tokens))
+        # a run costs about a millisecond, noisy from one pair to the next: thrice the
+        # repeats
+        _, longer = _paired(one_device, sharded, 3 * repeats)
+        got.append((longer - (base - alone), gaps, all_to_all))
+    return fit_relayout(got[0], got[1])
+
+
+def fit_relayout(tp: tuple[float, float, float], sp: tuple[float, float, float]
+                 ) -> tuple[float, float]:
+    """(`Hardware.relayout_wait_share`, `Hardware.all_to_all_share`) from two steps, each
+    given as (seconds measured beyond the model without either cost, the seconds of
+    compute before its runs of collectives after compute, the seconds its all-to-alls'
+    per-collective cost adds at a share of 1): each step's residue is `share x gaps +
+    (all_to_all_share - 1) x all_to_all`, solved for both; the share kept >= 0 and the
+    all-to-alls' share >= 0 (each then refitted alone, least squares), the all-to-alls'
+    share 1 where neither step tells it apart (no all-to-alls, or the two alike).
+
+    Example (0.4 s a second of compute, the all-to-alls at half):
+        >>> fit_relayout((0.4 * 0.02 - 0.5 * 0.001, 0.02, 0.001),
+        ...              (0.4 * 0.02 - 0.5 * 0.01, 0.02, 0.01))
+        (0.4, 0.5)
+    """
+    (r1, g1, a1), (r2, g2, a2) = tp, sp
+    det = g1 * a2 - g2 * a1
+    if g1 <= 0 and g2 <= 0:
+        return 0.0, 1.0
+    if abs(det) <= 1e-3 * max(g1 * a2, g2 * a1, 1e-12):
+        # the all-to-alls are not told apart: one share over both steps
+        return max(0.0, (r1 * g1 + r2 * g2) / (g1 * g1 + g2 * g2)), 1.0
+    share = (r1 * a2 - r2 * a1) / det
+    beyond = (g1 * r2 - g2 * r1) / det  # all_to_all_share - 1
+    if share < 0:
+        share = 0.0
+        beyond = (r1 * a1 + r2 * a2) / (a1 * a1 + a2 * a2)
+    if beyond < -1:
+        beyond = -1.0  # the all-to-alls at no cost: the share from what is left
+        share = max(0.0, ((r1 + a1) * g1 + (r2 + a2) * g2) / (g1 * g1 + g2 * g2))
+    return round(share, 12), round(max(0.0, 1.0 + beyond), 12)
 
 
 def _paired(short: Callable[[], Any], long: Callable[[], Any], repeats: int
