@@ -24,7 +24,7 @@ as it was then. So, unless `--once`, the ranks calibrate again before every
 `--calibrate-every`-th round (6: 5 calibrations over the default 30 rounds), and
 every plan (pinned as it was chosen) is priced again with the run's representative
 calibration (`pxform.tools.runtime_costs.representative_profile`, kept whole but for its
-per-run conversion cost, as `pxform calibrate --runs` writes): that error ("error") is
+conversions' cost, as `pxform calibrate --runs` writes): that error ("error") is
 the model's against the machine the rounds ran on; the first calibration's ("1st cal.")
 is what a user who calibrates once gets, drift included. Both are kept, with each
 calibration's and that of the median of every number (`median_profile`, what the

@@ -606,6 +606,29 @@ def test_the_representative_moves_the_share_where_the_calibrations_measured_one(
     assert _representative_steps(chosen)[1] == pytest.approx(sorted(pairs)[1], rel=1e-3)
 
 
+def test_the_representative_costs_an_all_to_all_at_the_calibrations_median():
+    """`all_to_all_share` is the noisiest number of a calibration (0 in some, and then the
+    search takes all-to-alls for free): the representative's all-to-all cost (its share
+    times its per-collective cost) is set at the median of the calibrations', and the
+    source says so; profiles that never measured one (all 1) keep theirs."""
+    from dataclasses import replace
+
+    from pxform.tools.runtime_costs import representative_profile
+
+    base = replace(measured(), transfer_overhead_s=0.0, relayout_overhead_s=0.0)
+    free = replace(base, all_to_all_share=0.0, source="free")
+    cheap = replace(base, op_time_scale=1.1, all_to_all_share=0.6, source="cheap")
+    dear = replace(base, op_time_scale=1.3, all_to_all_share=0.9,
+                   collective_overhead_s=2 * base.collective_overhead_s, source="dear")
+    chosen = representative_profile([cheap, free, dear])
+    assert chosen.source.startswith("calibration 2 of 3")
+    assert "its all_to_all_share 0 -> 0.6 to cost an all-to-all their median" in chosen.source
+    assert chosen.all_to_all_share == pytest.approx(0.6)
+    assert chosen.source.endswith("free")
+    before = [replace(p, all_to_all_share=1.0) for p in (cheap, free, dear)]
+    assert representative_profile(before).all_to_all_share == 1.0
+
+
 def test_the_conversion_costs_are_solved_from_the_two_steps():
     """`fit_relayout` solves a tensor- and a sequence-parallel step's residues (measured
     less the model's) for the share per second of compute before each run of

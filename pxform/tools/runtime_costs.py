@@ -373,16 +373,40 @@ def representative_profile(profiles: Sequence[Hardware]) -> Hardware:
     # a cost per run: whichever the calibrations measured is the one moved)
     field = ("relayout_wait_share" if any(p.relayout_wait_share > 0 for p in profiles)
              else "relayout_overhead_s")
+    own = predicted[best]
+    # an all-to-all's share of the per-collective cost is the noisiest number of a
+    # calibration (0-1.65 over 30 calibrations on 2026-11-29: it comes from one step's 20
+    # all-to-alls among 45 collectives), and at 0 the search takes all-to-alls for free
+    # (GPT small's tensor-parallel plan with recompute, made with such a calibration,
+    # ran 7-16 % slower than the one made with the others, data parallelism alike); so
+    # the chosen one's all-to-all cost (its share of its per-collective cost) is set at
+    # the calibrations' median, first: the tensor-parallel price below counts it
+    a2a = _median_all_to_all(chosen, profiles)
+    if a2a != chosen.all_to_all_share:
+        source += (f", its all_to_all_share {chosen.all_to_all_share:.3g} -> {a2a:.3g} to "
+                   f"cost an all-to-all their median")
+        chosen = dataclasses.replace(chosen, all_to_all_share=a2a)
+        own = [own[0], *_representative_steps(chosen, pairs_only=True)]
     measured = [getattr(p, field) for p in profiles]
-    value = _median_relayout(chosen, predicted[best], middle, min(measured), max(measured),
-                             field)
+    value = _median_relayout(chosen, own, middle, min(measured), max(measured), field)
     if value != getattr(chosen, field):
         shown = ((f"{getattr(chosen, field) * 1e6:.3g} -> {value * 1e6:.3g} us")
                  if field == "relayout_overhead_s" else
                  f"{getattr(chosen, field):.3g} -> {value:.3g}")
         source += f", its {field} {shown} to price tensor parallelism at their median"
-    changed: dict[str, Any] = {field: value, "source": f"{source}; {chosen.source}"}
+    changed: dict[str, Any] = {field: value, "source": f"{source}; {profiles[best].source}"}
     return dataclasses.replace(chosen, **changed)
+
+
+def _median_all_to_all(hw: Hardware, profiles: Sequence[Hardware]) -> float:
+    """`hw.all_to_all_share` such that an all-to-all's per-collective cost (the share
+    times `collective_overhead_s`) is the median of `profiles`' (`representative_profile`);
+    unchanged where none measured one (all 1: profiles before 2026-11-29) or `hw` has no
+    per-collective cost."""
+    if all(p.all_to_all_share == 1.0 for p in profiles) or hw.collective_overhead_s <= 0:
+        return hw.all_to_all_share
+    cost = statistics.median(p.all_to_all_share * p.collective_overhead_s for p in profiles)
+    return cost / hw.collective_overhead_s
 
 
 def _median_relayout(hw: Hardware, own: Sequence[float], middle: Sequence[float],
