@@ -402,14 +402,14 @@ class Hardware:
             transformer's tensor-parallel step at 8, 16, 32 and 64 sequences: 0.5-0.8,
             1.3-1.4, 1.6-2.7 and 3.8-4.5 ms per run, 2026-11-29), and a step whose
             conversions follow short compute pays less per run than one whose follow long
-            (sequence parallelism's against tensor parallelism's). Measured with it, on the
-            reference, against a share of 0; 0: not measured.
+            (sequence parallelism's against tensor parallelism's). `pxform.tools.
+            runtime_costs` measures it with `all_to_all_share`, on the reference
+            transformer under tensor and sequence parallelism; 0: not measured.
         all_to_all_share: an all-to-all's cost per collective as a share of
-            `collective_overhead_s` (1: not measured). On gloo an all-to-all between a
-            pair is a send and a receive each way: a sequence-parallel GPT step's cost
-            0.5-0.6 ms beyond the comm table against 1.5-2.7 ms for its all-reduces
-            (2026-11-29). Measured with `relayout_wait_share`, on the reference under
-            sequence parallelism.
+            `collective_overhead_s` (1: not measured): in a sequence-parallel GPT step
+            on 2 gloo ranks the all-to-alls cost 0.5-0.6 ms beyond the comm table against
+            1.5-2.7 ms for its all-reduces (2026-11-29). Measured with
+            `relayout_wait_share`.
         autograd_op_overhead_s, autograd_share: what recording autograd's graph costs a
             forward beyond the same forward without it (the shifted schedule's first
             forward of a stage that recomputes early runs without: `pxform.search.
@@ -835,8 +835,7 @@ def _from_json(d: Any, where: str) -> Hardware:
              "efficiency", "links", "comm_tables", "compute_flops", "source",
              "memory_bandwidth", "op_overhead_s", "op_curves", "overlap_slowdown",
              "op_time_scale", "autograd_share", "relayout_wait_share", "all_to_all_share",
-             "host_overlaps",
-             "sync_wait", *_FIXED_COSTS}
+             "host_overlaps", "sync_wait", *_FIXED_COSTS}
     for key in d:
         if key not in known:
             raise bad(key, f"is not a profile key (known: {', '.join(sorted(known))})")

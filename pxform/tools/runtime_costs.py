@@ -1233,7 +1233,7 @@ def _relayout_costs(hw: Hardware, gen: torch.Generator, repeats: int) -> tuple[f
     measured difference less the one the cost model predicts without either cost is
     their share of the compute before the runs of collectives after compute (the
     derivative of the prediction in the share) plus the all-to-alls' cost beyond their
-    share (`fit_relayout`). (1.0 share, 0 wait on an odd world or without a plan.)
+    share (`fit_relayout`). (0 and 1 on an odd world or without a plan.)
 
     Until 2026-11-29 this was `relayout_overhead_s`, one cost per run, timed on the tensor
     parallel step alone; it is now left at 0. The reference's cost per run grew with the
