@@ -1313,15 +1313,15 @@ def fit_relayout(tp: tuple[float, float, float], sp: tuple[float, float, float]
         return 0.0, 1.0
     if abs(det) <= 1e-3 * max(g1 * a2, g2 * a1, 1e-12):
         # the all-to-alls are not told apart: one share over both steps
-        return max(0.0, (r1 * g1 + r2 * g2) / (g1 * g1 + g2 * g2)), 1.0
+        return max(0.0, _through_origin((g1, g2), (r1, r2))), 1.0
     share = (r1 * a2 - r2 * a1) / det
     beyond = (g1 * r2 - g2 * r1) / det  # all_to_all_share - 1
     if share < 0:
         share = 0.0
-        beyond = (r1 * a1 + r2 * a2) / (a1 * a1 + a2 * a2)
+        beyond = _through_origin((a1, a2), (r1, r2))
     if beyond < -1:
         beyond = -1.0  # the all-to-alls at no cost: the share from what is left
-        share = max(0.0, ((r1 + a1) * g1 + (r2 + a2) * g2) / (g1 * g1 + g2 * g2))
+        share = max(0.0, _through_origin((g1, g2), (r1 + a1, r2 + a2)))
     return round(share, 12), round(max(0.0, 1.0 + beyond), 12)
 
 
