@@ -629,32 +629,38 @@ def test_the_representative_costs_an_all_to_all_at_the_calibrations_median():
     assert representative_profile(before).all_to_all_share == 1.0
 
 
-def test_the_conversion_costs_are_solved_from_the_two_steps():
-    """`fit_relayout` solves a tensor- and a sequence-parallel step's residues (measured
-    less the model's) for the share per second of compute before each run of
-    conversions and the all-to-alls' share of the per-collective cost; a negative share
-    or all-to-all share is clamped at 0 and the other refitted; without all-to-alls to
-    tell apart, one share over both steps and the all-to-alls at 1."""
-    from pxform.tools.runtime_costs import fit_relayout
+def test_the_share_per_second_of_compute_is_fitted_over_the_two_steps():
+    """`fit_wait_share` fits a tensor- and a sequence-parallel step's residues (measured
+    less the model's, the all-to-alls at their share) as the share times the compute
+    before each run of conversions: least squares through the origin, a step priced over
+    gives no negative share, and without compute before any run the share is 0."""
+    from pxform.tools.runtime_costs import fit_wait_share
 
-    def residue(share, a2a, gaps, all_to_all):
-        return share * gaps + (a2a - 1.0) * all_to_all, gaps, all_to_all
+    assert fit_wait_share([(0.7 * 0.03, 0.03), (0.7 * 0.025, 0.025)]) == pytest.approx(0.7)
+    # noisy residues: the least-squares slope, between the two steps' own ratios
+    share = fit_wait_share([(0.01, 0.02), (0.02, 0.02)])
+    assert share == pytest.approx(0.75)
+    assert fit_wait_share([(-0.004, 0.03), (-0.012, 0.025)]) == 0.0
+    assert fit_wait_share([(0.01, 0.0), (0.01, 0.0)]) == 0.0
 
-    share, a2a = fit_relayout(residue(0.7, 0.3, 0.03, 0.002), residue(0.7, 0.3, 0.025, 0.02))
-    assert (share, a2a) == (pytest.approx(0.7), pytest.approx(0.3))
-    # all-to-alls dearer than the other collectives: a share above 1 stands
-    assert fit_relayout(residue(0.2, 1.5, 0.03, 0.0), residue(0.2, 1.5, 0.02, 0.01)) == (
-        pytest.approx(0.2), pytest.approx(1.5))
-    # a step priced over (a negative residue) gives no negative share
-    share, a2a = fit_relayout((-0.004, 0.03, 0.001), (-0.012, 0.025, 0.02))
-    assert share == 0.0 and 0.0 <= a2a < 1.0
-    # all-to-alls cheaper than free: they cost nothing, and the share takes the rest
-    share, a2a = fit_relayout(residue(0.5, -0.2, 0.03, 0.0), residue(0.5, -0.2, 0.02, 0.01))
-    assert a2a == 0.0 and 0.4 < share < 0.5
-    # no all-to-alls in either step: one share, least squares over both
-    share, a2a = fit_relayout((0.01, 0.02, 0.0), (0.02, 0.02, 0.0))
-    assert (share, a2a) == (pytest.approx(0.75), 1.0)
-    assert fit_relayout((0.01, 0.0, 0.0), (0.01, 0.0, 0.0)) == (0.0, 1.0)
+
+def test_an_all_to_all_costs_its_latency_over_an_all_reduces():
+    """`all_to_all_share` is an all-to-all's time over an all-reduce's for a small
+    message in the profile's comm tables (a measured profile's own latencies; a preset's
+    alpha-beta model gives n - 1 latencies against 2(n - 1)), and 1 on one rank."""
+    from pxform.tools.runtime_costs import all_to_all_share
+
+    hw = measured()
+    level = hw.level(2)
+    expected = (hw.comm_time("all_to_all", 512.0, 2, level)
+                / hw.comm_time("all_reduce", 1024.0, 2, level))
+    assert all_to_all_share(hw, 2) == pytest.approx(expected)
+    assert 0.0 < all_to_all_share(hw, 2) != 1.0
+    # with a measured all-to-all table: its time at that size (512 bytes sent of 1 KiB)
+    tables = hw.comm_tables + (CommTable("all_to_all", 0, 2, ((512.0, 8e-6), (1e6, 5e-4))),)
+    assert all_to_all_share(measured(comm_tables=tables), 2) == pytest.approx(0.4, rel=0.02)
+    assert all_to_all_share(hardware("a100-80gb"), 8) == pytest.approx(0.5, abs=0.01)
+    assert all_to_all_share(hw, 1) == 1.0
 
 
 def test_arguments_reject_bad_sizes(capsys):
@@ -873,10 +879,10 @@ def test_runtime_costs_are_measured_on_real_programs(world):
     assert 0 <= per_collective < 0.05 and 0 <= per_param_action < 5e-3
     # a run of a conversion's collectives in a tensor-parallel step beyond the model, per
     # second of the compute before it: 0.4-1.2 here (clamped at 0 where the model prices
-    # the step over), not tens; an all-to-all's share of the per-collective cost: a
-    # number >= 0 (0.25-1.1 here); the cost per run is no longer fitted (the share
-    # stands for it)
-    assert 0 <= wait_share < 10 and 0 <= a2a_share < 20 and per_run == 0.0
+    # the step over), not tens; an all-to-all's share of the per-collective cost: its
+    # latency over an all-reduce's in the comm tables (0.37-0.84 here); the cost per run
+    # is no longer fitted (the share stands for it)
+    assert 0 <= wait_share < 10 and 0 < a2a_share < 5 and per_run == 0.0
     # what a transfer stalls its receiver beyond the actions and receives as recorded:
     # under a millisecond a transfer here (0.67-0.77 ms), not a step's worth; the delay
     # charged only on waits is not fitted any more (the stall stands for it)

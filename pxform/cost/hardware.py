@@ -403,13 +403,14 @@ class Hardware:
             1.3-1.4, 1.6-2.7 and 3.8-4.5 ms per run, 2026-11-29), and a step whose
             conversions follow short compute pays less per run than one whose follow long
             (sequence parallelism's against tensor parallelism's). `pxform.tools.
-            runtime_costs` measures it with `all_to_all_share`, on the reference
-            transformer under tensor and sequence parallelism; 0: not measured.
+            runtime_costs` measures it on the reference transformer under tensor and
+            sequence parallelism; 0: not measured.
         all_to_all_share: an all-to-all's cost per collective as a share of
             `collective_overhead_s` (1: not measured): in a sequence-parallel GPT step
             on 2 gloo ranks the all-to-alls cost 0.5-0.6 ms beyond the comm table against
-            1.5-2.7 ms for its all-reduces (2026-11-29). Measured with
-            `relayout_wait_share`.
+            1.5-2.7 ms for its all-reduces (2026-11-29). `pxform.tools.runtime_costs`
+            sets it to an all-to-all's latency over an all-reduce's in the comm tables
+            (one exchange against a ring's two rounds between 2 ranks).
         autograd_op_overhead_s, autograd_share: what recording autograd's graph costs a
             forward beyond the same forward without it (the shifted schedule's first
             forward of a stage that recomputes early runs without: `pxform.search.

@@ -74,16 +74,20 @@ world and returns the profile with them set (`runtime_costs` lists them below):
   parallel, every block recomputed against none; the measured difference less the
   predicted one (the ops recomputed), over the regions (`_recompute_region`).
 
-* `relayout_wait_share` and `all_to_all_share`, what a run of a conversion's collectives
-  after compute costs per second of that compute (what tensor and sequence parallelism
-  pay in a step beyond the transfers, the per-collective cost and the sync wait), and an
-  all-to-all's per-collective cost as a share of `collective_overhead_s`: the reference
-  transformer (below) at 16 sequences of 64 tokens per pair of ranks, every block tensor
-  parallel over pairs (and data parallel across them), and the same with sequence
-  parallelism between blocks, each paired with a pair's sequences on one device per
-  rank; the two measured differences less the model's, solved for both
-  (`_relayout_costs`, `fit_relayout`; 0 and 1 on an odd world). `relayout_overhead_s`,
-  a cost per run, is left at 0 (until 2026-11-29 it was this measurement).
+* `relayout_wait_share`, what a run of a conversion's collectives after compute costs per
+  second of that compute (what tensor and sequence parallelism pay in a step beyond the
+  transfers, the per-collective cost and the sync wait): the reference transformer
+  (below) at 16 sequences of 64 tokens per pair of ranks, every block tensor parallel
+  over pairs (and data parallel across them), and the same with sequence parallelism
+  between blocks, each paired with a pair's sequences on one device per rank; the two
+  measured differences less the model's, fitted as the share times the compute before
+  the runs (`_relayout_costs`, `fit_wait_share`; 0 on an odd world).
+  `relayout_overhead_s`, a cost per run, is left at 0 (until 2026-11-29 it was this
+  measurement).
+* `all_to_all_share`, an all-to-all's per-collective cost as a share of
+  `collective_overhead_s`: its latency over an all-reduce's in the comm tables
+  (`all_to_all_share`; fitted with the share above until the twenty-fourth session,
+  2026-11-29).
 
 * `op_time_scale` and `op_step_overhead_s`, a factor on every op's time and a time per
   op: a reference training step (a 2-layer transformer language model: embedding, layer
@@ -374,13 +378,15 @@ def representative_profile(profiles: Sequence[Hardware]) -> Hardware:
     field = ("relayout_wait_share" if any(p.relayout_wait_share > 0 for p in profiles)
              else "relayout_overhead_s")
     own = predicted[best]
-    # an all-to-all's share of the per-collective cost is the noisiest number of a
-    # calibration (0-1.65 over 30 calibrations on 2026-11-29: it comes from one step's 20
-    # all-to-alls among 45 collectives), and at 0 the search takes all-to-alls for free
-    # (GPT small's tensor-parallel plan with recompute, made with such a calibration,
-    # ran 7-16 % slower than the one made with the others, data parallelism alike); so
-    # the chosen one's all-to-all cost (its share of its per-collective cost) is set at
-    # the calibrations' median, first: the tensor-parallel price below counts it
+    # an all-to-all's share of the per-collective cost was the noisiest number of a
+    # calibration while it was fitted (0-1.65 over 30 calibrations on 2026-11-29: it came
+    # from one step's 20 all-to-alls among 45 collectives), and at 0 the search took
+    # all-to-alls for free (GPT small's tensor-parallel plan with recompute, made with
+    # such a calibration, ran 7-16 % slower than the one made with the others, data
+    # parallelism alike); taken from the comm tables since, it still varies (0.37-0.84),
+    # and the per-collective cost it multiplies with it; so the chosen one's all-to-all
+    # cost (its share of its per-collective cost) is set at the calibrations' median,
+    # first: the tensor-parallel price below counts it
     a2a = _median_all_to_all(chosen, profiles)
     if a2a != chosen.all_to_all_share:
         source += (f", its all_to_all_share {chosen.all_to_all_share:.3g} -> {a2a:.3g} to "
@@ -1226,14 +1232,16 @@ _RELAYOUT_SIZE = (16, 64)
 
 
 def _relayout_costs(hw: Hardware, gen: torch.Generator, repeats: int) -> tuple[float, float]:
-    """(`relayout_wait_share`, `all_to_all_share`) (module doc): the reference transformer
-    at `_RELAYOUT_SIZE` per pair of ranks, every block tensor parallel over pairs (data
-    parallel across them), and the same with sequence parallelism between blocks, each
-    paired with a pair's sequences on one device per rank (every rank at once); each
-    measured difference less the one the cost model predicts without either cost is
-    their share of the compute before the runs of collectives after compute (the
-    derivative of the prediction in the share) plus the all-to-alls' cost beyond their
-    share (`fit_relayout`). (0 and 1 on an odd world or without a plan.)
+    """(`relayout_wait_share`, `all_to_all_share`) (module doc). The all-to-alls' share is
+    their latency over an all-reduce's in the comm tables (`all_to_all_share`). The
+    share per second of compute: the reference transformer at `_RELAYOUT_SIZE` per pair of
+    ranks, every block tensor parallel over pairs (data parallel across them), and the
+    same with sequence parallelism between blocks, each paired with a pair's sequences on
+    one device per rank (every rank at once); each measured difference less the one the
+    cost model predicts without the share (the all-to-alls at theirs) is the share times
+    the compute before its runs of collectives after compute (the derivative of the
+    prediction in the share), fitted over both steps (`fit_wait_share`). (0 on an odd
+    world or without a plan.)
 
     Until 2026-11-29 this was `relayout_overhead_s`, one cost per run, timed on the tensor
     parallel step alone; it is now left at 0. The reference's cost per run grew with the
@@ -1241,16 +1249,15 @@ def _relayout_costs(hw: Hardware, gen: torch.Generator, repeats: int) -> tuple[f
     1.6-2.7 and 3.8-4.5 ms per run at 8, 16, 32 and 64 sequences, 0.9-4.7 ms of compute
     apart; in another calibration over-priced by 0.5 ms a run at 8 sequences and under by
     1.1 at 64), so a figure taken at one size flipped between 0 and 1 ms from one
-    calibration to the next. And sequence parallelism, whose conversions follow as much
-    compute as tensor parallelism's, paid half as much per run: its all-to-alls cost 0.5-0.6
-    ms beyond the comm table in a GPT small step against 1.5-2.7 for the all-reduces,
-    where the model charged each `collective_overhead_s` (about 1.2 ms). One cost per run
-    priced tensor parallelism 6 points under data parallelism's error on average over the
-    last nine runs of `benchmarks/accuracy.py`, and raising it priced sequence parallelism
-    over by as much."""
+    calibration to the next. One cost per run priced tensor parallelism 6 points under
+    data parallelism's error on average over the last nine runs of
+    `benchmarks/accuracy.py`, and raising it priced sequence parallelism over by as much.
+    Until the twenty-fourth session (2026-11-29) the two residues were solved for both
+    numbers; the all-to-alls' share came out anywhere in 0-1.65 (`all_to_all_share`)."""
     n = world.size()
+    a2a_share = all_to_all_share(hw, n)
     if n % 2:
-        return 0.0, 1.0  # (tensor parallel pairs need an even world)
+        return 0.0, a2a_share  # (tensor parallel pairs need an even world)
     device = default_device()
     _, _, vocab, _ = _reference_shape(device)
     rows, seq = _RELAYOUT_SIZE
@@ -1260,11 +1267,11 @@ def _relayout_costs(hw: Hardware, gen: torch.Generator, repeats: int) -> tuple[f
     tokens = _on(torch.randint(0, vocab, (rows * n // 2, seq), generator=gen), device)
     mesh = abstract_mesh(n)
     bare = dataclasses.replace(hw, relayout_overhead_s=0.0, relayout_wait_share=0.0,
-                               all_to_all_share=1.0)
+                               all_to_all_share=a2a_share)
     try:
         blocks = len(auto(_reference, mesh=mesh, hardware=bare).plan(params, tokens).blocks)
     except SearchError:  # (every rank alike: planning is deterministic)
-        return 0.0, 1.0
+        return 0.0, a2a_share
     # the same work on one device per rank: a pair's sequences
     alone = auto(_reference, mesh=abstract_mesh(1), hardware=bare,
                  memory_margin=0.0).plan(params, tokens[:rows]).step_time_s
@@ -1280,49 +1287,62 @@ def _relayout_costs(hw: Hardware, gen: torch.Generator, repeats: int) -> tuple[f
         try:
             base = priced()
             gaps = (priced(relayout_wait_share=1e-3) - base) / 1e-3
-            all_to_all = base - priced(all_to_all_share=0.0)
         except SearchError:
-            return 0.0, 1.0
+            return 0.0, a2a_share
         step = auto(_reference, mesh=n, hardware=bare, memory_margin=0.0, plan=pin)
         sharded = functools.partial(value_and_grad(step), *step.distribute(params, tokens))
         # a run costs about a millisecond, noisy from one pair to the next: thrice the
         # repeats
         _, longer = _paired(one_device, sharded, 3 * repeats)
-        got.append((longer - (base - alone), gaps, all_to_all))
-    return fit_relayout(got[0], got[1])
+        got.append((longer - (base - alone), gaps))
+    return fit_wait_share(got), a2a_share
 
 
-def fit_relayout(tp: tuple[float, float, float], sp: tuple[float, float, float]
-                 ) -> tuple[float, float]:
-    """(`Hardware.relayout_wait_share`, `Hardware.all_to_all_share`) from two steps, each
-    given as (seconds measured beyond the model without either cost, the seconds of
-    compute before its runs of collectives after compute, the seconds its all-to-alls'
-    per-collective cost adds at a share of 1): each step's residue is `share x gaps +
-    (all_to_all_share - 1) x all_to_all`, solved for both; the share kept >= 0 and the
-    all-to-alls' share >= 0 (each then refitted alone, least squares), the all-to-alls'
-    share 1 where neither step tells it apart (no all-to-alls, or the two alike).
+def all_to_all_share(hw: Hardware, n: int) -> float:
+    """`Hardware.all_to_all_share` on `n` ranks: an all-to-all's time over an
+    all-reduce's in `hw`'s comm tables for a message of 1 KiB per rank (their latencies:
+    an all-to-all between two ranks is one exchange, a ring all-reduce two), 1 on one rank.
 
-    Example (0.4 s a second of compute, the all-to-alls at half):
-        >>> fit_relayout((0.4 * 0.02 - 0.5 * 0.001, 0.02, 0.001),
-        ...              (0.4 * 0.02 - 0.5 * 0.01, 0.02, 0.01))
-        (0.4, 0.5)
+    What a collective costs in a step beyond its table is mostly waiting for and waking
+    the ranks (on torch's fake process group, which returns at once, little of
+    `collective_overhead_s` is left), and a collective of fewer rounds waits fewer times.
+    Fitted instead from the two reference steps' residues (until the twenty-fourth
+    session), the share came out 0.00-1.65 over 35 calibrations of one day (median 0.61;
+    16 of them below 0.3 or over 1.0), uncorrelated with this ratio (-0.14), and a
+    calibration with free all-to-alls put a block of the searched plan under sequence
+    parallelism; this ratio came out 0.37-0.84 over the same calibrations (median
+    0.52). In a sequence-parallel GPT step on 2 gloo ranks the
+    all-to-alls cost 0.5-0.6 ms beyond the comm table against 1.5-2.7 ms for its
+    all-reduces (2026-11-29).
+
+    Example (the alpha-beta model of a preset: n - 1 latencies against 2(n - 1)):
+        >>> from pxform.cost.hardware import hardware
+        >>> all_to_all_share(hardware("a100-80gb"), 8)
+        0.5
     """
-    (r1, g1, a1), (r2, g2, a2) = tp, sp
-    det = g1 * a2 - g2 * a1
-    if g1 <= 0 and g2 <= 0:
-        return 0.0, 1.0
-    if abs(det) <= 1e-3 * max(g1 * a2, g2 * a1, 1e-12):
-        # the all-to-alls are not told apart: one share over both steps
-        return max(0.0, _through_origin((g1, g2), (r1, r2))), 1.0
-    share = (r1 * a2 - r2 * a1) / det
-    beyond = (g1 * r2 - g2 * r1) / det  # all_to_all_share - 1
-    if share < 0:
-        share = 0.0
-        beyond = _through_origin((a1, a2), (r1, r2))
-    if beyond < -1:
-        beyond = -1.0  # the all-to-alls at no cost: the share from what is left
-        share = max(0.0, _through_origin((g1, g2), (r1 + a1, r2 + a2)))
-    return round(share, 12), round(max(0.0, 1.0 + beyond), 12)
+    if n < 2:
+        return 1.0
+    level = hw.level(n)
+    local = 1024.0
+    ratio = (hw.comm_time("all_to_all", sent_bytes("all_to_all", local, n), n, level)
+             / hw.comm_time("all_reduce", sent_bytes("all_reduce", local, n), n, level))
+    return round(ratio, 12)
+
+
+def fit_wait_share(steps: Sequence[tuple[float, float]]) -> float:
+    """`Hardware.relayout_wait_share` from steps given as (seconds measured beyond the
+    model without the share, the seconds of compute before the step's runs of
+    collectives after compute): least squares through the origin, kept >= 0 (0 without
+    compute before any run).
+
+    Example (0.4 s a second of compute, measured on two steps):
+        >>> fit_wait_share([(0.4 * 0.02, 0.02), (0.4 * 0.018, 0.018)])
+        0.4
+    """
+    gaps = [g for _, g in steps]
+    if not any(g > 0 for g in gaps):
+        return 0.0
+    return round(max(0.0, _through_origin(gaps, [r for r, _ in steps])), 12)
 
 
 def _paired(short: Callable[[], Any], long: Callable[[], Any], repeats: int
