@@ -1310,10 +1310,9 @@ def all_to_all_share(hw: Hardware, n: int) -> float:
     session), the share came out 0.00-1.65 over 35 calibrations of one day (median 0.61;
     16 of them below 0.3 or over 1.0), uncorrelated with this ratio (-0.14), and a
     calibration with free all-to-alls put a block of the searched plan under sequence
-    parallelism; this ratio came out 0.37-0.84 over the same calibrations (median
-    0.52). In a sequence-parallel GPT step on 2 gloo ranks the
-    all-to-alls cost 0.5-0.6 ms beyond the comm table against 1.5-2.7 ms for its
-    all-reduces (2026-11-29).
+    parallelism; this ratio came out 0.37-0.84 over the same calibrations (median 0.52).
+    In a sequence-parallel GPT step on 2 gloo ranks the all-to-alls cost 0.5-0.6 ms
+    beyond the comm table against 1.5-2.7 ms for its all-reduces (2026-11-29).
 
     Example (the alpha-beta model of a preset: n - 1 latencies against 2(n - 1)):
         >>> from pxform.cost.hardware import hardware
@@ -1324,9 +1323,11 @@ def all_to_all_share(hw: Hardware, n: int) -> float:
         return 1.0
     level = hw.level(n)
     local = 1024.0
-    ratio = (hw.comm_time("all_to_all", sent_bytes("all_to_all", local, n), n, level)
-             / hw.comm_time("all_reduce", sent_bytes("all_reduce", local, n), n, level))
-    return round(ratio, 12)
+    all_reduce = hw.comm_time("all_reduce", sent_bytes("all_reduce", local, n), n, level)
+    if all_reduce <= 0:
+        return 1.0  # (a profile whose all-reduces cost nothing tells no share)
+    all_to_all = hw.comm_time("all_to_all", sent_bytes("all_to_all", local, n), n, level)
+    return round(all_to_all / all_reduce, 12)
 
 
 def fit_wait_share(steps: Sequence[tuple[float, float]]) -> float:
