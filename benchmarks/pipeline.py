@@ -187,15 +187,19 @@ def _with_stall(rows: dict[str, dict[str, Any]], microbatches: int) -> float:
     stall = fit_receive_stall("1f1b", microbatches, base["span_s"],
                               [costs.at("forward", s, n) for s in range(n)],
                               [costs.at("backward", s, n) for s in range(n)], [0.0] * n)
-    for r in rows.values():
+    for name, r in rows.items():
         plain, stages = r.pop("_plain"), r.pop("_stages")
         compute = r.pop("_compute")
-        # a forward receives unless its stage is the first, a backward unless the last
+        # a forward receives unless its stage is the first, a backward unless the last or
+        # its stage recomputes early (the shifted schedule: the gradient moves while its R
+        # runs; `pxform.search.stages.assemble`)
+        redo = [name == "shifted" and s < stages - 1 for s in range(stages)]
         sim = schedules.simulate(compute, dataclasses.replace(
             plain,
             forward=[plain.at("forward", s, stages) + (stall if s > 0 else 0.0)
                      for s in range(stages)],
-            backward=[plain.at("backward", s, stages) + (stall if s < stages - 1 else 0.0)
+            backward=[plain.at("backward", s, stages)
+                      + (stall if s < stages - 1 and not redo[s] else 0.0)
                       for s in range(stages)])).step_time
         r["stall_predicted_s"] = sim
         r["span_over_stall_predicted"] = r["span_s"] / sim
