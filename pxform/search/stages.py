@@ -235,11 +235,11 @@ def assemble(ctx: SearchContext, config: Config, part: tuple[int, ...],
         # a stage that recomputes early runs its F without autograd's graph (its R
         # records it); and its B's output gradient moves while its R runs (the executor
         # posts the receive ahead), so the B does not stall on it
-        # (`Hardware.receive_stall_s`, charged on every other receive): GPT small's
-        # 2-stage shifted pipeline, every action recorded on stage 0 (2026-11-29), waited
-        # 0.22 ms (median) in each receive before a B, against 2.74 under 1F1B, and
-        # stalled the same 0.77 ms priced the shifted schedule 10 points over 1F1B
-        # in 11 runs of `benchmarks/accuracy.py` of 11 (+5.0 to +11.5)
+        # (`Hardware.receive_stall_s`, charged on every other receive): in GPT small's
+        # 2-stage pipelines, every action recorded (2026-11-29), stage 0 waited 0.22 ms
+        # (median) in each receive before a B under the shifted schedule, against 2.74
+        # under 1F1B; with the same 0.77 ms stall charged on both, the shifted schedule
+        # came out 5.0-11.5 points over 1F1B in all 11 runs of `benchmarks/accuracy.py`
         redo = schedule.recomputes(s, config.stages)
         forward = sums.forward - (sums.no_grad_saving if redo else 0.0)
         backward = max(sums.weight, sums.backward - (ctx.hardware.receive_stall_s if redo
