@@ -180,6 +180,7 @@ def _with_stall(rows: dict[str, dict[str, Any]], microbatches: int) -> float:
     others: the stall was not fitted on them). Sets each row's `stall_predicted_s` and
     `span_over_stall_predicted`, drops the row's working objects; returns the stall."""
     from pxform import schedules
+    from pxform.search.pipelines import ScheduleChoice
     from pxform.tools.runtime_costs import fit_receive_stall
 
     base = rows["1f1b"]
@@ -193,7 +194,7 @@ def _with_stall(rows: dict[str, dict[str, Any]], microbatches: int) -> float:
         # a forward receives unless its stage is the first, a backward unless the last or
         # its stage recomputes early (the shifted schedule: the gradient moves while its R
         # runs; `pxform.search.stages.assemble`)
-        redo = [name == "shifted" and s < stages - 1 for s in range(stages)]
+        redo = [ScheduleChoice(name).recomputes(s, stages) for s in range(stages)]
         sim = schedules.simulate(compute, dataclasses.replace(
             plain,
             forward=[plain.at("forward", s, stages) + (stall if s > 0 else 0.0)
