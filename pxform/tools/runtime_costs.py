@@ -59,8 +59,12 @@ world and returns the profile with them set (`runtime_costs` lists them below):
   5-21 % over.
 * `param_action_overhead_s`, per parameter tensor of a stage per pipeline action (its
   conversion's autograd function, its gradient accumulated over microbatches): a 2-stage
-  1F1B pipeline of two tiny matmuls at 2 and at 8 microbatches, with 16 parameters per
-  stage and with 1: the difference of the two differences over 2 x 6 x 15.
+  1F1B pipeline of two tiny matmuls at 2 and at 8 microbatches, with 64 parameters per
+  stage and with 1: the difference of the two differences over 2 x 6 x 63. (With 16
+  parameters until the twenty-fifth session, 2026-11-29: over 25 calibrations of that
+  day it came out 0-38 us, and the calibrations' 8-microbatch GPT pipelines moved with
+  it by a third of a point per microsecond; six blocks in one process gave 3-21 us at
+  16, 15-19 at 64.)
 * `weight_op_overhead_s`, per weight op of a zero-bubble W action (the executor asks
   autograd for each weight op's gradient on its own, then hands it on): the same
   reference pipelines under zero-bubble at 16 microbatches, their W actions recorded:
@@ -262,16 +266,18 @@ def runtime_costs(hw: Hardware, repeats: int = 9) -> Hardware:
             return lambda: step(params, batch)
 
         # 6 more microbatches: 6 more forward-backward slots on the critical path, 2
-        # actions each; with 16 parameters per stage instead of 1, what each parameter
-        # adds to an action (its piece of the stage's gradients accumulated per
-        # microbatch, its conversion's autograd function)
+        # actions each; with `many` parameters per stage instead of 1, what each
+        # parameter adds to an action (its piece of the stage's gradients accumulated
+        # per microbatch, its conversion's autograd function)
         # thrice the repeats: a difference of two differences, each of ~10 ms here; at 9
         # it came out 0-92 us from one calibration to the next (2026-11-27), and the
         # 92 priced GPT small's 8-microbatch pipelines 25-46 % over (26 parameters a
-        # stage, 18 actions on the critical path)
+        # stage, 18 actions on the critical path). 64 parameters, not 16: the signal
+        # four times larger for 0.6 s more per block of pairs (module doc)
+        many = 64
         _, slots = _paired(pp_step(2, 1), pp_step(8, 1), 3 * repeats)
-        _, slots_many = _paired(pp_step(2, 16), pp_step(8, 16), 3 * repeats)
-        per_param_action = _agreed(max(0.0, (slots_many - slots) / (2 * 6 * 15)))
+        _, slots_many = _paired(pp_step(2, many), pp_step(8, many), 3 * repeats)
+        per_param_action = _agreed(max(0.0, (slots_many - slots) / (2 * 6 * (many - 1))))
 
     per_action = per_op_action = per_stall = per_weight_op = per_send = per_receive = 0.0
     if n >= 2 and n % 2 == 0:
