@@ -187,7 +187,11 @@ def relayout_costs() -> tuple[float, float]:
     import dataclasses
 
     from pxform.cost.hardware import hardware
-    from pxform.tools.runtime_costs import _relayout_costs
+    from pxform.tools.runtime_costs import _relayout_costs, all_to_all_share
 
     slow = dataclasses.replace(hardware("a100-80gb"), op_time_scale=1e4, devices_per_node=2)
-    return _relayout_costs(slow, torch.Generator().manual_seed(0), 1)
+    # as `runtime_costs` does: the tables' share first, the share per second with it
+    a2a = all_to_all_share(slow, torch.distributed.get_world_size())
+    wait = _relayout_costs(dataclasses.replace(slow, all_to_all_share=a2a),
+                           torch.Generator().manual_seed(0), 1)
+    return wait, a2a

@@ -293,11 +293,14 @@ def runtime_costs(hw: Hardware, repeats: int = 9) -> Hardware:
         hw, param_overhead_s=per_param, step_overhead_s=per_step,
         collective_overhead_s=per_collective), gen, repeats)
 
-    wait_share, a2a_share = 0.0, 1.0
+    # an all-to-all's share of the per-collective cost: the comm tables' ratio, not a
+    # timing (`all_to_all_share`); the share per second of compute is fitted with it
+    a2a_share = all_to_all_share(hw, n)
+    wait_share = 0.0
     if n >= 2:
-        wait_share, a2a_share = _relayout_costs(dataclasses.replace(
+        wait_share = _relayout_costs(dataclasses.replace(
             hw, param_overhead_s=per_param, step_overhead_s=per_step,
-            collective_overhead_s=per_collective), gen, repeats)
+            collective_overhead_s=per_collective, all_to_all_share=a2a_share), gen, repeats)
 
     mine = (per_param, per_step, per_action, per_collective, per_param_action, per_weight_op,
             per_op_action, per_region, wait_share, per_stall, per_send, per_receive,
@@ -1237,10 +1240,10 @@ def _recompute_region(hw: Hardware, gen: torch.Generator, repeats: int) -> float
 _RELAYOUT_SIZE = (16, 64)
 
 
-def _relayout_costs(hw: Hardware, gen: torch.Generator, repeats: int) -> tuple[float, float]:
-    """(`relayout_wait_share`, `all_to_all_share`) (module doc). The all-to-alls' share is
-    their latency over an all-reduce's in the comm tables (`all_to_all_share`). The
-    share per second of compute: the reference transformer at `_RELAYOUT_SIZE` per pair of
+def _relayout_costs(hw: Hardware, gen: torch.Generator, repeats: int) -> float:
+    """`relayout_wait_share` (module doc), with the all-to-alls at `hw`'s share of the
+    per-collective cost (`runtime_costs` sets it from the comm tables first,
+    `all_to_all_share`): the reference transformer at `_RELAYOUT_SIZE` per pair of
     ranks, every block tensor parallel over pairs (data parallel across them), and the
     same with sequence parallelism between blocks, each paired with a pair's sequences on
     one device per rank (every rank at once); each measured difference less the one the
@@ -1259,11 +1262,12 @@ def _relayout_costs(hw: Hardware, gen: torch.Generator, repeats: int) -> tuple[f
     data parallelism's error on average over the last nine runs of
     `benchmarks/accuracy.py`, and raising it priced sequence parallelism over by as much.
     Until the twenty-fourth session (2026-11-29) the two residues were solved for both
-    numbers; the all-to-alls' share came out anywhere in 0-1.65 (`all_to_all_share`)."""
+    numbers; the all-to-alls' share came out anywhere in 0-1.65 (`all_to_all_share`),
+    and until the twenty-fifth this function passed the tables' share through beside
+    its own."""
     n = world.size()
-    a2a_share = all_to_all_share(hw, n)
     if n % 2:
-        return 0.0, a2a_share  # (tensor parallel pairs need an even world)
+        return 0.0  # (tensor parallel pairs need an even world)
     device = default_device()
     _, _, vocab, _ = _reference_shape(device)
     rows, seq = _RELAYOUT_SIZE
@@ -1272,12 +1276,11 @@ def _relayout_costs(hw: Hardware, gen: torch.Generator, repeats: int) -> tuple[f
     # data parallel across the pairs: each pair runs `rows` sequences, as 2 ranks do
     tokens = _on(torch.randint(0, vocab, (rows * n // 2, seq), generator=gen), device)
     mesh = abstract_mesh(n)
-    bare = dataclasses.replace(hw, relayout_overhead_s=0.0, relayout_wait_share=0.0,
-                               all_to_all_share=a2a_share)
+    bare = dataclasses.replace(hw, relayout_overhead_s=0.0, relayout_wait_share=0.0)
     try:
         blocks = len(auto(_reference, mesh=mesh, hardware=bare).plan(params, tokens).blocks)
     except SearchError:  # (every rank alike: planning is deterministic)
-        return 0.0, a2a_share
+        return 0.0
     # the same work on one device per rank: a pair's sequences
     alone = auto(_reference, mesh=abstract_mesh(1), hardware=bare,
                  memory_margin=0.0).plan(params, tokens[:rows]).step_time_s
@@ -1294,14 +1297,14 @@ def _relayout_costs(hw: Hardware, gen: torch.Generator, repeats: int) -> tuple[f
             base = priced()
             gaps = (priced(relayout_wait_share=1e-3) - base) / 1e-3
         except SearchError:
-            return 0.0, a2a_share
+            return 0.0
         step = auto(_reference, mesh=n, hardware=bare, memory_margin=0.0, plan=pin)
         sharded = functools.partial(value_and_grad(step), *step.distribute(params, tokens))
         # a run costs about a millisecond, noisy from one pair to the next: thrice the
         # repeats
         _, longer = _paired(one_device, sharded, 3 * repeats)
         got.append((longer - (base - alone), gaps))
-    return fit_wait_share(got), a2a_share
+    return fit_wait_share(got)
 
 
 def all_to_all_share(hw: Hardware, n: int) -> float:
