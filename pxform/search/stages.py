@@ -221,7 +221,8 @@ def assemble(ctx: SearchContext, config: Config, part: tuple[int, ...],
     transfer = ctx.hardware.transfer_overhead_s if config.stages > 1 else 0.0
     for s, ((idx, _), (pt, mem)) in enumerate(zip(stage_points, picked)):
         wait = waits[s] if waits else 0
-        sums = _stage_sums(ctx, config, idx, pt, tables, flights[s], wait, schedule.split)
+        sums = _stage_sums(ctx, config, idx, pt, tables, flights[s], wait, schedule.split,
+                           schedule.recomputes(s, config.stages))
         for k, o, oc, t, bm in zip(idx, sums.options, sums.costs, sums.block_time,
                                    sums.block_mem):
             chosen[k], chosen_cost[k], block_time[k], block_mem[k] = o, oc, t, bm
@@ -232,25 +233,13 @@ def assemble(ctx: SearchContext, config: Config, part: tuple[int, ...],
             pbytes += exact
             if mem > limit:
                 return None
-        # a stage that recomputes early runs its F without autograd's graph (its R
-        # records it); and its B's output gradient moves while its R runs (the executor
-        # posts the receive ahead), so the B does not stall on it
-        # (`Hardware.receive_stall_s`, charged on every other receive): in GPT small's
-        # 2-stage pipelines, every action recorded (2026-11-29), stage 0 waited 0.22 ms
-        # (median) in each receive before a B under the shifted schedule, against 2.74
-        # under 1F1B; with the same 0.77 ms stall charged on both, the shifted schedule
-        # came out 5.0-11.5 points over 1F1B in all 11 runs of `benchmarks/accuracy.py`
-        redo = schedule.recomputes(s, config.stages)
-        forward = sums.forward - (sums.no_grad_saving if redo else 0.0)
-        backward = max(sums.weight, sums.backward - (ctx.hardware.receive_stall_s if redo
-                                                     else 0.0))
-        fw.append(forward)
-        bw.append(backward)
+        fw.append(sums.forward)
+        bw.append(sums.backward)
         wt.append(sums.weight)
         rc.append(sums.recompute)
         fs.append(sums.forward_sync)
         bs.append(sums.backward_sync)
-        stages.append(StageResult(s, tuple(idx), pt.time, forward, backward, mem,
+        stages.append(StageResult(s, tuple(idx), pt.time, sums.forward, sums.backward, mem,
                                   flights[s], pbytes, sums.weight, sums.recompute,
                                   sums.forward_sync, sums.backward_sync, transfer))
     if config.stages > 1:
@@ -309,19 +298,20 @@ class _StageSums:
     weight: float
     param_bytes: float  # without parameters borrowed from other stages
     recompute: float  # an early recompute (R) of a microbatch: no transfer, no wait
-    no_grad_saving: float  # of `forward`, what a forward without autograd's graph saves
     forward_sync: float  # an F's wait where its input arrives just as it is ready
     backward_sync: float  # a B's likewise (`pipelines.step_time`)
 
 
 def _stage_sums(ctx: SearchContext, config: Config, idx: list[int], pt: Point,
-                tables: Sequence[OptionTable], flight: int, wait: int, split: bool
-                ) -> _StageSums:
+                tables: Sequence[OptionTable], flight: int, wait: int, split: bool,
+                redo: bool) -> _StageSums:
     """Per stage and frontier point, what `assemble` adds up, once: the search assembles
     each partition at every level of `FRONTIER_LEVELS` (the frontier), and most stages
-    keep their point from one level to the next."""
+    keep their point from one level to the next. `redo`: the stage recomputes early (the
+    shifted schedule's R actions, `ScheduleChoice.recomputes`)."""
     a = ctx.analysis
-    key = (config, split, tuple(idx), tuple(tables[k].key for k in idx), pt, flight, wait)
+    key = (config, split, redo, tuple(idx), tuple(tables[k].key for k in idx), pt, flight,
+           wait)
     hit = ctx.stage_sums.get(key)
     if hit is not None:
         return hit
@@ -406,10 +396,17 @@ def _stage_sums(ctx: SearchContext, config: Config, idx: list[int], pt: Point,
         # one of each per two actions, and interleaved plans came out 8-13 % under)
         first, last = idx[0] == 0, idx[-1] == len(a.blocks) - 1
         # (a receive also stalls its rank while the transfer moves, where the schedule
-        # would have had the data there in time: `Hardware.receive_stall_s`)
+        # would have had the data there in time: `Hardware.receive_stall_s`). A stage
+        # that recomputes early does not stall on its B's receive: the output gradient
+        # moves while its R runs (the executor posts the receive ahead). In GPT small's
+        # 2-stage pipelines, every action recorded (2026-11-29), stage 0 waited 0.22 ms
+        # (median) in each receive before a B under the shifted schedule, against 2.74
+        # under 1F1B; with the same 0.77 ms stall charged on both, the shifted schedule
+        # came out 5.0-11.5 points over 1F1B in all 11 runs of `benchmarks/accuracy.py`
         send, receive = hw.send_overhead_s, hw.receive_overhead_s + hw.receive_stall_s
+        b_receive = hw.receive_overhead_s + (0.0 if redo else hw.receive_stall_s)
         f += action + (0.0 if last else send) + (0.0 if first else receive)
-        b += action + (0.0 if first else send) + (0.0 if last else receive)
+        b += action + (0.0 if first else send) + (0.0 if last else b_receive)
         r += action - hw.action_overhead_s
         if split:
             # a W is one more action (the executor's own cost), asks autograd for each
@@ -435,8 +432,10 @@ def _stage_sums(ctx: SearchContext, config: Config, idx: list[int], pt: Point,
     # backward)`) passed the whole stage's backward made B negative, and the schedule
     # simulator refused the plan (the median of 5 calibrations, 2026-11-27: B -0.4 ms)
     w = max(0.0, min(w, backward))
+    if redo:  # its first F runs without autograd's graph (its R records it)
+        f -= no_grad_saving
     sums = _StageSums(tuple(options), tuple(costs), tuple(times), tuple(mems), f,
-                      backward, w, pbytes, r, no_grad_saving, f_sync, b_sync)
+                      backward, w, pbytes, r, f_sync, b_sync)
     ctx.stage_sums[key] = sums
     return sums
 
