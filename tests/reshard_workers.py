@@ -74,3 +74,34 @@ def peak_breakdown(layers=8, width=512, rows=1024):
     return {**metered_step(step, params, batch), "param_shards": shards,
             "grad_shards": shards, "two_blocks": 2 * weight,
             "batch": 2 * rows // ranks * width * 8, "weight": weight}
+
+
+def cycle_garbage():
+    """One ZeRO-3 step (resharding after forward, per-block backward gathers), then
+    Python's cycle collector: the objects it found unreachable but alive only through
+    reference cycles (what the step left for it), by type name, and the bytes of the
+    tensor storages among them."""
+    import gc
+
+    params, batch = setup()
+    step = pxform.shard(mlp, mesh=pxform.Mesh({"dp": 2}), in_specs=(P("dp"), P("dp")))
+    dparams, dbatch = step.distribute(params, batch)
+    grad_step = pxform.value_and_grad(step)
+    grad_step(dparams, dbatch)  # compiled outside
+    gc.collect()
+    gc.disable()
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    try:
+        loss, grads = grad_step(dparams, dbatch)
+        del loss, grads
+        gc.collect()
+        kinds: dict[str, int] = {}
+        for o in gc.garbage:
+            kinds[type(o).__name__] = kinds.get(type(o).__name__, 0) + 1
+        storage = sum(o.untyped_storage().nbytes() for o in gc.garbage
+                      if isinstance(o, torch.Tensor))
+    finally:
+        gc.garbage.clear()
+        gc.set_debug(0)
+        gc.enable()
+    return {"kinds": kinds, "storage_bytes": storage}
