@@ -14,7 +14,8 @@ round: the machine drifts by 10-20 % over a run, in spells of seconds), run
 `pxform.measure` on each (`--steps` timed `value_and_grad` calls per rank after `--warmup`
 in the first round, one in later ones; the median over all rounds counts; peak memory
 metered by `pxform.MemoryMeter` plus the optimizer's state, per rank the largest over the
-rounds, with its spread over them in "peak spread"). The
+rounds, with its spread over them in "peak spread", each round's in the JSON, and the
+runtime's waits for gloo's worker thread that ran out, `let_go_timeouts`). The
 table gives `plan.report(measured)`'s errors: signed, relative to the measurement, for the
 step (the slowest rank) and for the rank whose memory prediction is furthest off.
 
@@ -213,14 +214,24 @@ def rank_main(config: str, batch_size: int, steps: int, warmup: int, quick: bool
                      "time_error_without_sync_wait": unsynced_s / report.measured_time_s - 1,
                      "memory_error": report.memory_error,
                      "memory_spread": _peak_spread(got),
+                     # per rank, its peak in each round (in round order): a one-round
+                     # outlier against a change that lasted
+                     "peak_each_round": [[m.ranks[k].peak_memory_bytes for m in got]
+                                         for k in range(len(got[0].ranks))],
                      "ranks": [vars(r) for r in report.ranks],
                      "step_times_s": [list(r.step_times_s) for r in measured.ranks],
                      "text": str(report)})
+    from pxform.runtime.collectives import let_go_timeouts
+    timeouts: list[Any] = [None] * world
+    dist.all_gather_object(timeouts, let_go_timeouts())
     return {"rows": rows, "calibrate_s": calibrate_s, "hardware": over_run.to_json(),
             "profiles": [p.to_json() for p in profiles], "representative": over_run.source,
             "first_hardware": hw.to_json(), "calibrations_over_run": len(profiles),
             "op_time_scales": [h.op_time_scale for h in profiles],
-            "threads": torch.get_num_threads()}
+            "threads": torch.get_num_threads(),
+            # per rank, the waits for gloo's worker thread that ran out over the run (after
+            # three on a group the runtime stops waiting there: `let_go_timeouts`)
+            "let_go_timeouts": timeouts}
 
 
 def _order(n: int, r: int) -> list[int]:
@@ -465,6 +476,8 @@ def main() -> None:
     print(f"  the same plans without the ranks' waits (`Hardware.sync_wait`), on the same "
           f"measurements: {sum(e <= GOAL_TIME for e in before)}/{len(before)} within "
           f"{GOAL_TIME:.0%} (median {sorted(before)[len(before) // 2]:.1%})")
+    print(f"  waits for gloo's worker thread that ran out, per rank (`let_go_timeouts`; "
+          f"after 3 on a group peaks may take in its buffers): {r0['let_go_timeouts']}")
     if args.quick:
         return
     tag = "" if (args.config, args.batch, args.ranks) == ("small", 16, 2) else \
@@ -482,7 +495,7 @@ def main() -> None:
         "calibrate_s": r0["calibrate_s"], "hardware": r0["hardware"],
         "first_hardware": r0["first_hardware"], "op_time_scales": r0["op_time_scales"],
         "profiles": r0["profiles"], "representative": r0["representative"],
-        "cases": r0["rows"],
+        "cases": r0["rows"], "let_go_timeouts": r0["let_go_timeouts"],
         "summary": {"time_within_goal": met_t, "memory_within_goal": met_m,
                     "time_within_goal_first_calibration": met_first,
                     "time_within_goal_without_sync_wait": sum(e <= GOAL_TIME for e in before),

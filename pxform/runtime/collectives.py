@@ -316,6 +316,19 @@ def settled(group: Any, src: torch.Tensor, wait: bool, run: Callable[[], torch.T
     return out
 
 
+def let_go_timeouts() -> int:
+    """How many of this process's waits for gloo's worker thread to let go of a
+    collective's buffers ran out (`settled`, after `LET_GO_S`), over all groups. After
+    `_RAN_OUT` of them on a group it waits no more there, and a step's peak may then take
+    in a buffer the thread still holds (benchmarks report it beside their peaks).
+
+    Example:
+        >>> let_go_timeouts()
+        0
+    """
+    return sum(_RUNS_OUT.values())
+
+
 def _holders_of(t: torch.Tensor) -> int:
     """How many references hold the tensor `t` itself (its views aside)."""
     return int(t._use_count())  # type: ignore[attr-defined]
