@@ -31,11 +31,12 @@ def test_reprice_gives_a_saved_runs_errors_back_and_moves_them_with_the_profile(
     """A run whose representative calibration already priced the tensor-parallel pairs
     at the calibrations' median gets its own errors back, case for case (the pins are
     planned with its first calibration and priced with the representative, as the run
-    did), but for the shifted schedule, priced lower since (no stall on a B after an
-    early recompute, `pxform.search.stages.assemble`); a run whose representative had a
-    flipped relayout cost (`representative_profile`) gets tensor parallelism priced anew,
-    closer; a result whose profiles hold a field this code does not know is skipped with
-    the reason."""
+    did), but for the pipelines, priced lower since: the shifted schedule's without a
+    stall on a B after an early recompute (`pxform.search.stages.assemble`), every
+    pipeline's with its stages' per-step costs once after the schedule; a run whose
+    representative had a flipped relayout cost (`representative_profile`) gets tensor
+    parallelism priced anew, closer; a result whose profiles hold a field this code does
+    not know is skipped with the reason."""
     same = RESULTS / "accuracy-twenty-first-d-stall-2026-11-29.json"
     moved = RESULTS / "accuracy-twenty-first-b-stall-2026-11-29.json"
     unreadable = RESULTS / "accuracy-twentieth-a-perbyte-2026-11-29.json"
@@ -48,6 +49,10 @@ def test_reprice_gives_a_saved_runs_errors_back_and_moves_them_with_the_profile(
             for case, error in result["errors"].items():
                 if case.endswith("shifted"):
                     assert error < saved[case] - 0.02, case
+                elif case.startswith("pp"):
+                    # the per-step costs once, after the schedule, not through both
+                    # ranks' backwards (`pxform.search.stages.after_schedule`)
+                    assert saved[case] - 0.03 < error < saved[case] - 1e-4, case
                 else:
                     assert error == pytest.approx(saved[case], abs=1e-6), case
         else:

@@ -883,10 +883,10 @@ def test_runtime_costs_are_measured_on_real_programs(world):
     # latency over an all-reduce's in the comm tables (0.37-0.84 here); the cost per run
     # is no longer fitted (the share stands for it)
     assert 0 <= wait_share < 10 and 0 < a2a_share < 5 and per_run == 0.0
-    # what a transfer stalls its receiver beyond the actions and receives as recorded:
-    # under a millisecond a transfer here (0.67-0.77 ms), not a step's worth; the delay
-    # charged only on waits is not fitted any more (the stall stands for it)
-    assert 0 <= per_stall < 0.02 and per_transfer == 0.0
+    # what a transfer costs its receiver beyond its receive, fitted to the whole calls:
+    # 0.4-1.5 ms a transfer here, not a step's worth, a quarter of it a stall on every
+    # receive and the rest a delay where the receiver waits (`_STALL_SHARE`)
+    assert 0 <= per_stall < 0.02 and per_transfer == pytest.approx(3 * per_stall)
     # a send and a receive as recorded: each rank made some, and each costs its thread
     # something (0.1-0.7 ms here), not a step's worth
     assert 0 < per_send < 0.02 and 0 < per_receive < 0.02
@@ -917,6 +917,41 @@ def test_an_action_pair_is_read_off_the_recorded_actions():
     assert _mean_weight(ran("F", [1.0])) == (None, 0.0)
 
 
+def test_the_transfer_cost_is_fitted_so_that_the_priced_call_is_the_measured_share():
+    """`fit_to_call` finds the cost per transfer (`_transfer_costs`: a quarter a stall on
+    every receive, the rest a delay where the receiver waits) at which a pipeline's
+    priced step (non-decreasing in it, piecewise linear: the schedule's critical path
+    changes with it) reaches a target: here the 1F1B and the interleaved (2 chunks a
+    rank) simulations of 2 ranks at 8 microbatches, as the search prices them; a target
+    the step reaches without it gives 0."""
+    from pxform.search.pipelines import ScheduleChoice
+    from pxform.search.pipelines import step_time as pipeline_step
+    from pxform.tools.runtime_costs import _transfer_costs, fit_to_call
+
+    def one(level):
+        stall, delay = _transfer_costs(level)
+        return pipeline_step(ScheduleChoice(), 2, 8, [1e-3, 1.5e-3 + stall],
+                             [2e-3 + stall, 1e-3], [0.0, 0.0], p2p=[delay, delay]) + 5e-3
+
+    def interleaved(level):
+        stall, delay = _transfer_costs(level)
+        # chunks 0, 1 on ranks 0, 1 and 2, 3 again: every chunk but the first receives in
+        # its forward, every one but the last in its backward
+        f = [0.5e-3, 0.7e-3 + stall, 0.5e-3 + stall, 0.7e-3 + stall]
+        b = [1e-3 + stall, 0.5e-3 + stall, 1e-3 + stall, 0.5e-3]
+        return pipeline_step(ScheduleChoice("interleaved", 2), 2, 8, f, b, [0.0] * 4,
+                             p2p=[delay] * 4) + 5e-3
+
+    for price in (one, interleaved):
+        for level in (1e-5, 3e-4, 2.5e-3):
+            assert fit_to_call(price, price(level)) == pytest.approx(level, abs=2e-8)
+        assert fit_to_call(price, price(0.0)) == 0.0
+        assert fit_to_call(price, 0.5 * price(0.0)) == 0.0
+    # the delay is the larger part, and a schedule that waits less pays less of it
+    assert _transfer_costs(1e-3) == pytest.approx((2.5e-4, 7.5e-4))
+    assert one(1e-3) - one(0.0) > 0 and interleaved(1e-3) > interleaved(0.0)
+
+
 def test_a_receive_stall_is_fitted_so_that_the_simulated_span_is_the_recorded_one():
     """`fit_receive_stall` inverts the schedule simulator: given each stage's actions as
     they ran and a measured span, the stall per receiving action (every F of a stage but
@@ -924,11 +959,11 @@ def test_a_receive_stall_is_fitted_so_that_the_simulated_span_is_the_recorded_on
     Checked against `pxform.schedules.simulate` (the event-by-event simulator, not the
     `Timer` the fit uses) with the stall added to those actions by hand, for 1F1B and
     zero-bubble, whose W fills the bubbles where a delay on the waits would hide; a span
-    the actions alone already fill gives 0. From recorded calls, a rank's stage, its
-    means (a receive's lower quartile) and each call's span are read off its actions."""
+    the actions alone already fill gives 0. An interleaved rank's recorded chunks give
+    the sum of their means."""
     from pxform.schedules import Costs, resolve, simulate
     from pxform.schedules.actions import Action
-    from pxform.tools.runtime_costs import _chunk_sum, _stage_record, fit_receive_stall
+    from pxform.tools.runtime_costs import _chunk_sum, fit_receive_stall
 
     forward, backward, weight = [1.0, 1.5], [2.0, 1.0], [0.8, 0.6]
     for name, split in (("1f1b", False), ("zb", True)):
@@ -947,13 +982,6 @@ def test_a_receive_stall_is_fitted_so_that_the_simulated_span_is_the_recorded_on
         return [(Action(stage, kind, i), at + 10.0 * i, at + 10.0 * i + t)
                 for i, t in enumerate(seconds)]
 
-    calls = [ran("F", 1, [3.0, 5.0]) + ran("B", 1, [6.0, 6.0]) + ran("RF", 1, [1.0, 1.0, 9.0]),
-             ran("F", 1, [4.0], at=100.0) + ran("B", 1, [6.0], at=100.0)]
-    stage, costs, spans = _stage_record(calls)
-    assert stage == 1 and spans == pytest.approx([29.0, 6.0])
-    assert costs["F"] == pytest.approx(4.0) and costs["B"] == pytest.approx(6.0)
-    assert costs["RF"] == pytest.approx(1.0)  # the lower quartile: a receive that did not wait
-    assert _stage_record([[], []]) is None
     # an interleaved rank's chunks: the sum of each one's mean forward and backward
     chunks = ran("F", 0, [1.0, 3.0]) + ran("B", 0, [4.0]) + ran("F", 2, [1.0]) + ran("B", 2, [2.0])
     assert _chunk_sum(chunks) == pytest.approx(2.0 + 4.0 + 1.0 + 2.0)

@@ -1209,6 +1209,52 @@ def test_a_receive_stall_is_charged_to_every_action_that_receives_whatever_the_s
         assert plan.step_time_s > base.step_time_s, choice
 
 
+def test_a_pipeline_stages_per_step_costs_run_after_the_schedule_on_its_rank():
+    """A stage's per-step costs (`Hardware.param_overhead_s` per parameter tensor: its
+    piece laid out, its gradient's hook and bucket slot) run once per step on its rank
+    after its last action, not in its backwards: the stages' F and B stay as they were,
+    each stage shows them in `StagePlan.step_extra_s` (per step, a whole number of
+    parameters' worth), and the step is the schedule's simulation plus the largest
+    rank's sum of them (`after_schedule`; an interleaved rank runs two chunks). Spread
+    over the backwards (until the twenty-seventh session) they were on both ranks'
+    critical path, and the fewer the microbatches, the more of them."""
+    from pxform.cost.hardware import hardware
+    from pxform.schedules import Costs, resolve, simulate
+    from pxform.search.stages import after_schedule
+
+    per = 1e-3
+    slow = dataclasses.replace(hardware("a100-80gb"), param_overhead_s=per)
+    for choice, layers in ((ScheduleChoice(), 4), (ScheduleChoice("interleaved", 2), 8)):
+        args = mlp_args(d=1024, layers=layers, batch=4096)
+        base = plan_schedule(residual_mlp, args, schedule=choice)
+        plan = plan_schedule(residual_mlp, args, hardware=slow, schedule=choice,
+                             block_stage=pin_of(base).block_stage)
+        assert plan.microbatches == base.microbatches
+        extras = []
+        for b, p in zip(base.stage_plans, plan.stage_plans):
+            assert (p.forward_s, p.backward_s) == pytest.approx((b.forward_s, b.backward_s),
+                                                                rel=1e-9), choice
+            count = (p.step_extra_s - b.step_extra_s) / per
+            assert count >= 1 and count == pytest.approx(round(count), abs=1e-6), (choice, p)
+            extras.append(p.step_extra_s)
+        stages = plan.stage_plans
+        sim = simulate(resolve(choice.name, plan.stages, plan.microbatches,
+                               **plan.schedule_options), Costs(
+            forward=[s.forward_s for s in stages],
+            backward=[s.backward_s for s in stages],
+            weight=[0.0] * len(stages),
+            forward_sync=[s.forward_sync_s for s in stages],
+            backward_sync=[s.backward_sync_s for s in stages]))
+        assert plan.step_time_s == pytest.approx(
+            sim.step_time + after_schedule(extras, plan.stages) + slow.step_overhead_s,
+            rel=1e-3), choice
+        assert plan.step_time_s - base.step_time_s == pytest.approx(
+            after_schedule(extras, plan.stages)
+            - after_schedule([s.step_extra_s for s in base.stage_plans], plan.stages),
+            rel=1e-6), choice
+    assert after_schedule([1.0, 2.0, 0.5, 0.5], 2) == 2.5
+
+
 def test_a_transfer_delay_is_charged_only_where_an_action_waits_for_it():
     """`Hardware.transfer_overhead_s` (what a pipeline transfer adds where the action
     needing it waits: `pxform.tools.runtime_costs` fits it on 1F1B pipelines) leaves every

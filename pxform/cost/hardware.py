@@ -427,12 +427,14 @@ class Hardware:
             simulator charges it on a cross-rank dependency (`pxform.schedules.Costs.p2p`),
             so only where an action waits for its input: a schedule with slack there (the
             shifted schedule's early recompute, zero-bubble's W) hides it.
-            `pxform.tools.runtime_costs` does not fit it since 2026-11-29: it writes 0
-            and fits `receive_stall_s`, which the recorded pipelines follow where this
-            does not (until then it was fitted on 2-stage 1F1B pipelines at 2 and 16
-            microbatches, 0.6-1.85 ms here, and zero-bubble, interleaved and shifted
-            plans came out 4-7 points under 1F1B's). A profile that carries it (an older
-            calibration, or set by hand) is priced with it.
+            `pxform.tools.runtime_costs` fits it with `receive_stall_s`, as one cost per
+            transfer split 3 : 1 between the two, so that 2-stage 1F1B and interleaved
+            pipelines' whole calls are priced at their measured shares of a
+            data-parallel step (the twenty-seventh session, 2026-11-29). Earlier on
+            2026-11-29 it wrote 0 and fitted the stall alone (interleaved plans came
+            out 6 points over 1F1B's); before, this alone, fitted on 1F1B pipelines
+            (0.6-1.85 ms here; zero-bubble, interleaved and shifted plans came out 4-7
+            points under 1F1B's).
         send_overhead_s, receive_overhead_s: seconds a pipeline send costs the sending
             rank's thread (posting it, packing the boundary values), and a receive whose
             data has come the receiving rank's (waiting on it, unpacking), beyond the
@@ -453,8 +455,10 @@ class Hardware:
             value for 1F1B, zero-bubble, interleaved and shifted in two runs, where a
             delay charged only on the waits (`transfer_overhead_s`) had to be 0.83-1.42
             ms for 1F1B and 1.7-3.0 ms for the others (they have slack to hide it in).
-            `pxform.tools.runtime_costs` fits it on recorded 1F1B and zero-bubble
-            pipelines; 0: not measured.
+            `pxform.tools.runtime_costs` fits it with `transfer_overhead_s` (a quarter
+            of one cost per transfer, module doc there); until the twenty-seventh
+            session alone, so that recorded 1F1B and zero-bubble actions simulated gave
+            the recorded spans; 0: not measured.
         host_overlaps: the device runs kernels asynchronously to the host (CUDA): the
             host's time per op (`op_step_overhead_s`) runs while the device computes,
             so a stage's forward or backward pass takes the longer of the two, not their

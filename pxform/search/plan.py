@@ -111,6 +111,10 @@ class StagePlan:
     # what a transfer from this stage to another rank adds where the action that needs
     # it waits for it (`Hardware.transfer_overhead_s`; `pxform.schedules.Costs.p2p`)
     transfer_s: float = 0.0
+    # per step, the stage's own costs outside its actions (per parameter, its gradients'
+    # reductions; `Hardware.param_overhead_s`): a pipeline stage's rank runs them after its
+    # last action, outside the schedule (one stage: they are in `backward_s`)
+    step_extra_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -254,12 +258,13 @@ class Plan:
         lines += format_table(rows)
         if self.stages > 1 or len(self.stage_plans) > 1:
             lines.append("")
-            rows = [("stage", "blocks", "F/microbatch", "B/microbatch", "in flight",
-                     "params+grads+optimizer", "peak memory")]
+            rows = [("stage", "blocks", "F/microbatch", "B/microbatch", "after its actions",
+                     "in flight", "params+grads+optimizer", "peak memory")]
             for st in self.stage_plans:
                 span = f"{st.blocks[0]}-{st.blocks[-1]}" if st.blocks else "-"
                 rows.append((str(st.stage), span, f"{st.forward_s:.4g} s",
-                             f"{st.backward_s:.4g} s", str(st.in_flight),
+                             f"{st.backward_s:.4g} s", f"{st.step_extra_s:.4g} s",
+                             str(st.in_flight),
                              format_bytes(int(st.param_bytes)),
                              format_bytes(int(st.memory_bytes))))
             lines += format_table(rows)

@@ -31,7 +31,7 @@ from pxform.search.partition import pareto, search_configs
 from pxform.search.pipelines import NAMES, ScheduleChoice
 from pxform.search.plan import BlockPlan, FrontierPoint, Plan, StagePlan
 from pxform.search.space import Config, Option, configs
-from pxform.search.stages import Candidate
+from pxform.search.stages import Candidate, after_schedule
 
 OBJECTIVES = ("time", "memory", "devices")
 
@@ -314,7 +314,7 @@ def _make_plan(c: Candidate, ctx: SearchContext, found: Sequence[Candidate], sec
                    for b in a.blocks)
     stages = tuple(StagePlan(s.stage, s.blocks, s.forward, s.backward, s.memory, s.in_flight,
                              s.param_bytes, s.weight, s.recompute, s.forward_sync,
-                             s.backward_sync, s.transfer) for s in c.stages)
+                             s.backward_sync, s.transfer, s.step_extra) for s in c.stages)
     tensor: dict[int, tuple] = {}
     specs: dict[str, P] = {}
     mesh = cfg.stage_mesh
@@ -424,8 +424,10 @@ def _simulated_step(c: Candidate, step_overhead: float) -> float:
         forward_sync=[s.forward_sync for s in c.stages],
         backward_sync=[s.backward_sync for s in c.stages],
         p2p=[s.transfer for s in c.stages]))
-    # the runtime's per-step host cost, which `assemble` adds to the schedule's time
-    return timeline.step_time + step_overhead
+    # the ranks' per-step costs after their last actions, and the runtime's per-step host
+    # cost, which `assemble` adds to the schedule's time
+    extra = after_schedule([s.step_extra for s in c.stages], cfg.stages)
+    return timeline.step_time + extra + step_overhead
 
 
 def _json_choice(choice: tuple) -> tuple:

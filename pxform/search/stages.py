@@ -41,6 +41,21 @@ class StageResult:
     # per transfer from this stage to another rank, where the action needing it waits
     # (`Hardware.transfer_overhead_s`)
     transfer: float = 0.0
+    # per step, the stage's own costs outside its actions (per parameter, its gradients'
+    # reductions): its rank runs them after its last action, outside the schedule
+    step_extra: float = 0.0
+
+
+def after_schedule(extras: Sequence[float], p: int) -> float:
+    """Seconds a pipeline step takes beyond its schedule: the ranks' per-step costs
+    (stage `s` runs on rank `s % p`, `extras[s]` its costs per step), run by each rank after
+    its last action, all at once; the largest rank's sum.
+
+    Example (2 ranks, 2 chunks each):
+        >>> after_schedule([1.0, 2.0, 0.5, 0.5], 2)
+        2.5
+    """
+    return max((sum(extras[r::p]) for r in range(p)), default=0.0)
 
 
 @dataclass(frozen=True)
@@ -215,7 +230,7 @@ def assemble(ctx: SearchContext, config: Config, part: tuple[int, ...],
     block_time = [0.0] * len(part)
     block_mem = [0.0] * len(part)
     stages = []
-    fw, bw, wt, rc, fs, bs = [], [], [], [], [], []
+    fw, bw, wt, rc, fs, bs, extras = [], [], [], [], [], [], []
     # what a transfer to another rank adds where an action waits for it: the schedule's
     # timer charges it on those waits only (`pipelines.step_time`)
     transfer = ctx.hardware.transfer_overhead_s if config.stages > 1 else 0.0
@@ -239,12 +254,15 @@ def assemble(ctx: SearchContext, config: Config, part: tuple[int, ...],
         rc.append(sums.recompute)
         fs.append(sums.forward_sync)
         bs.append(sums.backward_sync)
+        extras.append(sums.step_extra)
         stages.append(StageResult(s, tuple(idx), pt.time, sums.forward, sums.backward, mem,
                                   flights[s], pbytes, sums.weight, sums.recompute,
-                                  sums.forward_sync, sums.backward_sync, transfer))
+                                  sums.forward_sync, sums.backward_sync, transfer,
+                                  sums.step_extra))
     if config.stages > 1:
         step = pipeline_step(schedule, config.stages, m, fw, bw, wt, rc, fs, bs,
                              [transfer] * len(fw))
+        step += after_schedule(extras, config.stages)
     else:
         step = m * (fw[0] + bw[0])
     step += ctx.hardware.step_overhead_s
@@ -300,6 +318,7 @@ class _StageSums:
     recompute: float  # an early recompute (R) of a microbatch: no transfer, no wait
     forward_sync: float  # an F's wait where its input arrives just as it is ready
     backward_sync: float  # a B's likewise (`pipelines.step_time`)
+    step_extra: float = 0.0  # a pipeline stage's per-step costs, outside its actions
 
 
 def _stage_sums(ctx: SearchContext, config: Config, idx: list[int], pt: Point,
@@ -425,7 +444,11 @@ def _stage_sums(ctx: SearchContext, config: Config, idx: list[int], pt: Point,
     f += trans / 2 + p2p
     b += trans / 2 + p2p
     r += trans / 2
-    backward = max(0.0, b + extra / m)
+    # the step's own costs (per parameter, the gradients' reductions): one stage runs them
+    # within its backwards; a pipeline stage's rank after its last action, outside the
+    # schedule (`assemble`)
+    backward = max(0.0, b + (extra / m if config.stages == 1 else 0.0))
+    step_extra = extra if config.stages > 1 else 0.0
     # a W is a part of its stage's backward (zero-bubble splits it into the input gradients,
     # B, and the weight gradients, W), so never more than it: a profile whose fixed costs
     # and op curves came out so that the weight ops' share (each op's `min(forward,
@@ -435,7 +458,7 @@ def _stage_sums(ctx: SearchContext, config: Config, idx: list[int], pt: Point,
     if redo:  # its first F runs without autograd's graph (its R records it)
         f -= no_grad_saving
     sums = _StageSums(tuple(options), tuple(costs), tuple(times), tuple(mems), f,
-                      backward, w, pbytes, r, f_sync, b_sync)
+                      backward, w, pbytes, r, f_sync, b_sync, step_extra)
     ctx.stage_sums[key] = sums
     return sums
 
