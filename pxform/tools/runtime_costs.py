@@ -897,9 +897,9 @@ def _action_costs(hw: Hardware, gen: torch.Generator, repeats: int
     nothing: profiles fitted so priced the reference's 16-microbatch pipeline from 14
     points under to 2 points over its share of the data-parallel step, four
     calibrations in a row; fitted to the whole call, within 3.3 points (three). Over
-    the 5 calibrations of one accuracy run, GPT small's pipelines' errors less data
-    parallelism's spread by 2.1-5.2 points (standard deviation) against 4.2-9.0 over the
-    saved runs before.
+    the 5 calibrations of each of three accuracy runs, GPT small's pipelines' errors
+    less data parallelism's spread by 1.1-6.2 points (standard deviation), against
+    4.4-9.6 over the 27 saved runs before (pooled).
     Before 2026-11-28 the per-action costs were fitted to the step difference alone:
     they took the 1F1B ranks' waits for each other's transfers into every forward and
     backward (GPT small's stage 0: F priced 4.1 ms, run 3.0; B 7.0 and 4.5), and
@@ -1037,10 +1037,11 @@ interleaved schedule (three receives per microbatch and rank on 2 ranks, where 1
 one) at few, zero-bubble and the shifted schedule hide waits in their slack. Fitted apart
 from the reference's 1F1B and interleaved calls (five calibrations, 2026-11-29), the two
 traded: 0 and 789 us, 102 and 71, 345 and 163 (median split about 1 : 5). With the split
-fixed, the reprices of four accuracy runs put GPT small's four 8-microbatch pipelines
-within 2.7-5.6 points of one another at 1 : 3, 4.4-8.4 at 1 : 1, and 14 with the stall
-alone (the twenty-sixth session's profiles: interleaved 9.7 points over data
-parallelism on average, 1F1B 4.8 under)."""
+fixed at a cost of 1.5 ms per transfer, four accuracy runs' representative profiles
+repriced put GPT small's four 8-microbatch pipelines within 2.7-5.6 points of one
+another at 1 : 3 (2.7-8.9 at 2 ms), 2.6-12.2 at 1 : 1; with the stall alone (one
+run's profile, fitted to 1F1B's whole call) 20 points apart, interleaved the
+highest."""
 
 
 def _transfer_costs(level: float) -> tuple[float, float]:
