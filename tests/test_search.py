@@ -510,6 +510,36 @@ def test_the_memory_bound_prunes_without_changing_the_least_memory_plan(monkeypa
     assert pin_of(pruned) == pin_of(exhaustive)
 
 
+def test_the_time_bound_holds_with_per_step_costs_after_the_schedule(monkeypatch):
+    """`bounds.lower_bound` spreads the least work over the stages with each schedule's
+    warm-up and drain; the blocks' per-step costs (a data-parallel all-reduce beyond what
+    overlaps, `OptionCost.step_extra`) run once after the schedule
+    (`stages.after_schedule`), so the bound must not charge the warm-up's factor on them,
+    or it passes plans it should bound (and branch and bound skips them). Checked on every
+    plan the search evaluates, with a per-collective cost that makes those costs large."""
+    import pxform.search.partition as core
+    from pxform.cost.hardware import hardware
+    from pxform.search.bounds import lower_bound
+
+    seen = []
+    real_evaluate = core.evaluate
+
+    def checking(ctx, config, objective="time", incumbent=math.inf):
+        cand, more = real_evaluate(ctx, config, objective, incumbent)
+        for c in ([cand] if cand is not None else []) + list(more):
+            if config.stages > 1 and any(st.step_extra > 0 for st in c.stages):
+                seen.append(config)
+            assert lower_bound(ctx, config) <= c.step_time * (1 + 1e-9), config
+        return cand, more
+
+    monkeypatch.setattr(core, "evaluate", checking)
+    slow = dataclasses.replace(hardware("a100-80gb"), collective_overhead_s=2e-3)
+    for pin in (Pin(stages=2, outer=2), Pin(stages=2, outer=4), Pin(stages=4, outer=2)):
+        pxform.auto(residual_mlp, mesh=pxform.Mesh.abstract(8), memory_budget="80GiB",
+                    hardware=slow, plan=pin).plan(*MLP)
+    assert seen  # (pipelines with per-step costs were evaluated)
+
+
 def test_saved_bytes_are_attributed_to_the_tensor_saved():
     """A sharded op counts each saved tensor at its own layout: so the fake-tensor run must
     say whose tensor each saved storage is (a linear saves its input x; relu its output;

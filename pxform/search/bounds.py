@@ -22,6 +22,8 @@ def lower_bound(ctx: SearchContext, config: Config,
     `schedules` (default: every one tried), each's equal-stage closed form
     (`pipelines.bubble_bound`): 1F1B's `(m - 1) x max stage + sum of stages` per microbatch
     is at least `T (m - 1 + p) / (p m)`; the shifted schedule's work has its recompute.
+    The blocks' per-step costs (`OptionCost.step_extra`, part of T) run after the
+    schedule, once: the factor over 1 is not charged on them (each block's largest).
     `tables`: per block, the options to bound (default: all)."""
     if tables is None:
         tables = block_tables(ctx, config)
@@ -44,8 +46,17 @@ def lower_bound(ctx: SearchContext, config: Config,
         max(0.0, min(c.forward for c in t.costs) - hw.autograd_share * max(
             c.forward for c in t.costs) - hw.autograd_op_overhead_s * (b.stop - b.start))
         for t, b in zip(tables, ctx.analysis.blocks))
-    return min(bubble_bound(c, p, m, share) * (total + (redo if c.name == "shifted" else 0.0))
-               for c in schedules) / p
+    # the blocks' per-step costs (`OptionCost.step_extra`, in `total`) run once per step on
+    # their stage's rank, after the schedule (`stages.after_schedule`), not through its
+    # warm-up and drain: the bubble's factor is taken off them (at each block's largest)
+    extra = sum(max((c.step_extra for c in t.costs), default=0.0) for t in tables)
+
+    def bound(c: ScheduleChoice) -> float:
+        factor = bubble_bound(c, p, m, share)
+        return (factor * (total + (redo if c.name == "shifted" else 0.0))
+                - (factor - 1.0) * extra)
+
+    return min(bound(c) for c in schedules) / p
 
 
 def least_work(tables: Sequence[OptionTable], microbatches: int, stages: int,
