@@ -975,11 +975,13 @@ def _action_costs(hw: Hardware, gen: torch.Generator, repeats: int
         # fitted to, below
         dp_call = functools.partial(value_and_grad(shard(
             _reference, mesh=Mesh({"dp": n}), in_specs=(None, P("dp")))), params, tokens)
+        # (the reference's blocks, planned once: the data-parallel and the interleaved
+        # pins both cut the same blocks)
         dp_blocks = len(auto(_reference, mesh=abstract_mesh(n), hardware=bare,
                              plan=Pin(stages=1)).plan(params, tokens).blocks)
         dp_pin = Pin(stages=1, outer=n, inner=1, microbatches=1,
                      block_options=(Option((("outer", "dp"),), False),) * dp_blocks)
-        int_pin, int_call = _interleaved(params, tokens, n, hw)
+        int_pin, int_call = _interleaved(params, tokens, n, hw, dp_blocks)
         t_dp, t_pipe, t_int = _whole_calls([dp_call, calls[1], int_call], repeats)
         anchors.append((params, (pins[1], int_pin), dp_pin, (t_pipe / t_dp, t_int / t_dp)))
         if pairs:
@@ -1070,11 +1072,13 @@ def _whole_calls(calls: Sequence[Callable[[], Any]], repeats: int) -> list[float
     return [statistics.median(t) for t in times]
 
 
-def fit_to_call(price: Callable[[float], float], target: float) -> float:
-    """The cost per pipeline transfer (`_transfer_costs`: a stall on every receive and a
-    delay on the waits) at which `price` (a pipeline step's predicted seconds at a given
-    cost; non-decreasing in it) reaches `target` seconds: 0 where it is there without
-    one; else bisected to 10 ns.
+def fit_to_call(price: Callable[[float], float], target: float,
+                tolerance: float = 1e-8) -> float:
+    """The cost at which `price` (a pipeline step's predicted seconds at a given cost;
+    non-decreasing in it) reaches `target` seconds: 0 where it is there without one; else
+    bisected to `tolerance` seconds. The cost per pipeline transfer (`_transfer_costs`: a
+    stall on every receive and a delay on the waits) of `_action_costs`, and the stall of
+    `fit_receive_stall`.
 
     Example (a step of 10 ms and 20 receives on its critical path):
         >>> round(fit_to_call(lambda s: 0.010 + 20 * s, 0.016) * 1e6, 1)
@@ -1087,7 +1091,7 @@ def fit_to_call(price: Callable[[float], float], target: float) -> float:
         low, high = high, 2 * high
         if high > 10.0:  # not by any stall a step could have
             return high
-    while high - low > 1e-8:
+    while high - low > tolerance:
         mid = (low + high) / 2
         if price(mid) < target:
             low = mid
@@ -1096,15 +1100,13 @@ def fit_to_call(price: Callable[[float], float], target: float) -> float:
     return (low + high) / 2
 
 
-def _interleaved(params: dict[str, Any], tokens: torch.Tensor, n: int, hw: Hardware
-                 ) -> tuple[Pin, Callable[[], Any]]:
-    """(its pin, one `value_and_grad` call of it): the reference transformer (`params`)
-    under `auto` as a 2-rank interleaved pipeline with 2 chunks a rank (data parallel
-    over the rest of the `n` ranks) at `tokens`'s `_ACTION_MICROBATCHES[1]`
-    microbatches, planned with `hw`."""
+def _interleaved(params: dict[str, Any], tokens: torch.Tensor, n: int, hw: Hardware,
+                 blocks: int) -> tuple[Pin, Callable[[], Any]]:
+    """(its pin, one `value_and_grad` call of it): the reference transformer (`params`,
+    `blocks` blocks as `auto` cuts it) under `auto` as a 2-rank interleaved pipeline with
+    2 chunks a rank (data parallel over the rest of the `n` ranks) at `tokens`'s
+    `_ACTION_MICROBATCHES[1]` microbatches, planned with `hw`."""
     roles = (("outer", "dp"),) if n > 2 else ()
-    blocks = len(auto(_reference, mesh=abstract_mesh(n), hardware=hw,
-                      plan=Pin(stages=2)).plan(params, tokens).blocks)
     pin = Pin(stages=2, outer=n // 2, inner=1, microbatches=_ACTION_MICROBATCHES[1],
               schedule=ScheduleChoice("interleaved", 2),
               block_options=(Option(roles, False),) * blocks)
@@ -1181,20 +1183,12 @@ def fit_receive_stall(schedule: str, microbatches: int, span: float,
                  for s, (x, w) in enumerate(zip(backward, weight))]
         return pipeline_step(choice, n, microbatches, f, whole, list(weight))
 
-    if n < 2 or step(0.0) >= span:
+    if n < 2:
         return 0.0
-    low, high = 0.0, 1e-3
     # the step grows at least as fast as the stall (the last stage's first forward
-    # receives, and everything after waits for it): the span is reached
-    while step(high) < span:
-        low, high = high, 2 * high
-    for _ in range(60):  # bisect to far below a microsecond
-        mid = (low + high) / 2
-        if step(mid) < span:
-            low = mid
-        else:
-            high = mid
-    return (low + high) / 2
+    # receives, and everything after waits for it): the span is reached; bisected to
+    # far below a microsecond
+    return fit_to_call(step, span, tolerance=1e-12)
 
 
 def _recorded(call: Callable[[], Any], repeats: int) -> list[list[tuple[Any, float, float]]]:
