@@ -63,3 +63,31 @@ def test_reprice_gives_a_saved_runs_errors_back_and_moves_them_with_the_profile(
     assert ("accuracy-twentieth-a-perbyte-2026-11-29.json: skipped, its profiles do not load "
             "here: Hardware.load: the profile dict: key 'relayout_byte_s' is not a profile "
             "key") in out
+
+
+def test_the_measured_steps_band_is_the_spread_of_its_median_over_resampled_rounds(accuracy):
+    """`median_band` bootstraps whole rounds: steps that never vary give no band; the
+    band holds the measured median and narrows with more rounds of the same spread; a
+    slow rank sets the step (the largest median), as `Measured.step_time_s` does."""
+    import random
+    import statistics
+
+    steady = [[[0.05, 0.05], [0.05, 0.05]] for _ in range(10)]
+    assert accuracy.median_band(steady) == (0.05, 0.05)
+
+    rng = random.Random(1)
+
+    def rounds(n: int, slow: float = 1.0) -> list:
+        return [[[rng.uniform(0.04, 0.08) for _ in range(2)],
+                 [slow * rng.uniform(0.04, 0.08) for _ in range(2)]] for _ in range(n)]
+
+    few, many = rounds(10), rounds(200)
+    for got in (few, many):
+        low, high = accuracy.median_band(got)
+        step = max(statistics.median([t for r in got for t in r[k]]) for k in range(2))
+        assert low <= step <= high
+    width = [h - lo for lo, h in (accuracy.median_band(few), accuracy.median_band(many))]
+    assert width[1] < width[0] / 2
+    slow = rounds(30, slow=2.0)
+    low, _ = accuracy.median_band(slow)
+    assert low > 0.08  # the slow rank's steps (0.08-0.16 s), not the other's
