@@ -151,8 +151,9 @@ def analyse(name: str, options: dict[str, Any], per_rank: list[dict[str, Any]], 
                   weight=[med(s, "W") for s in range(num_stages)],
                   recompute=[med(s, "R") for s in range(num_stages)], p2p=p2p)
     predicted = schedules.simulate(compute, costs)
-    # the cost model's transfers (`Hardware.receive_stall_s`): no latency on the waits, a
-    # stall on every receiving action instead, its size fitted on 1F1B's span (`main`)
+    # the cost model's transfers (`Hardware.receive_stall_s`, `transfer_overhead_s`): a
+    # stall on every receiving action and a delay on the waits instead of the measured
+    # latency, their size fitted on 1F1B's span (`_with_stall`)
     plain = dataclasses.replace(costs, p2p=0.0)
     if picture:
         schedules.plot(predicted, picture.replace(".png", "-simulated.png"),
@@ -173,40 +174,51 @@ def analyse(name: str, options: dict[str, Any], per_rank: list[dict[str, Any]], 
                                       ("W", costs.weight))}}
 
 
-def _with_stall(rows: dict[str, dict[str, Any]], microbatches: int) -> float:
-    """The transfers as the cost model prices them: the stall per receiving action at
-    which 1F1B's simulation gives its measured span (`runtime_costs.fit_receive_stall`),
-    then every schedule simulated with it and no latency (a held-out check for the
-    others: the stall was not fitted on them). Sets each row's `stall_predicted_s` and
-    `span_over_stall_predicted`, drops the row's working objects; returns the stall."""
+def _with_stall(rows: dict[str, dict[str, Any]], microbatches: int) -> tuple[float, float]:
+    """The transfers as the cost model prices them (`Hardware.receive_stall_s` and
+    `transfer_overhead_s`: one cost per transfer, `runtime_costs.transfer_costs` splits it
+    into a stall on every receiving action and a delay where that action waits for its
+    input, the simulator's `p2p`): the cost per transfer at which 1F1B's simulation gives
+    its measured span (`runtime_costs.fit_to_call`), then every schedule simulated with it
+    (a held-out check for the others: the cost was not fitted on them). Sets each row's
+    `stall_predicted_s` and `span_over_stall_predicted`, drops the row's working objects;
+    returns (the stall, the delay).
+
+    Until the twenty-eighth session (2026-11-30) the whole cost was a stall on every
+    receiving action, as the cost model priced transfers until the twenty-seventh; its
+    split into a stall and a delay (`docs/search.md`) had not reached this column."""
     from pxform import schedules
     from pxform.search.pipelines import ScheduleChoice
-    from pxform.tools.runtime_costs import fit_receive_stall
+    from pxform.tools.runtime_costs import fit_to_call, transfer_costs
 
-    base = rows["1f1b"]
-    costs, n = base["_plain"], base["_stages"]
-    stall = fit_receive_stall("1f1b", microbatches, base["span_s"],
-                              [costs.at("forward", s, n) for s in range(n)],
-                              [costs.at("backward", s, n) for s in range(n)], [0.0] * n)
-    for name, r in rows.items():
-        plain, stages = r.pop("_plain"), r.pop("_stages")
-        compute = r.pop("_compute")
+    def simulated(r: dict[str, Any], name: str, level: float) -> float:
+        plain, stages, compute = r["_plain"], r["_stages"], r["_compute"]
+        stall, delay = transfer_costs(level)
         # a forward receives unless its stage is the first, a backward unless the last or
         # its stage recomputes early (the shifted schedule: the gradient moves while its R
         # runs; `pxform.search.stages.assemble`)
         redo = [ScheduleChoice(name).recomputes(s, stages) for s in range(stages)]
-        sim = schedules.simulate(compute, dataclasses.replace(
+        return schedules.simulate(compute, dataclasses.replace(
             plain,
             forward=[plain.at("forward", s, stages) + (stall if s > 0 else 0.0)
                      for s in range(stages)],
             backward=[plain.at("backward", s, stages)
                       + (stall if s < stages - 1 and not redo[s] else 0.0)
-                      for s in range(stages)])).step_time
+                      for s in range(stages)],
+            p2p=delay)).step_time
+
+    base = rows["1f1b"]
+    level = fit_to_call(lambda c: simulated(base, "1f1b", c), base["span_s"], tolerance=1e-9)
+    stall, delay = transfer_costs(level)
+    for name, r in rows.items():
+        sim = simulated(r, name, level)
+        for key in ("_plain", "_stages", "_compute"):
+            r.pop(key)
         r["stall_predicted_s"] = sim
         r["span_over_stall_predicted"] = r["span_s"] / sim
-    for r in rows.values():
         r["stall_ms"] = 1e3 * stall
-    return stall
+        r["delay_ms"] = 1e3 * delay
+    return stall, delay
 
 
 def _hop_latencies(events: list[Any]) -> list[float]:
@@ -256,20 +268,21 @@ def main() -> None:
             rows[name]["posting"] = {"ahead_s": med["ahead"], "at_action_s": med["at_action"],
                                      "ahead_over_at_action": med["ahead"] / med["at_action"],
                                      "calls": args.posting}
-    stall = _with_stall(rows, args.microbatches)
+    stall, delay = _with_stall(rows, args.microbatches)
     print(f"GPT {args.config}, {args.ranks} gloo ranks, batch {args.batch}, "
           f"{args.microbatches} microbatches, {reps} timed steps per schedule")
     print(f"{'schedule':12} {'span ms':>8} {'sim ms':>8} {'span/sim':>9} {'step/sim':>9} "
-          f"{'bubble':>7} {'sim bubble':>10} {'span/stall sim':>15}")
+          f"{'bubble':>7} {'sim bubble':>10} {'span/model sim':>15}")
     for name, r in rows.items():
         print(f"{name:12} {1e3 * r['span_s']:8.1f} {1e3 * r['predicted_s']:8.1f} "
               f"{r['span_over_predicted']:9.3f} {r['step_over_predicted']:9.3f} "
               f"{r['bubble']:7.3f} {r['predicted_bubble']:10.3f} "
               f"{r['span_over_stall_predicted']:15.3f}")
-    print(f"sim: a latency per hop measured on each schedule's own run; stall sim: no "
-          f"latency, a stall of {1e3 * stall:.2f} ms on every receiving action, fitted on "
-          f"1F1B's span alone (`Hardware.receive_stall_s`, as the cost model prices "
-          f"transfers)")
+    print(f"sim: a latency per hop measured on each schedule's own run; model sim: "
+          f"transfers as the cost model prices them, a stall of {1e3 * stall:.2f} ms on "
+          f"every receiving action and a delay of {1e3 * delay:.2f} ms where it waits for "
+          f"its input (`Hardware.receive_stall_s`, `transfer_overhead_s`), their sum "
+          f"fitted on 1F1B's span alone")
     if args.posting:
         print(f"\nreceives posted ahead of their actions against at them, {args.posting} "
               f"steps each, alternately (slowest rank's median)")

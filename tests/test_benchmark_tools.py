@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -91,3 +92,57 @@ def test_the_measured_steps_band_is_the_spread_of_its_median_over_resampled_roun
     slow = rounds(30, slow=2.0)
     low, _ = accuracy.median_band(slow)
     assert low > 0.08  # the slow rank's steps (0.08-0.16 s), not the other's
+
+
+@pytest.fixture(scope="module")
+def pipeline_bench():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import pipeline
+        yield pipeline
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+
+
+def test_the_pipeline_benchmarks_model_column_prices_transfers_as_the_cost_model(
+        pipeline_bench):
+    """`benchmarks/pipeline.py`'s held-out column: the cost per transfer is fitted on
+    1F1B's span and split as the cost model splits it (`runtime_costs.transfer_costs`: a
+    stall on every receiving action, a delay where it waits). Spans made by simulating
+    1F1B and interleaved at a known cost come back at a ratio of 1 with that cost; with
+    the whole cost a stall (the column until 2026-11-30) interleaved's would not."""
+    import dataclasses
+
+    from pxform import schedules
+    from pxform.tools.runtime_costs import fit_to_call, transfer_costs
+
+    stages, microbatches, level = 2, 8, 1.2e-3
+
+    def case(name: str, **options: Any) -> tuple[Any, Any, int]:
+        compute = schedules.resolve(name, stages, microbatches, **options)
+        n = 1 + max(a.stage for acts in compute.values() for a in acts if a is not None)
+        plain = schedules.Costs(forward=[2e-3 + 1e-4 * s for s in range(n)],
+                                backward=[4e-3] * n, weight=[0.0] * n,
+                                recompute=[0.0] * n, p2p=0.0)
+        return compute, plain, n
+
+    def simulated(compute: Any, plain: Any, n: int, stall: float, delay: float) -> float:
+        return schedules.simulate(compute, dataclasses.replace(
+            plain, forward=[plain.at("forward", s, n) + (stall if s else 0.0)
+                            for s in range(n)],
+            backward=[plain.at("backward", s, n) + (stall if s < n - 1 else 0.0)
+                      for s in range(n)], p2p=delay)).step_time
+
+    cases = {"1f1b": case("1f1b"), "interleaved": case("interleaved", virtual_stages=2)}
+    spans = {name: simulated(*c, *transfer_costs(level)) for name, c in cases.items()}
+    rows = {name: {"span_s": spans[name], "_compute": c[0], "_plain": c[1], "_stages": c[2]}
+            for name, c in cases.items()}
+    stall, delay = pipeline_bench._with_stall(rows, microbatches)
+    assert (stall, delay) == pytest.approx(transfer_costs(level), rel=1e-4)
+    for r in rows.values():
+        assert r["span_over_stall_predicted"] == pytest.approx(1.0, abs=1e-4)
+        assert "_plain" not in r  # (the working objects are not written to the JSON)
+    # the whole cost a stall, fitted on 1F1B's span, prices interleaved's otherwise
+    whole = fit_to_call(lambda c: simulated(*cases["1f1b"], c, 0.0), spans["1f1b"],
+                        tolerance=1e-9)
+    assert abs(spans["interleaved"] / simulated(*cases["interleaved"], whole, 0.0) - 1) > 0.01

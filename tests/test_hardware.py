@@ -918,7 +918,7 @@ def test_an_action_pair_is_read_off_the_recorded_actions():
 
 
 def test_the_transfer_cost_is_fitted_so_that_the_priced_call_is_the_measured_share():
-    """`fit_to_call` finds the cost per transfer (`_transfer_costs`: a quarter a stall on
+    """`fit_to_call` finds the cost per transfer (`transfer_costs`: a quarter a stall on
     every receive, the rest a delay where the receiver waits) at which a pipeline's
     priced step (non-decreasing in it, piecewise linear: the schedule's critical path
     changes with it) reaches a target: here the 1F1B and the interleaved (2 chunks a
@@ -926,15 +926,15 @@ def test_the_transfer_cost_is_fitted_so_that_the_priced_call_is_the_measured_sha
     the step reaches without it gives 0."""
     from pxform.search.pipelines import ScheduleChoice
     from pxform.search.pipelines import step_time as pipeline_step
-    from pxform.tools.runtime_costs import _transfer_costs, fit_to_call
+    from pxform.tools.runtime_costs import fit_to_call, transfer_costs
 
     def one(level):
-        stall, delay = _transfer_costs(level)
+        stall, delay = transfer_costs(level)
         return pipeline_step(ScheduleChoice(), 2, 8, [1e-3, 1.5e-3 + stall],
                              [2e-3 + stall, 1e-3], [0.0, 0.0], p2p=[delay, delay]) + 5e-3
 
     def interleaved(level):
-        stall, delay = _transfer_costs(level)
+        stall, delay = transfer_costs(level)
         # chunks 0, 1 on ranks 0, 1 and 2, 3 again: every chunk but the first receives in
         # its forward, every one but the last in its backward
         f = [0.5e-3, 0.7e-3 + stall, 0.5e-3 + stall, 0.7e-3 + stall]
@@ -948,35 +948,15 @@ def test_the_transfer_cost_is_fitted_so_that_the_priced_call_is_the_measured_sha
         assert fit_to_call(price, price(0.0)) == 0.0
         assert fit_to_call(price, 0.5 * price(0.0)) == 0.0
     # the delay is the larger part, and a schedule that waits less pays less of it
-    assert _transfer_costs(1e-3) == pytest.approx((2.5e-4, 7.5e-4))
+    assert transfer_costs(1e-3) == pytest.approx((2.5e-4, 7.5e-4))
     assert one(1e-3) - one(0.0) > 0 and interleaved(1e-3) > interleaved(0.0)
 
 
-def test_a_receive_stall_is_fitted_so_that_the_simulated_span_is_the_recorded_one():
-    """`fit_receive_stall` inverts the schedule simulator: given each stage's actions as
-    they ran and a measured span, the stall per receiving action (every F of a stage but
-    the first, every B of a stage but the last) at which the simulation gives that span.
-    Checked against `pxform.schedules.simulate` (the event-by-event simulator, not the
-    `Timer` the fit uses) with the stall added to those actions by hand, for 1F1B and
-    zero-bubble, whose W fills the bubbles where a delay on the waits would hide; a span
-    the actions alone already fill gives 0. An interleaved rank's recorded chunks give
-    the sum of their means."""
-    from pxform.schedules import Costs, resolve, simulate
+def test_an_interleaved_ranks_recorded_chunks_give_the_sum_of_their_means():
+    """`_chunk_sum` (`_extra_action`'s reading of an interleaved rank's recorded
+    actions): the sum over its chunks of each one's mean F and mean B; 0 without both."""
     from pxform.schedules.actions import Action
-    from pxform.tools.runtime_costs import _chunk_sum, fit_receive_stall
-
-    forward, backward, weight = [1.0, 1.5], [2.0, 1.0], [0.8, 0.6]
-    for name, split in (("1f1b", False), ("zb", True)):
-        for stall in (0.0, 0.3, 1.7):
-            costs = Costs(forward=[forward[0], forward[1] + stall],
-                          backward=[backward[0] + stall, backward[1]],
-                          weight=weight if split else [0.0, 0.0])
-            span = simulate(resolve(name, 2, 8), costs).step_time
-            got = fit_receive_stall(name, 8, span, forward, backward,
-                                    weight if split else [0.0, 0.0])
-            assert got == pytest.approx(stall, abs=1e-9), (name, stall)
-    # no stall where the span is no longer than the actions give without one
-    assert fit_receive_stall("1f1b", 4, 10.0, [1.0, 1.0], [2.0, 2.0], [0.0, 0.0]) == 0.0
+    from pxform.tools.runtime_costs import _chunk_sum
 
     def ran(kind, stage, seconds, at=0.0):
         return [(Action(stage, kind, i), at + 10.0 * i, at + 10.0 * i + t)

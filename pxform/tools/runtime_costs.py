@@ -43,8 +43,8 @@ world and returns the profile with them set (`runtime_costs` lists them below):
   the same model's data-parallel step, the three timed in turn (`fit_to_call`, averaged;
   until the twenty-seventh session the stall was what the schedule simulator, fed each
   stage's actions as recorded, had to charge every receiving action for its span to be
-  the recorded one, `fit_receive_stall`, averaged over the 1F1B and zero-bubble
-  pipelines, and the delay was 0). Until 2026-11-29 the per-action cost was the
+  the recorded one, `fit_receive_stall` (removed since), averaged over the 1F1B and
+  zero-bubble pipelines, and the delay was 0). Until 2026-11-29 the per-action cost was the
   intercept of a line through the per-action residues at the two depths (it came out 0
   or near it, and interleaved plans 8-12 % under), and the transfers' cost was that
   delay alone, fitted to the 1F1B pipelines' step difference: zero-bubble, interleaved
@@ -169,7 +169,6 @@ from pxform.runtime.mesh import Mesh
 from pxform.runtime.pipeline import recording
 from pxform.search.context import Pin
 from pxform.search.pipelines import ScheduleChoice
-from pxform.search.pipelines import step_time as pipeline_step  # (`fit_receive_stall`)
 from pxform.search.solve import SearchError
 from pxform.search.space import Option
 from pxform.transforms.auto import auto
@@ -1020,14 +1019,14 @@ def _action_costs(hw: Hardware, gen: torch.Generator, repeats: int
         for pin, fn, ratio in ((one_pin, _staged, ratios[0]), (int_pin, _reference, ratios[1])):
             def priced_call(level: float, params: Any = params, pin: Pin = pin,
                             fn: Callable[..., Any] = fn) -> float:
-                stall, delay = _transfer_costs(level)
+                stall, delay = transfer_costs(level)
                 profile = dataclasses.replace(final, receive_stall_s=stall,
                                               transfer_overhead_s=delay)
                 return float(_priced_pipeline(profile, pin, params, tokens, n,
                                               fn=fn).step_time_s)
 
             levels.append(fit_to_call(priced_call, ratio * dp_s))
-    stall, delay = _transfer_costs(statistics.mean(levels))
+    stall, delay = transfer_costs(statistics.mean(levels))
     return action, per_op, stall, delay, weight_op, send, receive
 
 
@@ -1046,12 +1045,12 @@ run's profile, fitted to 1F1B's whole call) 20 points apart, interleaved the
 highest."""
 
 
-def _transfer_costs(level: float) -> tuple[float, float]:
+def transfer_costs(level: float) -> tuple[float, float]:
     """(`Hardware.receive_stall_s`, `transfer_overhead_s`) for a receiver's cost `level`
     per transfer, split by `_STALL_SHARE`.
 
     Example:
-        >>> _transfer_costs(1e-3)
+        >>> transfer_costs(1e-3)
         (0.00025, 0.00075)
     """
     return _STALL_SHARE * level, (1.0 - _STALL_SHARE) * level
@@ -1076,9 +1075,9 @@ def fit_to_call(price: Callable[[float], float], target: float,
                 tolerance: float = 1e-8) -> float:
     """The cost at which `price` (a pipeline step's predicted seconds at a given cost;
     non-decreasing in it) reaches `target` seconds: 0 where it is there without one; else
-    bisected to `tolerance` seconds. The cost per pipeline transfer (`_transfer_costs`: a
-    stall on every receive and a delay on the waits) of `_action_costs`, and the stall of
-    `fit_receive_stall`.
+    bisected to `tolerance` seconds: the cost per pipeline transfer (`transfer_costs`: a
+    stall on every receive and a delay on the waits) of `_action_costs`, and of
+    `benchmarks/pipeline.py`'s cost-model column.
 
     Example (a step of 10 ms and 20 receives on its critical path):
         >>> round(fit_to_call(lambda s: 0.010 + 20 * s, 0.016) * 1e6, 1)
@@ -1153,42 +1152,6 @@ def _chunk_sum(events: Sequence[tuple[Any, float, float]]) -> float:
     if not stages or any((s, k) not in kinds for s in stages for k in "FB"):
         return 0.0
     return sum(statistics.mean(t) for t in kinds.values())
-
-
-def fit_receive_stall(schedule: str, microbatches: int, span: float,
-                      forward: Sequence[float], backward: Sequence[float],
-                      weight: Sequence[float]) -> float:
-    """The `Hardware.receive_stall_s` at which the schedule simulator gives a measured
-    `span`: a pipeline of `schedule` at `microbatches` over `len(forward)` stages, each on
-    its own rank, with the per-stage `forward`, `backward` (without the weight gradients
-    where `schedule` splits them off: zero-bubble's) and `weight` as they ran, sends and
-    receives (where the data had come) in them. The stall is charged as the search does:
-    to every F of a stage but the first and every B of a stage but the last, as time of
-    its rank. 0 where the span is no longer than the simulation without it.
-
-    Example (1F1B, 2 stages, 4 microbatches: F 1 s, B 2 s, a 15 s step without the
-    stall; 5 slots on the critical path, each with one receive):
-        >>> round(fit_receive_stall("1f1b", 4, 15.0 + 5 * 0.5, [1.0, 1.0], [2.0, 2.0],
-        ...                         [0.0, 0.0]), 6)
-        0.5
-    """
-    n = len(forward)
-    choice = ScheduleChoice(schedule)
-
-    def step(stall: float) -> float:
-        # the search's own pricing of a pipeline (`pipelines.step_time`: the backward
-        # whole, its weight part apart)
-        f = [x + (stall if s > 0 else 0.0) for s, x in enumerate(forward)]
-        whole = [x + w + (stall if s < n - 1 else 0.0)
-                 for s, (x, w) in enumerate(zip(backward, weight))]
-        return pipeline_step(choice, n, microbatches, f, whole, list(weight))
-
-    if n < 2:
-        return 0.0
-    # the step grows at least as fast as the stall (the last stage's first forward
-    # receives, and everything after waits for it): the span is reached; bisected to
-    # far below a microsecond
-    return fit_to_call(step, span, tolerance=1e-12)
 
 
 def _recorded(call: Callable[[], Any], repeats: int) -> list[list[tuple[Any, float, float]]]:
