@@ -262,9 +262,9 @@ def median_band(rounds: list[list[Any]], draws: int = 1000, seed: int = 0
     a slow spell of the machine lasts seconds, and a round's steps of one case share it).
 
     The measured step is a median of some 60 steps whose 10th-90th percentiles span a
-    third of it or more: over nine runs of 2026-11-29/30 this band's standard deviation
-    was 1.0-6.1 % of the step (2.5 % on average), so an error of 9 % and one of 11 % are
-    not told apart by one run.
+    third of it or more: over nine saved runs of 2026-11-29/30 its standard deviation
+    over such resamples was 1.0-6.1 % of the step (2.5 % on average), so an error of 9 %
+    and one of 11 % are not told apart by one run.
 
     Example (two ranks, three rounds of two steps each):
         >>> r = [[[1.0, 1.1], [1.0, 1.2]], [[1.3, 1.0], [1.1, 1.1]], [[1.0, 1.0], [1.2, 1.0]]]
