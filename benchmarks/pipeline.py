@@ -174,7 +174,7 @@ def analyse(name: str, options: dict[str, Any], per_rank: list[dict[str, Any]], 
                                       ("W", costs.weight))}}
 
 
-def _with_stall(rows: dict[str, dict[str, Any]], microbatches: int) -> tuple[float, float]:
+def _with_stall(rows: dict[str, dict[str, Any]]) -> tuple[float, float]:
     """The transfers as the cost model prices them (`Hardware.receive_stall_s` and
     `transfer_overhead_s`: one cost per transfer, `runtime_costs.transfer_costs` splits it
     into a stall on every receiving action and a delay where that action waits for its
@@ -268,7 +268,7 @@ def main() -> None:
             rows[name]["posting"] = {"ahead_s": med["ahead"], "at_action_s": med["at_action"],
                                      "ahead_over_at_action": med["ahead"] / med["at_action"],
                                      "calls": args.posting}
-    stall, delay = _with_stall(rows, args.microbatches)
+    stall, delay = _with_stall(rows)
     print(f"GPT {args.config}, {args.ranks} gloo ranks, batch {args.batch}, "
           f"{args.microbatches} microbatches, {reps} timed steps per schedule")
     print(f"{'schedule':12} {'span ms':>8} {'sim ms':>8} {'span/sim':>9} {'step/sim':>9} "

@@ -1,13 +1,17 @@
 """The benchmarks' own tools that run in one process: `benchmarks/accuracy.py --reprice`
-prices a saved run's pinned cases again with the current code and the run's calibrations.
+prices a saved run's pinned cases again with the current code and the run's calibrations;
+`accuracy.median_band`, the measured step's bootstrap band; `benchmarks/pipeline.py`'s
+cost-model column.
 
 Run alone: `python -m pytest tests/test_benchmark_tools.py -q` (about 20 s on 2 cores).
 """
 
 from __future__ import annotations
 
+import importlib
 import json
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,14 +21,18 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 
 
-@pytest.fixture(scope="module")
-def accuracy():
+def _benchmark(name: str) -> Iterator[Any]:
+    """The module `benchmarks/<name>.py`, importable while the fixture lives."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     try:
-        import accuracy
-        yield accuracy
+        yield importlib.import_module(name)
     finally:
         sys.path.remove(str(ROOT / "benchmarks"))
+
+
+@pytest.fixture(scope="module")
+def accuracy():
+    yield from _benchmark("accuracy")
 
 
 def test_reprice_gives_a_saved_runs_errors_back_and_moves_them_with_the_profile(accuracy,
@@ -96,12 +104,7 @@ def test_the_measured_steps_band_is_the_spread_of_its_median_over_resampled_roun
 
 @pytest.fixture(scope="module")
 def pipeline_bench():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import pipeline
-        yield pipeline
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+    yield from _benchmark("pipeline")
 
 
 def test_the_pipeline_benchmarks_model_column_prices_transfers_as_the_cost_model(
@@ -137,7 +140,7 @@ def test_the_pipeline_benchmarks_model_column_prices_transfers_as_the_cost_model
     spans = {name: simulated(*c, *transfer_costs(level)) for name, c in cases.items()}
     rows = {name: {"span_s": spans[name], "_compute": c[0], "_plain": c[1], "_stages": c[2]}
             for name, c in cases.items()}
-    stall, delay = pipeline_bench._with_stall(rows, microbatches)
+    stall, delay = pipeline_bench._with_stall(rows)
     assert (stall, delay) == pytest.approx(transfer_costs(level), rel=1e-4)
     for r in rows.values():
         assert r["span_over_stall_predicted"] == pytest.approx(1.0, abs=1e-4)
