@@ -45,11 +45,13 @@ def test_reprice_gives_a_saved_runs_errors_back_and_moves_them_with_the_profile(
     pipeline's with its stages' per-step costs once after the schedule; a run whose
     representative had a flipped relayout cost (`representative_profile`) gets tensor
     parallelism priced anew, closer; a result whose profiles hold a field this code does
-    not know is skipped with the reason."""
+    not know is skipped with the reason. (With the representative's own numbers:
+    `alone`; by default each plan is priced at the median of its prices under the run's
+    calibrations, the next test.)"""
     same = RESULTS / "accuracy-twenty-first-d-stall-2026-11-29.json"
     moved = RESULTS / "accuracy-twenty-first-b-stall-2026-11-29.json"
     unreadable = RESULTS / "accuracy-twentieth-a-perbyte-2026-11-29.json"
-    got = accuracy.reprice([str(same), str(moved), str(unreadable)])
+    got = accuracy.reprice([str(same), str(moved), str(unreadable)], alone=True)
     assert [g["path"] for g in got] == [str(same), str(moved)]
     for result, saved_path in zip(got, (same, moved)):
         saved = {c["case"]: c["time_error"] for c in json.loads(saved_path.read_text())["cases"]}
@@ -72,6 +74,25 @@ def test_reprice_gives_a_saved_runs_errors_back_and_moves_them_with_the_profile(
     assert ("accuracy-twentieth-a-perbyte-2026-11-29.json: skipped, its profiles do not load "
             "here: Hardware.load: the profile dict: key 'relayout_byte_s' is not a profile "
             "key") in out
+
+
+def test_reprice_prices_each_plan_at_the_median_of_the_runs_calibrations(accuracy):
+    """By default a saved run's plans are priced with its representative carrying all its
+    calibrations (`Hardware.calibrations`): each plan's error is then the median
+    of the errors the run saved for each calibration alone (the prices have not moved
+    since that run), which is not the representative's own error."""
+    import statistics
+
+    path = RESULTS / "accuracy-twenty-eighth-a-2026-11-30.json"
+    saved = {c["case"]: c for c in json.loads(path.read_text())["cases"]}
+    (got,) = accuracy.reprice([str(path)])
+    moved = 0
+    for case, error in got["errors"].items():
+        each = saved[case]["time_error_each_calibration"]
+        assert len(each) == 5
+        assert error == pytest.approx(statistics.median(each), abs=1e-6), case
+        moved += abs(error - saved[case]["time_error"]) > 1e-3
+    assert moved >= 5
 
 
 def test_the_measured_steps_band_is_the_spread_of_its_median_over_resampled_rounds(accuracy):

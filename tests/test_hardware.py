@@ -520,7 +520,9 @@ def test_representative_profile_keeps_the_middle_calibration_whole():
     shallow, deep = outlier[2] - steps[1][2], outlier[3] - steps[1][3]
     assert shallow > 0 and deep == pytest.approx(4 * shallow, rel=0.05)
     chosen = representative_profile([slow, fast, middle])
-    assert replace(chosen, source="middle") == middle
+    assert replace(chosen, source="middle", calibrations=()) == middle
+    # every calibration comes along whole, each alone (`Hardware.calibrations`)
+    assert chosen.calibrations == (slow, fast, middle)
     assert chosen.source.startswith("calibration 3 of 3, the one whose predictions sit in "
                                     "the middle") and chosen.source.endswith("; middle")
     assert representative_profile([fast]) is fast
@@ -566,7 +568,7 @@ def test_the_representative_prices_tensor_parallelism_at_the_calibrations_median
     assert chosen.source.startswith("calibration 2 of 3")
     assert "its relayout_overhead_s 70 -> " in chosen.source and chosen.source.endswith("low")
     assert replace(chosen, relayout_overhead_s=low.relayout_overhead_s,
-                   source="low") == low
+                   source="low", calibrations=()) == low
     assert chosen.relayout_overhead_s > 5 * low.relayout_overhead_s
     assert _representative_steps(chosen)[1] == pytest.approx(sorted(pairs)[1], rel=1e-3)
     # never outside what the calibrations measured: where none found a per-run cost, a
@@ -602,7 +604,7 @@ def test_the_representative_moves_the_share_where_the_calibrations_measured_one(
     assert chosen.source.startswith("calibration 2 of 3")
     assert "its relayout_wait_share 0.05 -> " in chosen.source
     assert chosen.relayout_overhead_s == 0.0 and 0.05 < chosen.relayout_wait_share <= 0.7
-    assert replace(chosen, relayout_wait_share=0.05, source="low") == low
+    assert replace(chosen, relayout_wait_share=0.05, source="low", calibrations=()) == low
     assert _representative_steps(chosen)[1] == pytest.approx(sorted(pairs)[1], rel=1e-3)
 
 
@@ -627,6 +629,66 @@ def test_the_representative_costs_an_all_to_all_at_the_calibrations_median():
     assert chosen.source.endswith("free")
     before = [replace(p, all_to_all_share=1.0) for p in (cheap, free, dear)]
     assert representative_profile(before).all_to_all_share == 1.0
+
+
+def test_a_plan_is_priced_at_the_median_of_its_profiles_calibrations(tmp_path):
+    """A representative profile carries its calibrations whole (`Hardware.calibrations`,
+    kept through save and load): the search chooses with the representative's numbers,
+    then prices the chosen plan under each calibration, its choices pinned. The plan's
+    step is the median of those prices (`calibration_step_times_s`, kept through
+    `Plan.save`), `explain` shows their range; one calibration alone prices as before;
+    profiles inside the calibrations, or of another node size, are errors."""
+    from dataclasses import replace
+
+    import pxform
+    from pxform.search import pin_of
+    from pxform.search.plan import Plan
+    from pxform.tools.runtime_costs import representative_profile
+
+    def loss(params, x):
+        h = x
+        for w in params:
+            h = torch.nn.functional.gelu(h @ w)
+        return h.square().mean()
+
+    params = [torch.empty(256, 256, device="meta") for _ in range(4)]
+    x = torch.empty(64, 256, device="meta")
+    base = replace(measured(), transfer_overhead_s=0.0)
+    profiles = [replace(base, op_time_scale=t, collective_overhead_s=c, source=str(t))
+                for t, c in ((1.0, 3e-4), (1.6, 2e-4), (1.3, 9e-4))]
+    hw = representative_profile(profiles)
+    assert hw.calibrations == tuple(profiles)
+    path = tmp_path / "profile.json"
+    hw.save(path)
+    assert Hardware.load(path) == hw
+    mesh = pxform.Mesh.abstract(2)
+    plan = pxform.auto(loss, mesh=mesh, hardware=hw).plan(params, x)
+    alone = [pxform.auto(loss, mesh=mesh, hardware=p, plan=pin_of(plan)).plan(params, x)
+             for p in profiles]
+    prices = tuple(p.step_time_s for p in alone)
+    assert len(set(prices)) == 3  # (each calibration prices it apart)
+    assert plan.calibration_step_times_s == pytest.approx(prices)
+    assert plan.step_time_s == pytest.approx(sorted(prices)[1])
+    assert all(p.calibration_step_times_s == () for p in alone)
+    # the representative's own price is not the median here: it chose the plan
+    own = pxform.auto(loss, mesh=mesh, hardware=replace(hw, calibrations=()),
+                      plan=pin_of(plan)).plan(params, x)
+    assert own.step_time_s != pytest.approx(plan.step_time_s)
+    assert pin_of(own) == pin_of(plan)
+    text = plan.explain()
+    assert (f"predicted step {plan.step_time_s:.4g} s (the median of 3 calibrations' prices, "
+            f"{min(prices):.4g}-{max(prices):.4g} s)") in text
+    assert "the stage and block times are the representative calibration's" in text
+    plan.save(tmp_path / "plan.json")
+    assert Plan.load(tmp_path / "plan.json") == plan
+    with pytest.raises(ValueError, match=r"calibrations\[0\] must be a Hardware profile of one "
+                                         r"calibration"):
+        replace(base, calibrations=(hw,))
+    with pytest.raises(ValueError, match=r"calibrations\[1\] \('test'\) has 1 devices per "
+                                         r"node, the profile 2; .* pass calibrations=\(\)"):
+        replace(base, calibrations=(base, replace(base, devices_per_node=1)))
+    # another memory size keeps them (memory is not priced from them)
+    assert replace(hw, memory_bytes=2**31).calibrations == hw.calibrations
 
 
 def test_the_share_per_second_of_compute_is_fitted_over_the_two_steps():

@@ -467,6 +467,15 @@ class Hardware:
             came out 37-74 % over: they are host-bound there. False (CPUs, where one
             thread does both): they add. `pxform.runtime.calibrate` sets it from the
             device it measured.
+        calibrations: the calibrations of this machine the profile was chosen among,
+            each whole (`pxform.tools.runtime_costs.representative_profile`, which `pxform
+            calibrate --runs N` writes); () for one calibration or a preset. The search
+            chooses with this profile's numbers and then prices the chosen plan with each
+            calibration: the plan's `step_time_s` is the median of those prices and
+            `calibration_step_times_s` holds them all, the prediction's spread from
+            calibration to calibration. One calibration's prices of a plan moved about 5
+            points against another's minutes apart on 2 CPU ranks (standard deviation,
+            relative to data parallelism's, 50 runs of `benchmarks/accuracy.py`).
         source: where the numbers come from.
 
     Example:
@@ -511,6 +520,7 @@ class Hardware:
     receive_stall_s: float = 0.0
     host_overlaps: bool = False
     sync_wait: tuple[tuple[float, float], ...] = ()
+    calibrations: tuple[Hardware, ...] = ()
 
     def __post_init__(self) -> None:
         what = f"Hardware {self.name!r}"
@@ -576,6 +586,20 @@ class Hardware:
                              f"of a forward's time; 0: not measured), got "
                              f"{self.autograd_share!r}")
         object.__setattr__(self, "sync_wait", _sync_points(self.sync_wait, what))
+        object.__setattr__(self, "calibrations", tuple(self.calibrations))
+        for i, c in enumerate(self.calibrations):
+            if not isinstance(c, Hardware) or c.calibrations:
+                raise ValueError(f"{what}: calibrations[{i}] must be a Hardware profile of "
+                                 f"one calibration (no calibrations of its own), got "
+                                 f"{type(c).__name__}")
+            # (memory is not priced from them: a profile given another memory size
+            # keeps its calibrations)
+            if c.devices_per_node != self.devices_per_node:
+                raise ValueError(f"{what}: calibrations[{i}] ({c.name!r}) has "
+                                 f"{c.devices_per_node} devices per node, the profile "
+                                 f"{self.devices_per_node}; keep calibrations of this machine "
+                                 f"and world only, or pass calibrations=() with a changed "
+                                 f"devices_per_node")
         if "fp32" not in dict(self.peak_flops) and "fp32" not in dict(self.compute_flops):
             raise ValueError(f"{what}: needs an 'fp32' entry in peak_flops or "
                              f"compute_flops (the fallback for dtypes without a number)")
@@ -770,6 +794,9 @@ class Hardware:
             "host_overlaps": self.host_overlaps,
             "sync_wait": [list(p) for p in self.sync_wait],
             "source": self.source,
+            # (only where there are some: profiles of one calibration read as before)
+            **({"calibrations": [c.to_json() for c in self.calibrations]}
+               if self.calibrations else {}),
         }
 
     @staticmethod
@@ -840,7 +867,7 @@ def _from_json(d: Any, where: str) -> Hardware:
              "efficiency", "links", "comm_tables", "compute_flops", "source",
              "memory_bandwidth", "op_overhead_s", "op_curves", "overlap_slowdown",
              "op_time_scale", "autograd_share", "relayout_wait_share", "all_to_all_share",
-             "host_overlaps", "sync_wait", *_FIXED_COSTS}
+             "host_overlaps", "sync_wait", "calibrations", *_FIXED_COSTS}
     for key in d:
         if key not in known:
             raise bad(key, f"is not a profile key (known: {', '.join(sorted(known))})")
@@ -888,6 +915,8 @@ def _from_json(d: Any, where: str) -> Hardware:
     if not all(isinstance(p, list) and len(p) == 2 and all(map(_number, p))
                for p in sync_json):
         raise bad("sync_wait", f"must be a list of [gap_s, wait_s] pairs, got {sync_json!r}")
+    members = [_from_json(c, f"{where}: calibrations[{i}]")
+               for i, c in enumerate(get("calibrations", "a list", [], required=False))]
 
     links: list[Link] = []
     for i, x in enumerate(links_json):
@@ -941,7 +970,8 @@ def _from_json(d: Any, where: str) -> Hardware:
                         autograd_share=float(autograd_share),
                         relayout_wait_share=float(wait_share),
                         all_to_all_share=float(a2a_share), host_overlaps=host_overlaps,
-                        sync_wait=tuple((float(g), float(w)) for g, w in sync_json), **fixed)
+                        sync_wait=tuple((float(g), float(w)) for g, w in sync_json),
+                        calibrations=tuple(members), **fixed)
     except ValueError as e:
         raise ValueError(f"Hardware.load: {where}: {e}; {_FIX}") from None
 
@@ -1190,4 +1220,5 @@ def median_profile(profiles: Sequence[Hardware]) -> Hardware:
         fields["sync_wait"] = ((grid[0][0], 0.0), *(
             (gap, med([p.sync_wait_s(gap) for p in profiles])) for gap, _ in grid[1:]))
     fields["source"] = f"median of {len(profiles)} calibrations; {first.source}"
+    fields["calibrations"] = ()
     return dataclasses.replace(first, **fields)

@@ -797,7 +797,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the profile's name (default: device name and world size)")
     parser.add_argument("--runs", type=int, default=1,
                         help="calibrations in a row; the profile written is the one whose "
-                             "predictions sit in the middle of theirs (default: 1)")
+                             "predictions sit in the middle of theirs, carrying all N: a "
+                             "plan's step is predicted as the median of its prices under "
+                             "them (default: 1)")
 
 
 def main(args: argparse.Namespace,
@@ -921,4 +923,8 @@ def summary(hw: Hardware) -> str:
         lines.append(f"  the host runs ahead of the device: a pass takes the longer of its "
                      f"device time and its host time ({hw.op_step_overhead_s * 1e6:.3g} us "
                      f"per op)")
+    if hw.calibrations:
+        scales = ", ".join(f"{c.op_time_scale:.3f}" for c in hw.calibrations)
+        lines.append(f"  calibrations kept: {len(hw.calibrations)} (op time scales {scales}); "
+                     f"a plan's step is the median of its prices under them")
     return "\n".join(lines)

@@ -170,6 +170,9 @@ class Plan:
     # the chosen configuration's best step time under each schedule the search priced
     # (inf: no plan fits; None: its bound could not beat the best, not assembled)
     schedule_times: tuple[tuple[str, float | None], ...] = ()
+    # the plan's step priced under each calibration of its profile
+    # (`Hardware.calibrations`; `step_time_s` is their median); () for a profile of one
+    calibration_step_times_s: tuple[float, ...] = ()
 
     format_version: ClassVar[int] = FORMAT_VERSION
 
@@ -240,7 +243,7 @@ class Plan:
             f"{self.objective!r}, global batch {self.global_batch}",
             f"mesh {self.mesh}: {self.config_text()}",
             *([f"precision: {self.policy}"] if self.precision else []),
-            f"predicted step {self.step_time_s:.4g} s, peak memory "
+            f"predicted step {self.step_time_s:.4g} s{self._spread_text()}, peak memory "
             f"{format_bytes(int(self.peak_memory_bytes))} per device, headroom "
             f"{format_bytes(max(0, int(self.headroom_bytes)))} "
             f"({self.headroom_bytes / self.memory_budget:.0%} of the budget) "
@@ -313,6 +316,13 @@ class Plan:
         for note in self.notes:
             lines.append(f"note: {note}")
         return "\n".join(lines)
+
+    def _spread_text(self) -> str:
+        times = self.calibration_step_times_s
+        if not times:
+            return ""
+        return (f" (the median of {len(times)} calibrations' prices, "
+                f"{min(times):.4g}-{max(times):.4g} s)")
 
     def __str__(self) -> str:
         return self.explain()
@@ -401,7 +411,7 @@ class Plan:
         missing = sorted(n for n in names if n not in d and n not in
                          ("frontier_points", "search_seconds", "notes",
                           "batch_input_specs", "precision", "virtual_stages",
-                          "schedule_times"))
+                          "schedule_times", "calibration_step_times_s"))
         if missing:
             raise PxformError(f"pxform.Plan.load: {where} lacks {missing}.\n  Fix: write the "
                               f"plan again with Plan.save.")
@@ -413,7 +423,9 @@ class Plan:
                 **{k: d[k] for k in names if k in d and k not in
                    ("blocks", "stage_plans", "tensor_choices", "parameter_specs",
                     "frontier_points", "notes", "batch_input_specs", "precision",
-                    "schedule_times")},
+                    "schedule_times", "calibration_step_times_s")},
+                calibration_step_times_s=tuple(float(t) for t in
+                                               d.get("calibration_step_times_s", ())),
                 schedule_times=tuple((str(n), None if t is None else float(t))
                                      for n, t in d.get("schedule_times", ())),
                 precision=tuple((str(k), tuple(v) if isinstance(v, list) else v)

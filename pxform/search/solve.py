@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import statistics
 from collections import Counter
 from collections.abc import Callable, Sequence
 
@@ -146,7 +147,44 @@ def search(graph: Graph, batch_inputs: set[str], *, devices: int, budget: int,
             f"memory margin {margin:.0%}: searched within {format_bytes(int(usable))} of the "
             f"{format_bytes(budget)} budget (the memory model's error on measured plans is "
             f"within about 5-10 %: docs/benchmarks/accuracy.md)", *plan.notes))
+    if hardware.calibrations:
+        plan = _priced_by_calibrations(plan, analysis, hardware, optimizer, fn)
     return plan
+
+
+def _priced_by_calibrations(plan: Plan, analysis: Analysis, hardware: Hardware,
+                            optimizer: str, fn: str) -> Plan:
+    """`plan` with its step priced under each of `hardware.calibrations` (its choices
+    pinned): `step_time_s` their median, `calibration_step_times_s` each.
+
+    One calibration prices a plan a few points off another's minutes apart on a shared
+    machine (its op time scale, per-collective cost and waits each caught in a different
+    spell); the median of several prices moves less than any one calibration's, the
+    representative's included, which is kept for the choice (the search compares plans
+    under one set of numbers) and for the per-block and per-stage figures."""
+    pin = pin_of(plan)
+    prices: list[float] = []
+    for member in hardware.calibrations:
+        ctx = SearchContext(analysis, CostModel(member, optimizer), float(plan.memory_budget),
+                            plan.global_batch, pin)
+        cands = _configs(analysis, plan.devices, member, plan.global_batch, pin, fn)
+        cand, _, _ = search_configs(ctx, cands, "time")
+        if cand is None:  # (memory is priced alike under every calibration of a machine)
+            raise SearchError(
+                f"pxform.{fn}: the plan found ({plan.config_text()}) does not fit its "
+                f"{format_bytes(plan.memory_budget)} budget under calibration "
+                f"{len(prices) + 1} of the profile's {len(hardware.calibrations)}.\n  Fix: "
+                f"give calibrations of one machine only (Hardware.calibrations), or a "
+                f"profile of one calibration.")
+        prices.append(_simulated_step(cand, member.step_overhead_s))
+    step = statistics.median(prices)
+    return dataclasses.replace(plan, step_time_s=step, calibration_step_times_s=tuple(prices),
+                               notes=(*plan.notes, (
+                                   f"predicted step {step:.4g} s: the median of the plan's "
+                                   f"prices under the profile's {len(prices)} calibrations "
+                                   f"({min(prices):.4g}-{max(prices):.4g} s); the stage and "
+                                   f"block times are the representative calibration's "
+                                   f"(hardware {hardware.name!r}), which chose the plan")))
 
 
 def _check_schedule(pin: Pin, num_blocks: int, fn: str) -> None:
