@@ -33,6 +33,14 @@ the first calibration's ("1st cal.") is what a user who calibrates once gets, dr
 included. Both are kept, with each calibration's and that of the median of every number
 (`median_profile`, what the benchmark priced with until 2026-11-27).
 
+The reference program the op time scale is fitted on (`runtime_costs.reference_program`,
+8 sequences of 64 tokens) is measured among the cases each round as they are, and priced
+as the plans are (`reference_price`, the median over the calibrations): the fit makes
+that price its measured time at each calibration, so its error is how far the machine
+moved between the calibrations and the rounds, not the model's. "less ref." is each
+plan's error with it taken out, `(1 + error) / (1 + reference's error) - 1` (since the
+thirtieth session; the goal is judged on "error").
+
     source .venv/bin/activate
     python benchmarks/accuracy.py                # GPT "small", batch 16, 2 ranks (~9 min)
     python benchmarks/accuracy.py --once         # one calibration, before the rounds (~4 min)
@@ -63,6 +71,20 @@ import harness  # noqa: E402
 
 GOAL_TIME = 0.10
 GOAL_MEMORY = 0.05
+REFERENCE_ROWS = 8
+"""Sequences of the reference program (`runtime_costs.reference_program`, 64 tokens each)
+measured among the cases: the largest size its fit timed, about GPT small's per rank."""
+
+
+def _timed(call: Any) -> float:
+    """Seconds of one `call` on this rank, started after a barrier (as `runtime_costs`
+    times the reference program)."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    start = time.perf_counter()
+    call()
+    return time.perf_counter() - start
 
 
 def cases(ranks: int, num_blocks: int) -> list[tuple[str, Any]]:
@@ -153,6 +175,16 @@ def rank_main(config: str, batch_size: int, steps: int, warmup: int, quick: bool
         opt.step()
         opt.zero_grad(set_to_none=True)
         prepared.append((name, step, plan, dparams, opt, plan_unsynced.step_time_s))
+    # the program the op time scale is fitted on, measured among the cases: its error is
+    # the machine's drift between the calibrations and the rounds, not the model's
+    # (`reference_program`)
+    from pxform.tools.runtime_costs import reference_price, reference_program
+
+    ref_loss, ref_params, ref_tokens = reference_program(REFERENCE_ROWS)
+    ref_step = pxform.value_and_grad(ref_loss)
+    for _ in range(warmup):
+        ref_step(ref_params, ref_tokens)
+    ref_times: list[list[float]] = []  # per round, this rank's timed calls
     # every case measured in each of `rounds` rounds, in turn: the machine drifts by 10-20 %
     # over a run, and one case measured after another took the drift for a model error
     # (the same plan measured 20 % apart as two cases)
@@ -172,7 +204,12 @@ def rank_main(config: str, batch_size: int, steps: int, warmup: int, quick: bool
         # shifted pipeline measured 0.90 of 1F1B's in one order, 1.06 in another, though
         # five steps in a row after another case showed no cost lingering by position:
         # likely spells falling alike on neighbours)
-        for k in _order(len(prepared), r):
+        for k in _order(len(prepared) + 1, r):
+            if k == len(prepared):  # the reference program
+                ref_step(ref_params, ref_tokens)  # (one untimed call, as for the cases)
+                ref_times.append([_timed(lambda: ref_step(ref_params, ref_tokens))
+                                  for _ in range(steps)])  # (after a barrier each)
+                continue
             _, step, _, dparams, opt, _ = prepared[k]
             per_case[k].append(pxform.measure(step, dparams, batch, optimizer=opt,
                                               steps=steps, warmup=warmup if r == 0 else 1))
@@ -194,6 +231,21 @@ def rank_main(config: str, batch_size: int, steps: int, warmup: int, quick: bool
     def priced(plan: Any, profile: Any) -> Any:
         return plan if profile is hw else _priced_again(gpt_loss, plan, profile, world,
                                                         params, batch)
+
+    # the reference's step as the plans': the slowest rank's median over the rounds,
+    # priced at the median of the calibrations' prices
+    every_rank: list[Any] = [None] * world
+    dist.all_gather_object(every_rank, ref_times)
+    ref_measured = max(statistics.median([t for times in rounds_ for t in times])
+                       for rounds_ in every_rank)
+    ref_prices = [reference_price(p, ref_params, ref_tokens) for p in profiles]
+    ref_error = statistics.median(ref_prices) / ref_measured - 1
+    reference = {"rows": REFERENCE_ROWS, "tokens": int(ref_tokens.shape[1]),
+                 "measured_s": ref_measured, "predicted_s": statistics.median(ref_prices),
+                 "time_error": ref_error,
+                 "predicted_each_calibration_s": ref_prices,
+                 "step_times_s": [[t for times in rounds_ for t in times]
+                                  for rounds_ in every_rank]}
 
     rows = []
     for (name, _, plan, _, _, unsynced_s), got in zip(prepared, per_case):
@@ -220,6 +272,10 @@ def rank_main(config: str, batch_size: int, steps: int, warmup: int, quick: bool
                      "predicted_time_s": report.predicted_time_s,
                      "measured_time_s": report.measured_time_s,
                      "time_error": report.time_error,
+                     # with the machine's drift since the calibrations (the reference
+                     # program's error) taken out
+                     "time_error_less_reference": (1 + report.time_error)
+                     / (1 + ref_error) - 1,
                      "predicted_representative_alone_s": alone.predicted_time_s,
                      "time_error_representative_alone": alone.time_error,
                      "predicted_first_calibration_s": first.predicted_time_s,
@@ -241,7 +297,8 @@ def rank_main(config: str, batch_size: int, steps: int, warmup: int, quick: bool
     timeouts: list[Any] = [None] * world
     dist.all_gather_object(timeouts, let_go_timeouts())
     # (its calibrations are `profiles`, not written twice)
-    return {"rows": rows, "calibrate_s": calibrate_s, "hardware": rep_alone.to_json(),
+    return {"rows": rows, "reference": reference, "calibrate_s": calibrate_s,
+            "hardware": rep_alone.to_json(),
             "profiles": [p.to_json() for p in profiles], "representative": over_run.source,
             "first_hardware": hw.to_json(), "calibrations_over_run": len(profiles),
             "op_time_scales": [h.op_time_scale for h in profiles],
@@ -495,18 +552,19 @@ def main() -> None:
               f"the {over}; 'rep. alone': the representative's own price; '1st cal.': the "
               f"error with the first one alone")
     head = ("case", "plan", "time pred", "measured", "p10-p90", "error", "error band",
-            "rep. alone", "1st cal.", "memory error", "peak spread")
+            "less ref.", "rep. alone", "1st cal.", "memory error", "peak spread")
     table = [head] + [(r["case"], r["config"].replace(" schedule=1f1b", ""),
                        f"{r['predicted_time_s'] * 1e3:.1f} ms",
                        f"{r['measured_time_s'] * 1e3:.1f} ms",
                        f"{r['measured_p10_s'] * 1e3:.0f}-{r['measured_p90_s'] * 1e3:.0f} ms",
                        f"{r['time_error']:+.1%}",
                        f"{r['time_error_band'][0]:+.1%}..{r['time_error_band'][1]:+.1%}",
+                       f"{r['time_error_less_reference']:+.1%}",
                        f"{r['time_error_representative_alone']:+.1%}",
                        f"{r['time_error_first_calibration']:+.1%}",
                        f"{r['memory_error']:+.1%}", f"{r['memory_spread']:.1%}")
                       for r in r0["rows"]]
-    print("\n".join(format_table(table, align="llrrrrrrrrr", indent="  ")))
+    print("\n".join(format_table(table, align="llrrrrrrrrrr", indent="  ")))
     time_errors = [abs(r["time_error"]) for r in r0["rows"]]
     mem_errors = [abs(r["memory_error"]) for r in r0["rows"]]
     met_t = sum(e <= GOAL_TIME for e in time_errors)
@@ -522,6 +580,16 @@ def main() -> None:
             and r["time_error_band"][0] * r["time_error_band"][1] > 0]
     print(f"  misses beyond the measured step's 90 % band (`median_band`): {len(told)}"
           + (f" ({', '.join(told)})" if told else ""))
+    ref = r0["reference"]
+    less = [abs(r["time_error_less_reference"]) for r in r0["rows"]]
+    met_less = sum(e <= GOAL_TIME for e in less)
+    print(f"  the reference program ({ref['rows']} x {ref['tokens']} tokens, what the op "
+          f"time scale is fitted on), measured among the cases: predicted "
+          f"{ref['predicted_s'] * 1e3:.2f} ms, measured {ref['measured_s'] * 1e3:.2f} ms, "
+          f"error {ref['time_error']:+.1%} (the machine's drift since the calibrations); "
+          f"'less ref.', each error with it taken out: {met_less}/{len(less)} within "
+          f"{GOAL_TIME:.0%} (median {sorted(less)[len(less) // 2]:.1%}, worst "
+          f"{max(less):.1%})")
     first_errors = [abs(r["time_error_first_calibration"]) for r in r0["rows"]]
     met_first = sum(e <= GOAL_TIME for e in first_errors)
     if over > 1:
@@ -570,13 +638,16 @@ def main() -> None:
         "calibrate_s": r0["calibrate_s"], "hardware": r0["hardware"],
         "first_hardware": r0["first_hardware"], "op_time_scales": r0["op_time_scales"],
         "profiles": r0["profiles"], "representative": r0["representative"],
-        "cases": r0["rows"], "let_go_timeouts": r0["let_go_timeouts"],
+        "cases": r0["rows"], "reference": r0["reference"],
+        "let_go_timeouts": r0["let_go_timeouts"],
         "summary": {"time_within_goal": met_t, "memory_within_goal": met_m,
                     "time_within_goal_first_calibration": met_first,
                     "time_within_goal_representative_alone": sum(
                         abs(r["time_error_representative_alone"]) <= GOAL_TIME
                         for r in r0["rows"]),
                     "time_within_goal_without_sync_wait": sum(e <= GOAL_TIME for e in before),
+                    "time_within_goal_less_reference": met_less,
+                    "reference_time_error": ref["time_error"],
                     "time_inside_p10_p90": inside,
                     "time_misses_beyond_band": len(told),
                     "cases": len(time_errors), "worst_abs_time_error": max(time_errors),

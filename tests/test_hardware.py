@@ -12,6 +12,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+import pxform
 from pxform.core.layout import AxisCost
 from pxform.cost.hardware import OP_CLASSES, PRESETS, CommTable, Hardware, Link, OpCurve, hardware
 from pxform.runtime.calibrate import add_arguments, calibrate, main, summary
@@ -1104,6 +1105,33 @@ def test_fit_overlapped_recovers_the_scale_and_the_host_time():
     steps = [max(0.8 * f, host / 3) + max(0.8 * b, 2 * host / 3) for f, b in passes]
     linear, _ = _fit_scale(steps, [f + b for f, b in passes], ops)
     assert abs(linear - 0.8) > 0.01
+
+
+def test_the_reference_price_is_the_fit_of_the_op_time_scale_and_time_per_op():
+    """`runtime_costs.reference_price` prices the reference program as `runtime_costs`
+    fits it: the ops' time on one device times `op_time_scale`, plus `op_step_overhead_s`
+    per op, without the distributed runtime's per-step and per-parameter costs (the
+    program is timed as a plain function), and without the profile's calibrations (each
+    profile priced on its own). `reference_program` is that program, at the sizes asked."""
+    from dataclasses import replace
+
+    from pxform.tools.runtime_costs import reference_price, reference_program
+
+    loss, params, tokens = reference_program(4, 16)
+    assert tokens.shape == (4, 16) and loss(params, tokens).shape == ()
+    assert reference_program(8)[2].shape == (8, 64)  # (its own tokens per sequence on a CPU)
+    bare = replace(hardware("a100-80gb"), host_overlaps=False, op_time_scale=1.0,
+                   op_step_overhead_s=0.0, step_overhead_s=0.0, param_overhead_s=0.0)
+    plan = pxform.auto(loss, mesh=pxform.Mesh.abstract(1), hardware=bare,
+                       memory_margin=0.0).plan(params, tokens)
+    ops = sum(b.stop - b.start for b in plan.blocks)
+    fitted = replace(bare, op_time_scale=1.7, op_step_overhead_s=2e-5, step_overhead_s=1e-3,
+                     param_overhead_s=1e-4)
+    got = reference_price(fitted, params, tokens)
+    assert got == pytest.approx(1.7 * plan.step_time_s + ops * 2e-5, rel=1e-6)
+    other = replace(fitted, op_time_scale=0.5)
+    assert reference_price(replace(fitted, calibrations=(other, other, other)), params,
+                           tokens) == pytest.approx(got, rel=1e-9)
 
 
 def test_a_pass_on_an_overlapping_device_takes_the_longer_of_host_and_device():

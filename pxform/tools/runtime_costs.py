@@ -176,7 +176,7 @@ from pxform.transforms.grad import value_and_grad
 from pxform.transforms.pipeline import pipeline
 from pxform.transforms.shard import shard
 
-__all__ = ["representative_profile", "runtime_costs"]
+__all__ = ["reference_price", "reference_program", "representative_profile", "runtime_costs"]
 
 _WIDTH = 8  # elements per tiny parameter
 _COLLECTIVE_ROWS = 2048  # rows of the tensor-parallel chain's activations (64 KiB)
@@ -525,6 +525,45 @@ def _pairs_pin(n: int, blocks: int, role: str = "tp") -> Pin:
     roles = (("inner", role),) if n == 2 else (("outer", "dp"), ("inner", role))
     return Pin(stages=1, outer=n // 2, inner=2, microbatches=1,
                block_options=(Option(roles, False),) * blocks)
+
+
+def reference_program(rows: int = 8, seq: int | None = None, seed: int = 0
+                      ) -> tuple[Callable[..., torch.Tensor], dict[str, Any], torch.Tensor]:
+    """(loss, parameters, tokens): the reference transformer `op_time_scale` is fitted on
+    (module doc), at `rows` sequences of `seq` tokens (default: its own, 64 on a CPU), on
+    this rank's device. Timed under `pxform.value_and_grad` on every rank at once, as
+    `runtime_costs` times it, and priced with `reference_price`, it tells how far the
+    machine has moved since a profile was measured: the fit makes the two agree then.
+
+    Example:
+        >>> loss, params, tokens = reference_program(8)
+        >>> loss(params, tokens).shape
+        torch.Size([])
+    """
+    device = default_device()
+    _, _, vocab, tokens_per_row = _reference_shape(device)
+    gen = torch.Generator().manual_seed(seed)
+    params = _reference_params(gen, device)
+    tokens = torch.randint(0, vocab, (rows, tokens_per_row if seq is None else seq),
+                           generator=gen)
+    return _reference, params, _on(tokens, device)
+
+
+def reference_price(hw: Hardware, params: dict[str, Any], tokens: torch.Tensor) -> float:
+    """What `hw` predicts for one `value_and_grad` step of `reference_program` on
+    `tokens`: its ops on one device at `hw`'s op time scale and time per op, as
+    `runtime_costs` fits them (`_ReferenceSteps`), without pxform runtime's per-step and
+    per-parameter costs (the program runs as a plain function, not a distributed plan).
+
+    Example:
+        >>> loss, params, tokens = reference_program(8)
+        >>> reference_price(hw, params, tokens)
+        0.0131
+    """
+    plain = dataclasses.replace(hw, step_overhead_s=0.0, param_overhead_s=0.0,
+                                calibrations=())
+    return auto(_reference, mesh=abstract_mesh(1), hardware=plain,
+                memory_margin=0.0).plan(params, tokens).step_time_s
 
 
 def _reference(params: dict[str, Any], tokens: torch.Tensor) -> torch.Tensor:
