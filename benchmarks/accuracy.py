@@ -236,16 +236,15 @@ def rank_main(config: str, batch_size: int, steps: int, warmup: int, quick: bool
     # priced at the median of the calibrations' prices
     every_rank: list[Any] = [None] * world
     dist.all_gather_object(every_rank, ref_times)
-    ref_measured = max(statistics.median([t for times in rounds_ for t in times])
-                       for rounds_ in every_rank)
+    ref_steps = [[t for times in rounds_ for t in times] for rounds_ in every_rank]
+    ref_measured = max(statistics.median(steps_) for steps_ in ref_steps)
     ref_prices = [reference_price(p, ref_params, ref_tokens) for p in profiles]
     ref_error = statistics.median(ref_prices) / ref_measured - 1
     reference = {"rows": REFERENCE_ROWS, "tokens": int(ref_tokens.shape[1]),
                  "measured_s": ref_measured, "predicted_s": statistics.median(ref_prices),
                  "time_error": ref_error,
                  "predicted_each_calibration_s": ref_prices,
-                 "step_times_s": [[t for times in rounds_ for t in times]
-                                  for rounds_ in every_rank]}
+                 "step_times_s": ref_steps}
 
     rows = []
     for (name, _, plan, _, _, unsynced_s), got in zip(prepared, per_case):
