@@ -76,17 +76,6 @@ REFERENCE_ROWS = 8
 measured among the cases: the largest size its fit timed, about GPT small's per rank."""
 
 
-def _timed(call: Any) -> float:
-    """Seconds of one `call` on this rank, started after a barrier (as `runtime_costs`
-    times the reference program)."""
-    import torch.distributed as dist
-
-    dist.barrier()
-    start = time.perf_counter()
-    call()
-    return time.perf_counter() - start
-
-
 def cases(ranks: int, num_blocks: int) -> list[tuple[str, Any]]:
     """(name, pin or None) per case; pins are built on the ranks (they import pxform)."""
     from pxform.search import Pin
@@ -178,7 +167,7 @@ def rank_main(config: str, batch_size: int, steps: int, warmup: int, quick: bool
     # the program the op time scale is fitted on, measured among the cases: its error is
     # the machine's drift between the calibrations and the rounds, not the model's
     # (`reference_program`)
-    from pxform.tools.runtime_costs import reference_price, reference_program
+    from pxform.tools.runtime_costs import reference_price, reference_program, timed_call
 
     ref_loss, ref_params, ref_tokens = reference_program(REFERENCE_ROWS)
     ref_step = pxform.value_and_grad(ref_loss)
@@ -207,7 +196,7 @@ def rank_main(config: str, batch_size: int, steps: int, warmup: int, quick: bool
         for k in _order(len(prepared) + 1, r):
             if k == len(prepared):  # the reference program
                 ref_step(ref_params, ref_tokens)  # (one untimed call, as for the cases)
-                ref_times.append([_timed(lambda: ref_step(ref_params, ref_tokens))
+                ref_times.append([timed_call(lambda: ref_step(ref_params, ref_tokens))
                                   for _ in range(steps)])  # (after a barrier each)
                 continue
             _, step, _, dparams, opt, _ = prepared[k]

@@ -61,6 +61,8 @@ from pxform.cost.hardware import (
 )
 from pxform.runtime.graph_module import synchronize
 from pxform.runtime.world import barrier as world_barrier
+from pxform.runtime.world import rank as world_rank
+from pxform.runtime.world import torchrun_world
 
 __all__ = ["add_arguments", "calibrate", "main", "lower_quartile", "sent_bytes", "summary"]
 
@@ -829,14 +831,8 @@ def main(args: argparse.Namespace,
     runs = getattr(args, "runs", 1)
     if runs < 1:  # before a process group exists: nothing to tear down
         raise ValueError(f"pxform calibrate: --runs {runs}; give 1 or more calibrations")
-    created = False
-    if ("WORLD_SIZE" in os.environ and dist.is_available() and not dist.is_initialized()):
-        if torch.cuda.is_available():
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-        created = True
-    try:
-        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    with torchrun_world():
+        rank = world_rank()
         kwargs: dict[str, Any] = {"repeats": args.repeats, "name": args.name}
         if args.sizes:
             kwargs["sizes"] = args.sizes
@@ -851,9 +847,6 @@ def main(args: argparse.Namespace,
             print(summary(hw))
             hw.save(args.out)
             print(f"wrote {args.out}")
-    finally:
-        if created:
-            dist.destroy_process_group()
     return 0
 
 

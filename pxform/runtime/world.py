@@ -10,7 +10,10 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import os
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -95,3 +98,28 @@ def destroy() -> None:
     """Leave the world (nothing without a process group)."""
     if initialized():
         dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def torchrun_world() -> Iterator[None]:
+    """Within it, this process is in the torchrun world when it was started by torchrun
+    (WORLD_SIZE set) and had none yet: joined here (nccl with CUDA, on the LOCAL_RANK
+    device; else gloo) and left on the way out, errors included. Outside torchrun, or with
+    a process group already initialised, it does nothing (the command measures alone, or
+    in the caller's world). The console commands that run on every rank use it.
+
+    Example:
+        >>> with world.torchrun_world():
+        ...     hw = calibrate()
+    """
+    created = False
+    if "WORLD_SIZE" in os.environ and dist.is_available() and not dist.is_initialized():
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        created = True
+    try:
+        yield
+    finally:
+        if created:
+            dist.destroy_process_group()

@@ -4,6 +4,7 @@
                 [--margin F] [--objective time|memory|devices] [--out plan.json] [--plots DIR]
                 [--per-block] [--quiet]
     pxform calibrate --out profile.json [--sizes ...] [--repeats R] [--name NAME] [--runs N]
+    pxform check-profile PROFILE [--repeats R] [--tolerance F] [--refresh NEW]
     pxform --version
 
 `pxform plan` imports MODULE (the current directory first on `sys.path`, so
@@ -13,9 +14,17 @@ loads a file), calls `FACTORY(batch=B, seq=S)` for `(fn, args)`, searches a plan
 `Plan.explain()` and the time/memory frontier, and optionally writes the plan as JSON and
 two pictures (the frontier, and the chosen plan's pipeline timeline; they need matplotlib).
 
-Exit codes: 0 done; 1 no plan fits (`pxform.SearchError`) or planning failed; 2 a usage
-error (bad arguments, a MODULE:FACTORY that cannot be loaded or called, matplotlib missing
-for --plots); 130 interrupted.
+`pxform check-profile` (on every rank of the world PROFILE was measured on, under
+torchrun) times the program the profile's op time scale was fitted on and compares it with
+the profile's price (`pxform.tools.profile_check`): is the profile still this machine's?
+With --refresh it writes the profile with its op times rescaled to the machine as it is.
+
+Exit codes: 0 done (check-profile: within the tolerance, or refreshed); 1 no plan fits
+(`pxform.SearchError`) or planning failed; 2 a usage error (bad arguments, a
+MODULE:FACTORY that cannot be loaded or called, matplotlib missing for --plots, a profile
+that cannot be read or was measured on another number of ranks); 3 check-profile found the
+profile stale (and no --refresh; under torchrun every rank exits 3 and torchrun itself 1,
+naming their exit codes); 130 interrupted.
 
 Example:
     $ pxform plan examples.factories:gpt_tiny --devices 2 --batch 8 --hardware a100-40gb \\
@@ -43,10 +52,11 @@ from pxform.core.errors import PxformError
 from pxform.core.units import format_bytes, format_table, parse_bytes
 from pxform.cost.hardware import PRESETS, Hardware
 from pxform.cost.hardware import hardware as get_hardware
-from pxform.runtime import calibrate
+from pxform.runtime import calibrate, world
 from pxform.runtime.worker import exit_worker
 from pxform.search import SearchError
 from pxform.search.plan import FrontierPoint, Plan, schedule_text
+from pxform.tools.profile_check import DEFAULT_TOLERANCE, check_profile, refreshed_profile
 from pxform.tools.runtime_costs import representative_profile, runtime_costs
 from pxform.transforms.auto import DEFAULT_MEMORY_MARGIN, auto
 
@@ -74,6 +84,16 @@ def _positive(text: str) -> int:
     return value
 
 
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be above 0, e.g. 0.1 for 10 %")
+    return value
+
+
 def _memory(text: str) -> int:
     try:
         return parse_bytes(text, what="--memory")
@@ -82,12 +102,13 @@ def _memory(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The `pxform` argument parser: subcommands `plan` and `calibrate`."""
+    """The `pxform` argument parser: subcommands `plan`, `calibrate` and `check-profile`."""
     parser = argparse.ArgumentParser(
         prog="pxform", description="pxform: parallelism transforms for PyTorch.")
     parser.add_argument("--version", action="version",
                         version=f"pxform {metadata.version('pxform')}")
-    sub = parser.add_subparsers(dest="command", metavar="{plan,calibrate}", required=True)
+    sub = parser.add_subparsers(dest="command", metavar="{plan,calibrate,check-profile}",
+                                required=True)
 
     plan = sub.add_parser(
         "plan", help="search a parallel plan for a model factory (no devices needed)",
@@ -139,6 +160,30 @@ def build_parser() -> argparse.ArgumentParser:
     calibrate.add_arguments(cal)
     cal.set_defaults(run=functools.partial(calibrate.main, refine=runtime_costs,
                                            combine=representative_profile))
+
+    check = sub.add_parser(
+        "check-profile", help="is a profile from `pxform calibrate` still this machine's?",
+        description="Time the reference program a profile's op time scale was fitted on\n"
+                    "(on every rank at once: run under torchrun with the ranks the profile\n"
+                    "was measured on) and compare it with the profile's price for it.\n"
+                    "Exit codes: 0 within the tolerance (or --refresh written), 2 usage\n"
+                    "error, 3 stale.",
+        epilog="example:\n  torchrun --nproc-per-node 2 -m pxform check-profile cpu.json "
+               "--refresh cpu-now.json",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    check.add_argument("profile", metavar="PROFILE",
+                       help="a profile written by `pxform calibrate --out PATH`")
+    check.add_argument("--repeats", type=_positive, default=30, metavar="R",
+                       help="timed steps; the median counts (default: 30, half a second "
+                            "on a CPU)")
+    check.add_argument("--tolerance", type=_fraction, default=DEFAULT_TOLERANCE,
+                       metavar="FRACTION",
+                       help=f"the largest error that is not stale (default "
+                            f"{DEFAULT_TOLERANCE})")
+    check.add_argument("--refresh", default=None, metavar="NEW",
+                       help="write the profile with its op times rescaled to the time "
+                            "measured now to NEW (rank 0; NEW may be PROFILE)")
+    check.set_defaults(run=_check_profile_command)
     return parser
 
 
@@ -223,6 +268,40 @@ def _plan_command(args: argparse.Namespace) -> int:
               f"{exc.strerror or exc}\n  Fix: pass --out / --plots a writable path.", file=err)
         return 1
     return 0
+
+
+# ---------------------------------------------------------------------------- check-profile
+def _check_profile_command(args: argparse.Namespace) -> int:
+    err = sys.stderr
+    try:
+        hw = Hardware.load(args.profile)
+    except OSError as exc:
+        print(f"pxform check-profile: cannot read {args.profile}: {exc.strerror or exc}\n"
+              f"  Fix: pass a profile written by `pxform calibrate --out PATH`.", file=err)
+        return 2
+    except ValueError as exc:  # (its message says what is wrong and how to fix it)
+        print(f"pxform check-profile: {exc}", file=err)
+        return 2
+    with world.torchrun_world():
+        try:
+            result = check_profile(hw, repeats=args.repeats, tolerance=args.tolerance)
+        except ValueError as exc:  # raised alike on every rank, before any collective
+            if world.rank() == 0:
+                print(f"pxform check-profile: {exc}", file=err)
+            return 2
+        if world.rank() != 0:
+            return 0 if args.refresh is not None or not result.stale else 3
+        print(result.explain())
+        if args.refresh is None:
+            return 3 if result.stale else 0
+        try:
+            refreshed_profile(hw, result).save(args.refresh)
+        except OSError as exc:
+            print(f"pxform check-profile: cannot write {args.refresh}: "
+                  f"{exc.strerror or exc}\n  Fix: pass --refresh a writable path.", file=err)
+            return 1
+        print(f"wrote {args.refresh} (op times x{result.factor:.3f})")
+        return 0
 
 
 def _hardware(spec: str) -> Hardware:

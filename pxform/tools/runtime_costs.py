@@ -176,7 +176,8 @@ from pxform.transforms.grad import value_and_grad
 from pxform.transforms.pipeline import pipeline
 from pxform.transforms.shard import shard
 
-__all__ = ["reference_price", "reference_program", "representative_profile", "runtime_costs"]
+__all__ = ["reference_price", "reference_program", "representative_profile", "runtime_costs",
+           "timed_call"]
 
 _WIDTH = 8  # elements per tiny parameter
 _COLLECTIVE_ROWS = 2048  # rows of the tensor-parallel chain's activations (64 KiB)
@@ -724,7 +725,7 @@ class _ReferenceSteps:
     def time(self, repeats: int) -> None:
         for _ in range(repeats):
             for k, call in enumerate(self.calls):
-                self.times[k].append(_timed(call))
+                self.times[k].append(timed_call(call))
 
     def fit(self) -> tuple[float, float]:
         medians = [statistics.median(t) for t in self.times]
@@ -764,7 +765,7 @@ class _AutogradForwards:
     def time(self, repeats: int) -> None:
         for _ in range(repeats):
             for k, (with_grad, without) in enumerate(self.calls):
-                self.saved[k].append(_timed(with_grad) - _timed(without))
+                self.saved[k].append(timed_call(with_grad) - timed_call(without))
 
     def fit(self, hw: Hardware) -> tuple[float, float]:
         bare = dataclasses.replace(hw, step_overhead_s=0.0, param_overhead_s=0.0)
@@ -1117,7 +1118,7 @@ def _whole_calls(calls: Sequence[Callable[[], Any]], repeats: int) -> list[float
     for _ in range(repeats):
         for k, call in enumerate(calls):
             call()
-            times[k] += [_timed(call), _timed(call)]
+            times[k] += [timed_call(call), timed_call(call)]
     return [statistics.median(t) for t in times]
 
 
@@ -1445,19 +1446,25 @@ def _paired_recorded(short: Callable[[], Any], long: Callable[[], Any], repeats:
     alone, more = [], []
     calls: list[list[tuple[Any, float, float]]] = []
     for _ in range(repeats):
-        a = _timed(short)
+        a = timed_call(short)
         recorded: contextlib.AbstractContextManager[list[tuple[Any, float, float]]] = \
             recording() if record else contextlib.nullcontext([])
         with recorded as got:
-            b = _timed(long)
+            b = timed_call(long)
         calls.append(got)
         alone.append(a)
         more.append(b - a)
     return statistics.median(alone), statistics.median(more), calls
 
 
-def _timed(call: Callable[[], Any]) -> float:
-    """Seconds of one `call`, started after a barrier."""
+def timed_call(call: Callable[[], Any]) -> float:
+    """Seconds of one `call` on this rank, started after a barrier of the world (when
+    there is one) and with the device synchronised before and after (a CUDA step returns
+    before its kernels ran).
+
+    Example:
+        >>> seconds = timed_call(lambda: step(params, tokens))
+    """
     if world.initialized():
         world.barrier()
     device = default_device()  # (a CUDA step returns before its kernels ran)

@@ -1,0 +1,205 @@
+"""Is a hardware profile still this machine's? Time the program its op time scale was
+fitted on, and compare.
+
+A profile from `pxform calibrate` prices ops at the speed the machine had while it was
+measured. Machines drift: on this project's 2-core CI machine the same step ran 10-20 %
+slower or faster minutes later (`docs/benchmarks/accuracy.md`), and a profile measured
+under one load and used under another under- or over-predicts every plan by as much. The
+calibration fits `op_time_scale` and `op_step_overhead_s` so that the profile prices the
+reference transformer (`runtime_costs.reference_program`) at what it measured, so timing
+that program again, and pricing it with the profile (`runtime_costs.reference_price`),
+tells how far the machine has moved since: seconds of work, not the minutes a calibration
+takes. `refreshed_profile` then rescales the profile's op times to the machine as it is
+now, keeping every other measured number.
+
+From the shell (under torchrun with as many ranks as the profile was measured on, since
+ranks sharing cores and memory run slower together):
+
+    $ torchrun --nproc-per-node 2 -m pxform check-profile cpu.json --refresh cpu-now.json
+
+Example:
+    >>> result = check_profile(hardware("cpu.json"))
+    >>> print(result.explain())
+    profile cpu-x2 on 2 ranks: the reference program (8 x 64 tokens) ...
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import statistics
+from collections.abc import Sequence
+
+from pxform.cost.hardware import Hardware
+from pxform.runtime import world
+from pxform.tools.runtime_costs import reference_price, reference_program, timed_call
+from pxform.transforms.grad import value_and_grad
+
+__all__ = ["DEFAULT_TOLERANCE", "ProfileCheck", "check_profile", "profile_ranks",
+           "refreshed_profile"]
+
+DEFAULT_TOLERANCE = 0.10
+"""How far the profile may price the reference program from its measured time before
+`ProfileCheck.stale`: the accuracy the cost model aims at (10 % of a step)."""
+
+
+# untimed steps first: a new process's first steps ran slower here (its allocator's pools
+# still growing), and 2 of them left one check of 9 steps 15 % slow (13.9-27.7 ms)
+_WARMUP = 5
+
+
+@dataclasses.dataclass(frozen=True)
+class ProfileCheck:
+    """The reference program timed now against a profile's price for it.
+
+    Attributes:
+        profile: the profile's name.
+        ranks: ranks that ran the program at once.
+        rows, tokens: the program's sequences and tokens per sequence.
+        predicted_s: the profile's price for one step (the median of its calibrations'
+            prices when it carries several, as plans are priced).
+        measured_s: the slowest rank's median step time.
+        step_times_s: that rank's timed steps.
+        tolerance: the largest `abs(time_error)` that is not `stale`.
+
+    Example:
+        >>> check = ProfileCheck("cpu-x2", 2, 8, 64, 0.010, 0.012, (0.012,), 0.1)
+        >>> round(check.time_error, 3), check.stale
+        (-0.167, True)
+    """
+
+    profile: str
+    ranks: int
+    rows: int
+    tokens: int
+    predicted_s: float
+    measured_s: float
+    step_times_s: tuple[float, ...]
+    tolerance: float = DEFAULT_TOLERANCE
+
+    @property
+    def time_error(self) -> float:
+        """predicted / measured - 1, as `PlanReport.time_error`: negative when the
+        profile prices the machine faster than it now is."""
+        return self.predicted_s / self.measured_s - 1
+
+    @property
+    def factor(self) -> float:
+        """measured / predicted: what `refreshed_profile` multiplies the op times by."""
+        return self.measured_s / self.predicted_s
+
+    @property
+    def stale(self) -> bool:
+        """Does the profile price the reference more than `tolerance` off?"""
+        return abs(self.time_error) > self.tolerance
+
+    def explain(self) -> str:
+        """A few lines: the two times, the error, and what to do about it.
+
+        Example:
+            >>> print(check.explain().splitlines()[-1])
+            within 10 %: the profile still prices this machine's ops
+        """
+        low, high = min(self.step_times_s), max(self.step_times_s)
+        lines = [f"profile {self.profile} on {self.ranks} rank{'s' * (self.ranks != 1)}: "
+                 f"the reference program ({self.rows} x {self.tokens} tokens), one "
+                 f"value_and_grad step",
+                 f"  predicted {self.predicted_s * 1e3:.2f} ms, measured "
+                 f"{self.measured_s * 1e3:.2f} ms (median of {len(self.step_times_s)} "
+                 f"steps, {low * 1e3:.2f}-{high * 1e3:.2f} ms): error "
+                 f"{self.time_error:+.1%}"]
+        bound = f"{self.tolerance:.0%}"
+        if not self.stale:
+            lines.append(f"within {bound}: the profile still prices this machine's ops")
+        else:
+            way = "slower" if self.time_error < 0 else "faster"
+            lines.append(f"stale: off by more than {bound}; the machine is now {way} than "
+                         f"the profile. Fix: calibrate again (`pxform calibrate --out "
+                         f"PATH`), or rescale the profile's op times by "
+                         f"{self.factor:.3f} (`pxform check-profile PROFILE --refresh "
+                         f"NEW`, `refreshed_profile`)")
+        return "\n".join(lines)
+
+
+def profile_ranks(hw: Hardware) -> int:
+    """How many ranks measured `hw`: its largest collective group (1 without any).
+
+    Example:
+        >>> profile_ranks(hardware("a100-80gb"))
+        1
+    """
+    return max((t.group_size for t in hw.comm_tables), default=1)
+
+
+def check_profile(hw: Hardware, *, repeats: int = 30, rows: int = 8,
+                  tolerance: float = DEFAULT_TOLERANCE) -> ProfileCheck:
+    """Time `repeats` steps of the reference program (`rows` sequences) on every rank at
+    once, after `_WARMUP` untimed ones, each after a barrier, and compare the slowest rank's
+    median with `hw`'s price for it. Call it on every rank of the world `hw` was
+    measured on; every rank returns the same result.
+
+    Raises:
+        ValueError: `repeats` or `rows` below 1, `tolerance` not positive, or a world of
+            another size than `hw` was measured on (raised on every rank alike, before any
+            collective).
+
+    Example:
+        >>> check_profile(hardware("cpu.json")).stale
+        False
+    """
+    what = f"check_profile({hw.name!r})"
+    if repeats < 1 or rows < 1:
+        raise ValueError(f"{what}: repeats={repeats}, rows={rows}; both must be at least 1")
+    if not tolerance > 0:
+        raise ValueError(f"{what}: tolerance={tolerance!r}; give a fraction > 0, e.g. 0.1")
+    if hw.op_time_scale == 1.0 and hw.op_step_overhead_s == 0.0:
+        raise ValueError(f"{what}: the profile has no fitted op time scale (a preset or a "
+                         f"profile written without pxform's runtime costs); nothing here "
+                         f"was measured on a machine to compare with. Fix: measure one with "
+                         f"`pxform calibrate --out PATH`")
+    ranks = profile_ranks(hw)
+    if world.size() != ranks:
+        raise ValueError(f"{what}: the profile was measured on {ranks} rank"
+                         f"{'s' * (ranks != 1)} (its largest collective group), this world "
+                         f"has {world.size()}; ranks that share cores and memory run each "
+                         f"op slower together. Fix: run under `torchrun --nproc-per-node "
+                         f"{ranks} -m pxform check-profile PROFILE`")
+    loss, params, tokens = reference_program(rows)
+    step = value_and_grad(loss)
+    for _ in range(_WARMUP):
+        step(params, tokens)
+    mine = [timed_call(lambda: step(params, tokens)) for _ in range(repeats)]
+    every = world.gather_objects(mine)
+    slowest = max(every, key=statistics.median)
+    members: Sequence[Hardware] = hw.calibrations or (hw,)
+    predicted = statistics.median(reference_price(c, params, tokens) for c in members)
+    return ProfileCheck(hw.name, ranks, rows, int(tokens.shape[1]), predicted,
+                        statistics.median(slowest), tuple(slowest), tolerance)
+
+
+def refreshed_profile(hw: Hardware, check: ProfileCheck) -> Hardware:
+    """`hw` with its op times (`op_time_scale` and `op_step_overhead_s`, in it and in
+    each of its calibrations) multiplied by `check.factor`, so that it prices the
+    reference program at what `check` measured; every other number (collectives, the
+    runtime's fixed costs, memory) as measured. The source says when and by how much.
+
+    Example:
+        >>> now = refreshed_profile(hw, check_profile(hw))
+        >>> now.op_time_scale / hw.op_time_scale == check.factor
+        True
+    """
+    if check.profile != hw.name:
+        raise ValueError(f"refreshed_profile: the check is of profile {check.profile!r}, "
+                         f"not {hw.name!r}; check this profile first (check_profile(hw))")
+    today = datetime.date.today().isoformat()
+
+    def scaled(p: Hardware, note: bool) -> Hardware:
+        source = (f"{p.source}; op times x{check.factor:.3f} by pxform check-profile on "
+                  f"{today} (the reference program measured {check.measured_s * 1e3:.2f} "
+                  f"ms, priced {check.predicted_s * 1e3:.2f} ms)") if note else p.source
+        return dataclasses.replace(p, op_time_scale=p.op_time_scale * check.factor,
+                                   op_step_overhead_s=p.op_step_overhead_s * check.factor,
+                                   source=source)
+
+    members = tuple(scaled(c, False) for c in hw.calibrations)
+    return dataclasses.replace(scaled(hw, True), calibrations=members)
