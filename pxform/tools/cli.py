@@ -56,7 +56,12 @@ from pxform.runtime import calibrate, world
 from pxform.runtime.worker import exit_worker
 from pxform.search import SearchError
 from pxform.search.plan import FrontierPoint, Plan, schedule_text
-from pxform.tools.profile_check import DEFAULT_TOLERANCE, check_profile, refreshed_profile
+from pxform.tools.profile_check import (
+    DEFAULT_TOLERANCE,
+    ProfileCheck,
+    check_profile,
+    refreshed_profile,
+)
 from pxform.tools.runtime_costs import representative_profile, runtime_costs
 from pxform.transforms.auto import DEFAULT_MEMORY_MARGIN, auto
 
@@ -287,21 +292,29 @@ def _check_profile_command(args: argparse.Namespace) -> int:
             result = check_profile(hw, repeats=args.repeats, tolerance=args.tolerance)
         except ValueError as exc:  # raised alike on every rank, before any collective
             if world.rank() == 0:
-                print(f"pxform check-profile: {exc}", file=err)
+                print(f"pxform check-profile: {exc}", file=err, flush=True)
+            world.barrier()  # (rank 0 printed before any rank leaves: see below)
             return 2
-        if world.rank() != 0:
-            return 0 if args.refresh is not None or not result.stale else 3
-        print(result.explain())
-        if args.refresh is None:
-            return 3 if result.stale else 0
-        try:
-            refreshed_profile(hw, result).save(args.refresh)
-        except OSError as exc:
-            print(f"pxform check-profile: cannot write {args.refresh}: "
-                  f"{exc.strerror or exc}\n  Fix: pass --refresh a writable path.", file=err)
-            return 1
-        print(f"wrote {args.refresh} (op times x{result.factor:.3f})")
-        return 0
+        code = _report_check(args, hw, result) if world.rank() == 0 else None
+        # every rank leaves with rank 0's code, after it printed: under torchrun a rank
+        # that exits non-zero first gets the others stopped, rank 0's lines unprinted
+        return int(world.gather_objects(code)[0])
+
+
+def _report_check(args: argparse.Namespace, hw: Hardware, result: ProfileCheck) -> int:
+    """On rank 0: print the check, write --refresh; the exit code."""
+    print(result.explain(), flush=True)
+    if args.refresh is None:
+        return 3 if result.stale else 0
+    try:
+        refreshed_profile(hw, result).save(args.refresh)
+    except OSError as exc:
+        print(f"pxform check-profile: cannot write {args.refresh}: "
+              f"{exc.strerror or exc}\n  Fix: pass --refresh a writable path.",
+              file=sys.stderr, flush=True)
+        return 1
+    print(f"wrote {args.refresh} (op times x{result.factor:.3f})", flush=True)
+    return 0
 
 
 def _hardware(spec: str) -> Hardware:
