@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import re
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -62,15 +63,22 @@ def test_reprice_gives_a_saved_runs_errors_back_and_moves_them_with_the_profile(
                     assert error < saved[case] - 0.02, case
                 elif case.startswith("pp"):
                     # the per-step costs once, after the schedule, not through both
-                    # ranks' backwards (`pxform.search.stages.after_schedule`)
-                    assert saved[case] - 0.03 < error < saved[case] - 1e-4, case
+                    # ranks' backwards (`pxform.search.stages.after_schedule`), and the
+                    # no-op dropouts below
+                    assert saved[case] - 0.05 < error < saved[case] + 0.005, case
                 else:
-                    assert error == pytest.approx(saved[case], abs=1e-6), case
+                    # the run's own errors, but for GPT small's 9 dropouts that drop
+                    # nothing: priced as the views they are since the thirty-first
+                    # session, not as elementwise ops (they moved these plans' errors
+                    # by -0.1 to +0.2 points)
+                    assert error == pytest.approx(saved[case], abs=0.005), case
         else:
             assert saved["tp"] < -0.15 and abs(result["errors"]["tp"]) < 0.10
-            assert result["errors"]["dp"] == pytest.approx(saved["dp"], abs=1e-6)
+            assert result["errors"]["dp"] == pytest.approx(saved["dp"], abs=0.005)
     out = capsys.readouterr().out
-    assert "accuracy-twenty-first-d-stall-2026-11-29.json: 12/12 pinned cases within 10%" in out
+    # (12/12 until the no-op dropouts were priced as views: its tp, -9.97 %, crossed -10 %)
+    assert re.search(r"accuracy-twenty-first-d-stall-2026-11-29\.json: 1[12]/12 pinned cases "
+                     r"within 10% \(median \d", out), out
     assert ("accuracy-twentieth-a-perbyte-2026-11-29.json: skipped, its profiles do not load "
             "here: Hardware.load: the profile dict: key 'relayout_byte_s' is not a profile "
             "key") in out
@@ -79,20 +87,24 @@ def test_reprice_gives_a_saved_runs_errors_back_and_moves_them_with_the_profile(
 def test_reprice_prices_each_plan_at_the_median_of_the_runs_calibrations(accuracy):
     """By default a saved run's plans are priced with its representative carrying all its
     calibrations (`Hardware.calibrations`): each plan's error is then the median
-    of the errors the run saved for each calibration alone (the prices have not moved
-    since that run), which is not the representative's own error."""
+    of the errors the run saved for each calibration alone, which is not the
+    representative's own error. (The prices have moved since that run only by the no-op
+    dropouts, priced as views since the thirty-first session: by tenths of a point.)"""
     import statistics
 
     path = RESULTS / "accuracy-twenty-eighth-a-2026-11-30.json"
     saved = {c["case"]: c for c in json.loads(path.read_text())["cases"]}
     (got,) = accuracy.reprice([str(path)])
     moved = 0
+    drift: list[float] = []
     for case, error in got["errors"].items():
         each = saved[case]["time_error_each_calibration"]
         assert len(each) == 5
-        assert error == pytest.approx(statistics.median(each), abs=1e-6), case
+        assert error == pytest.approx(statistics.median(each), abs=0.005), case
+        drift.append(error - statistics.median(each))
         moved += abs(error - saved[case]["time_error"]) > 1e-3
     assert moved >= 5
+    print("repriced less the median of the saved errors:", [f"{d:+.4f}" for d in drift])
 
 
 def test_the_measured_steps_band_is_the_spread_of_its_median_over_resampled_rounds(accuracy):

@@ -560,11 +560,66 @@ def test_saved_bytes_are_attributed_to_the_tensor_saved():
     # zero-bubble stage keeping weight-op outputs for its W adds)
     # (`packs`: whether the op saves anything, counted or not: torch's checkpoint
     # recomputes up to the last op that does)
+    # (`inputs_saved`: which inputs' storages the op saves, counted here or not;
+    # `outputs_alias`: the input whose storage each output is, -1 for a new one)
     assert saved[0] == SavedBytes(inputs=(16 * 4 * 4, 0), outputs=(0,), other=0,
-                                  stored=("w",), outputs_saved=(False,), packs=True)
+                                  stored=("w",), outputs_saved=(False,), packs=True,
+                                  inputs_saved=(True, True), outputs_alias=(-1,))
     assert saved[1] == SavedBytes(inputs=(0,), outputs=(16 * 8 * 4,), other=0,
-                                  outputs_saved=(True,), packs=True)
+                                  outputs_saved=(True,), packs=True, inputs_saved=(False,),
+                                  outputs_alias=(-1,))
     assert saved[2].total == 0 and not saved[2].packs
+
+
+def test_a_storage_saved_twice_is_named_by_each_saver_and_views_name_their_input():
+    """tanh saves its output; a matmul saves a reshaped view of that same storage, which is
+    counted once (for tanh) but named as saved by both (`inputs_saved`); the reshape names
+    the input it aliases (`outputs_alias`), and a reshape that must copy (of a transposed
+    view) names none: what lets the search count the matmul's own copy when a re-layout
+    sits between the two savers."""
+    from pxform.cost.model import saved_bytes_per_op
+
+    def fn(w, x):
+        a = torch.tanh(x)
+        copied = a.transpose(1, 2).reshape(4, 48)
+        return (a.reshape(4, 48) @ w).sum() + copied.sum()
+
+    w, x = torch.randn(48, 3), torch.randn(4, 6, 8)
+    graph = pxform.trace(fn, w, x).graph
+    saved = saved_bytes_per_op(graph, 0, len(graph.ops), {"w"})
+    names = [str(op.target).split(".")[1] for op in graph.ops]
+    tanh, transpose = names.index("tanh"), names.index("transpose")
+    reshapes = {graph.ops[k].inputs[0].name: k for k, n in enumerate(names) if n == "reshape"}
+    view = reshapes[graph.ops[tanh].outputs[0].name]
+    copy = reshapes[graph.ops[transpose].outputs[0].name]
+    matmul = next(k for k, n in enumerate(names) if n in ("matmul", "mm", "linear"))
+    assert saved[tanh].outputs == (4 * 6 * 8 * 4,) and saved[tanh].outputs_alias == (-1,)
+    assert saved[transpose].outputs_alias == (0,)
+    assert saved[view].outputs_alias == (0,) and saved[copy].outputs_alias == (-1,)
+    assert saved[matmul].inputs_saved[0] and saved[matmul].inputs[0] == 0
+
+
+def test_a_relayout_copies_storage_unless_it_is_a_slice_of_one_contiguous_run():
+    """`relayout_copies_storage`: a collective's output is new; a slice along dim 0 (one
+    contiguous run) is a view of its input, a slice along a later dim a copy; steps over
+    an axis of one device run nothing."""
+    from pxform.core.layout import Layout, plan_relayout
+    from pxform.core.mesh import AbstractMesh
+    from pxform.core.spec import P
+    from pxform.cost.model import relayout_copies_storage
+
+    mesh = AbstractMesh({"tp": 2})
+
+    def own(src, dst, sizes=None):
+        r = plan_relayout((64, 128), 4, Layout.of(src, 2), Layout.of(dst, 2), mesh)
+        local = Layout.of(src, 2).local_shape((64, 128), mesh)
+        return relayout_copies_storage(r, local, sizes or {"tp": 2})
+
+    assert own(P(), P("tp")) is False                 # rows 0-31: a view
+    assert own(P(), P(None, "tp")) is True            # columns 0-63 of each row: a copy
+    assert own(P("tp"), P()) is True                  # an all-gather
+    assert own(P(None, "tp"), P("tp")) is True        # an all-to-all
+    assert own(P(), P(None, "tp"), {"tp": 1}) is False
 
 
 def test_block_memory_counts_gradients_as_they_replace_activations():

@@ -351,6 +351,32 @@ def relayout_copies(relayout: Relayout, local: Sequence[int], itemsize: int,
     return out
 
 
+def relayout_copies_storage(relayout: Relayout, local: Sequence[int],
+                            sizes: Mapping[str, int]) -> bool:
+    """Does running `relayout` (`pxform.runtime.collectives`) on a value whose local shape
+    under `relayout.src` is `local` give a tensor of its own, not the input or a view of
+    it? Every collective's output is new, as are `zero`'s (off index 0) and `pad`'s; a
+    slice is a view when its piece is one contiguous run (no non-1 dim before its dim),
+    a copy otherwise. Steps over an axis of one device run nothing.
+
+    Example:
+        >>> r = plan_relayout((64, 128), 4, Layout.of(P(), 2), Layout.of(P(None, "tp"), 2),
+        ...                   AbstractMesh({"tp": 2}))
+        >>> relayout_copies_storage(r, (64, 128), {"tp": 2})
+        True
+    """
+    shape = list(local)
+    for s in relayout.steps:
+        n = sizes.get(s.axis, 1)
+        if n <= 1:
+            continue
+        d = s.dim if s.dim is not None else 0
+        if s.kind != "slice" or math.prod(shape[:d]) != 1:
+            return True
+        shape[d] //= n
+    return False
+
+
 def relayout_steps(relayout: Relayout) -> list[tuple[str, str, float]]:
     """(kind, axis, bytes sent per rank) per step; an axis's volume is shared by its steps."""
     per_axis: dict[str, int] = {}
@@ -385,6 +411,13 @@ class SavedBytes:
     # whether the op saves any tensor at all (also one counted for an earlier op, or a
     # parameter): torch's checkpoint recomputes up to the last op that does
     packs: bool = False
+    # per op input, whether the op saves its storage (or a view of it), counted here or
+    # for an earlier op: a re-layout between the two makes the saved tensor a copy of its
+    # own in the sharded program (`blockcost.walk`; empty: not known)
+    inputs_saved: tuple[bool, ...] = ()
+    # per op output, the input whose storage it is (a view, an alias), or -1: a view of a
+    # re-laid-out copy is that copy (empty: not known)
+    outputs_alias: tuple[int, ...] = ()
 
     @property
     def total(self) -> int:
@@ -434,10 +467,13 @@ def saved_bytes_per_op(graph: Graph, start: int, stop: int, skip: set[str]
     packs = [0]  # tensors the running op saved, counted or not
     made: list[tuple[object | None, ...]] = []  # per op its outputs' storages (kept alive)
 
+    packed_now: set[int] = set()  # storages the running op saved, counted or not
+
     def pack(t: torch.Tensor) -> torch.Tensor:
         storage = t.untyped_storage()
         key = id(storage)
         packed.add(key)
+        packed_now.add(key)
         packs[0] += 1
         if key in skipped:
             stored[skipped[key]] = None
@@ -463,8 +499,14 @@ def saved_bytes_per_op(graph: Graph, start: int, stop: int, skip: set[str]
             else:
                 other += nbytes
         saved.append(SavedBytes(tuple(by_in), tuple(by_out), other, tuple(stored),
-                                packs=packs[0] > 0))
+                                packs=packs[0] > 0,
+                                inputs_saved=tuple(key is not None and key in packed_now
+                                                   for key in ins),
+                                outputs_alias=tuple(ins.index(key) if key is not None
+                                                    and key in ins else -1
+                                                    for key in outs)))
         packs[0] = 0
+        packed_now.clear()
         made.append(tuple(r.untyped_storage() if isinstance(r, torch.Tensor) else None
                           for r in results[:len(op.outputs)]))
         pending.clear()
