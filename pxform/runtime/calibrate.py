@@ -16,13 +16,13 @@ What is measured
 * collectives: every kind over the whole world and, with 4 or more ranks, over groups of 2
   consecutive ranks (all pairs at once, as a mesh axis of size 2 would run them); p2p is a
   ping-pong between ranks 0 and 1 (half the round trip, timed on rank 0). Per message size:
-  one warm-up, then `repeats` runs, each after a barrier, the sizes in turn within each
-  repeat; the lower quartile (`lower_quartile`: a collective's time on a shared machine
-  is bimodal, and the median flips between the modes). Message sizes are the
-  bytes of the local float32 tensor, rounded up to a whole number of elements divisible by
-  the group size. Times are stored against the bytes each rank sends (the ring volumes of
-  `pxform.core.layout`) and made non-decreasing in size (a running maximum: noise must not
-  make a larger message cheaper).
+  one warm-up, then `repeats` runs (15 at least: `_COMM_REPEATS`), each after a barrier,
+  the sizes in turn within each repeat; the lower quartile (`lower_quartile`: a
+  collective's time on a shared machine is bimodal, and the median flips between the
+  modes). Message sizes are the bytes of the local float32 tensor, rounded up to a whole
+  number of elements divisible by the group size. Times are stored against the bytes
+  each rank sends (the ring volumes of `pxform.core.layout`) and made non-decreasing in
+  size (a running maximum: noise must not make a larger message cheaper).
 * sync wait (`Hardware.sync_wait`): what a blocking all-reduce costs more after a few
   milliseconds of compute than right after another one (`_measure_sync_wait`).
 * links: per level, least squares of the all_reduce table(s), `time = 2(n-1) alpha +
@@ -105,7 +105,8 @@ def calibrate(*, sizes: Sequence[int] = (2**10, 2**14, 2**18, 2**22), repeats: i
 
     Args:
         sizes: message sizes in bytes (of the local tensor), each timed per kind and group.
-        repeats: timed runs per size (after one warm-up). A collective's sizes are timed
+        repeats: timed runs per size (after one warm-up; 15 at least for collectives,
+            `_COMM_REPEATS`). A collective's sizes are timed
             in turn within each repeat and count by their lower quartile
             (`lower_quartile`: on shared machines a collective's time is bimodal), ops
             by their median.
@@ -149,7 +150,8 @@ def calibrate(*, sizes: Sequence[int] = (2**10, 2**14, 2**18, 2**22), repeats: i
 
     tables: list[CommTable] = []
     if world >= 2:
-        tables = _measure_comms(sorted(set(sizes)), repeats, tuple(kinds), world, rank,
+        tables = _measure_comms(sorted(set(sizes)), max(repeats, _COMM_REPEATS), tuple(kinds),
+                                world, rank,
                                 devices_per_node, device, say)
 
     # every rank computes at once, as in training: ranks sharing cores and a memory bus
@@ -595,6 +597,16 @@ def _memory_bytes(device: torch.device, ranks_per_node: int) -> int:
 # ---------------------------------------------------------------------------- collectives
 def _level(span: int, devices_per_node: int) -> int:
     return 0 if span <= devices_per_node else 1  # as Hardware.level, before it exists
+
+
+# Timed runs per collective and size, at least: a collective's time here is bimodal, its
+# slow mode coming in spells, and over 5 runs (`pxform calibrate`'s default repeats) the
+# lower quartile landed on it: a reduce-scatter of 256 KiB at 3.5 ms in one profile
+# (2026-11-30), where 15 runs minutes later had it at 0.31 ms (lower quartile; median
+# 0.47, slowest 5.2). That profile's table gave 3.6 ms for the sequence-parallel GPT's
+# 512 KiB reduce-scatters, which took 1.7-2.4 ms in its steps, per-collective costs
+# included. About a second more for the 4 default sizes and 5 kinds.
+_COMM_REPEATS = 15
 
 
 def _measure_comms(sizes: Sequence[int], repeats: int, kinds: tuple[str, ...], world: int,
