@@ -273,9 +273,6 @@ def walk(a: Analysis, block: BlockInfo, strats: list[Strategy], outside: Mapping
         # (the log-softmax's 2 MiB at the peak of GPT small's tensor-parallel step)
         here += kept_by.other * sc / ways
         transient = max(transient, here)
-        # a recomputed block's backward reaches this op holding what it and the ops before
-        # it saved: torch's checkpoint frees each recomputed tensor once backward used it
-        redo = max(redo, saved + here)
         copies: list[tuple[str, Layout] | None] = []  # per input: its own copy, if any
         for i, v in enumerate(op.inputs):
             values[v.name] = v
@@ -328,6 +325,9 @@ def walk(a: Analysis, block: BlockInfo, strats: list[Strategy], outside: Mapping
                 if bwd:
                     syncs_back += cache.collectives(v, consumer_gradient_layout(s, i),
                                                     gradient_layout(have))
+        # a recomputed block's backward reaches this op holding what it and the ops before
+        # it saved: torch's checkpoint frees each recomputed tensor once backward used it
+        redo = max(redo, saved + here)
         for out, src in zip(op.outputs, kept_by.outputs_alias):
             base = copies[src] if src >= 0 else None
             if base is not None:
