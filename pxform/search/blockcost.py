@@ -273,7 +273,15 @@ def walk(a: Analysis, block: BlockInfo, strats: list[Strategy], outside: Mapping
         # (the log-softmax's 2 MiB at the peak of GPT small's tensor-parallel step)
         here += kept_by.other * sc / ways
         transient = max(transient, here)
-        copies: list[tuple[str, Layout] | None] = []  # per input: its own copy, if any
+        # per input, its own copy if it has one (asked only where the op saves the input
+        # or an output is a view of it: the walk is the search's inner loop)
+        copies: list[tuple[str, Layout] | None] = [None] * len(op.inputs)
+        asks = [False] * len(op.inputs)
+        for i, saves in enumerate(kept_by.inputs_saved[:len(asks)]):
+            asks[i] = saves
+        for i in kept_by.outputs_alias:
+            if i >= 0:
+                asks[i] = True
         for i, v in enumerate(op.inputs):
             values[v.name] = v
             have = layouts.get(v.name) or params.get(v.name) or outside.get(v.name)
@@ -284,12 +292,15 @@ def walk(a: Analysis, block: BlockInfo, strats: list[Strategy], outside: Mapping
             fwd, bwd = input_times(v, i, s, have, cache,
                                    sc if v.name in batch_values else 1.0, first)
             param = v.name in a.params or v.name in a.param_casts
-            copy = fresh.get(v.name) if have == s.inputs[i] else (
-                (v.name, s.inputs[i]) if not param and cache.copies_storage(
-                    v, have, s.inputs[i]) else None)
-            copies.append(copy)
-            if copy is not None and kept_by.inputs_saved and kept_by.inputs_saved[i] \
-                    and copy not in fresh_saved:
+            copy = None
+            if asks[i]:
+                if have == s.inputs[i]:
+                    copy = fresh.get(v.name)
+                elif not param and cache.copies_storage(v, have, s.inputs[i]):
+                    copy = (v.name, s.inputs[i])
+                copies[i] = copy
+            if copy is not None and i < len(kept_by.inputs_saved) \
+                    and kept_by.inputs_saved[i] and copy not in fresh_saved:
                 # the op saves a storage an earlier op saved too (counted there), but here
                 # it is re-laid out: the copy it saves is its own. (A tensor-parallel GPT
                 # whose attention output is sliced for a row-parallel projection saved 4
