@@ -33,6 +33,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -422,6 +423,17 @@ class SavedBytes:
     @property
     def total(self) -> int:
         return sum(self.inputs) + sum(self.outputs) + self.other
+
+    @functools.cached_property
+    def asks(self) -> tuple[bool, ...] | None:
+        """Per op input, whether the op saves it or an output is a view of it (what
+        `blockcost.walk` asks a re-layout about); None for an op with neither, the most
+        (the walk is the search's inner loop: it asks this per op per option)."""
+        asks = list(self.inputs_saved)
+        for i in self.outputs_alias:
+            if 0 <= i < len(asks):
+                asks[i] = True
+        return tuple(asks) if any(asks) else None
 
 
 def saved_bytes_per_op(graph: Graph, start: int, stop: int, skip: set[str]

@@ -274,14 +274,9 @@ def walk(a: Analysis, block: BlockInfo, strats: list[Strategy], outside: Mapping
         here += kept_by.other * sc / ways
         transient = max(transient, here)
         # per input, its own copy if it has one (asked only where the op saves the input
-        # or an output is a view of it: the walk is the search's inner loop)
-        copies: list[tuple[str, Layout] | None] = [None] * len(op.inputs)
-        asks = [False] * len(op.inputs)
-        for i, saves in enumerate(kept_by.inputs_saved[:len(asks)]):
-            asks[i] = saves
-        for i in kept_by.outputs_alias:
-            if i >= 0:
-                asks[i] = True
+        # or an output is a view of it: `SavedBytes.asks`)
+        asks = kept_by.asks
+        copies: list[tuple[str, Layout] | None] = [None] * len(op.inputs) if asks else []
         for i, v in enumerate(op.inputs):
             values[v.name] = v
             have = layouts.get(v.name) or params.get(v.name) or outside.get(v.name)
@@ -293,7 +288,7 @@ def walk(a: Analysis, block: BlockInfo, strats: list[Strategy], outside: Mapping
                                    sc if v.name in batch_values else 1.0, first)
             param = v.name in a.params or v.name in a.param_casts
             copy = None
-            if asks[i]:
+            if asks and i < len(asks) and asks[i]:
                 if have == s.inputs[i]:
                     copy = fresh.get(v.name)
                 elif not param and cache.copies_storage(v, have, s.inputs[i]):
@@ -339,10 +334,11 @@ def walk(a: Analysis, block: BlockInfo, strats: list[Strategy], outside: Mapping
         # a recomputed block's backward reaches this op holding what it and the ops before
         # it saved: torch's checkpoint frees each recomputed tensor once backward used it
         redo = max(redo, saved + here)
-        for out, src in zip(op.outputs, kept_by.outputs_alias):
-            base = copies[src] if src >= 0 else None
-            if base is not None:
-                fresh[out.name] = base
+        if copies:
+            for out, src in zip(op.outputs, kept_by.outputs_alias):
+                base = copies[src] if src >= 0 else None
+                if base is not None:
+                    fresh[out.name] = base
         fwd_seq += [(0.0, syncs_in), (f, 0)]
         bwd_seq += [(0.0, syncs_back), (b, 0)]  # (reversed below: backward runs last op first)
         for v, lay in zip(op.outputs, s.outputs):
