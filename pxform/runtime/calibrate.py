@@ -106,8 +106,8 @@ def calibrate(*, sizes: Sequence[int] = (2**10, 2**14, 2**18, 2**22), repeats: i
     Args:
         sizes: message sizes in bytes (of the local tensor), each timed per kind and group.
         repeats: timed runs per size (after one warm-up; 15 at least for collectives,
-            `_COMM_REPEATS`). A collective's sizes are timed
-            in turn within each repeat and count by their lower quartile
+            `_COMM_REPEATS`). A collective's sizes are timed in turn within each repeat
+            and count by their lower quartile
             (`lower_quartile`: on shared machines a collective's time is bimodal), ops
             by their median.
         kinds: collective kinds to time (all_reduce, all_gather, reduce_scatter,
@@ -150,9 +150,8 @@ def calibrate(*, sizes: Sequence[int] = (2**10, 2**14, 2**18, 2**22), repeats: i
 
     tables: list[CommTable] = []
     if world >= 2:
-        tables = _measure_comms(sorted(set(sizes)), max(repeats, _COMM_REPEATS), tuple(kinds),
-                                world, rank,
-                                devices_per_node, device, say)
+        tables = _measure_comms(sorted(set(sizes)), max(repeats, _COMM_REPEATS),
+                                tuple(kinds), world, rank, devices_per_node, device, say)
 
     # every rank computes at once, as in training: ranks sharing cores and a memory bus
     # (CPU) share their rate; rank 0's figures are kept
