@@ -57,8 +57,7 @@ def test_a_stale_profile_is_found_and_the_refreshed_one_prices_the_machine(world
     time scale 1,000 times too small) is stale by nearly -100 % on 2 real ranks; both
     ranks get the same result; its op times rescaled by `refreshed_profile` price the
     reference at exactly what was measured, and checked again on the ranks (another
-    timing, so within the machine's noise, not exactly) it is no longer off by a factor.
-    A factor applied the wrong way round would leave it a million times off."""
+    timing, so within the machine's noise, not exactly) it is within a factor of 3."""
     stale = profile(op_time_scale=1.3e-3, op_step_overhead_s=4e-9)
     results = world.run(checked, stale)
     assert results[0] == results[1]
@@ -69,7 +68,10 @@ def test_a_stale_profile_is_found_and_the_refreshed_one_prices_the_machine(world
     assert first.predicted_s == pytest.approx(reference_price(stale, params, tokens))
     assert first.stale and first.time_error < -0.9
     assert priced == pytest.approx(first.measured_s, rel=1e-6)
-    assert abs(again.time_error) < 0.6, again.explain()
+    # (a second timing, seconds later: in CI, with tests running beside it, the machine
+    # moved by 61 % between the two once, so the bound is a factor of 3, which still
+    # tells a rescaling from none, ~200x off, and from one the wrong way round, ~40,000x)
+    assert 1 / 3 < again.predicted_s / again.measured_s < 3, again.explain()
     text = first.explain()
     assert "profile two-ranks on 2 ranks" in text and "stale" in text
     assert "the machine is now slower than the profile" in text
