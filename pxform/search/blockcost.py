@@ -288,14 +288,13 @@ def walk(a: Analysis, block: BlockInfo, strats: list[Strategy], outside: Mapping
                                    sc if v.name in batch_values else 1.0, first)
             param = v.name in a.params or v.name in a.param_casts
             copy = None
-            if asks and i < len(asks) and asks[i]:
+            if asks and asks[i]:  # (`asks`, like `inputs_saved`, has one per op input)
                 if have == s.inputs[i]:
                     copy = fresh.get(v.name)
                 elif not param and cache.copies_storage(v, have, s.inputs[i]):
                     copy = (v.name, s.inputs[i])
                 copies[i] = copy
-            if copy is not None and i < len(kept_by.inputs_saved) \
-                    and kept_by.inputs_saved[i] and copy not in fresh_saved:
+            if copy is not None and kept_by.inputs_saved[i] and copy not in fresh_saved:
                 # the op saves a storage an earlier op saved too (counted there), but here
                 # it is re-laid out: the copy it saves is its own. (A tensor-parallel GPT
                 # whose attention output is sliced for a row-parallel projection saved 4
