@@ -255,3 +255,38 @@ def receives_posted(schedule, options):
         executor._post_recv = real
     ahead = [posted[str(a)] < start for a, start, _ in events if a.kind in ("RF", "RB")]
     return {"ahead": ahead, "loss_err": abs(float(value) - float(ref))}
+
+
+def weight_accumulations(bucket_mb=None, microbatches=4):
+    """The example GPT on 2 pipeline stages under the zero-bubble schedule, `value_and_grad`
+    once with `torch.autograd.backward` counted (a W action's accumulation into the
+    parameters is the only caller: its B asks `torch.autograd.grad`), against the
+    single-process reference; `bucket_mb` given: inside a `shard` over `pp` with that
+    bucket size."""
+    cfg, params, batch = gpt_setup(4)
+
+    def f(p, b):
+        return gpt_loss(p, b, cfg)
+
+    pipe = pxform.pipeline(f, stages=2, microbatches=microbatches, schedule="zb")
+    step = pipe
+    if bucket_mb is not None:
+        step = pxform.shard(pipe, mesh=pxform.Mesh({"pp": 2}), in_specs=(None, None),
+                            bucket_mb=bucket_mb)
+    stage = pipe.lower(params, batch).stages[torch.distributed.get_rank()]
+    real, calls = torch.autograd.backward, []
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    torch.autograd.backward = counted
+    try:
+        loss, grads = pxform.value_and_grad(step)(params, batch)
+    finally:
+        torch.autograd.backward = real
+    ref_loss, ref_grads = pxform.value_and_grad(f)(params, batch)
+    out = _errors(loss, grads, ref_loss, ref_grads)
+    out["calls"] = len(calls)
+    out["weight_ops"] = len(stage.weight_ops)
+    return out

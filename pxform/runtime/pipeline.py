@@ -283,6 +283,21 @@ def run(program: PipelineProgram, actions: Sequence[Action | None], place: Pipel
         st, sl = stage(s), slot(s, i)
         dys = iter(sl.weight_grads)
         offset = len(st.sends) + st.num_outputs
+        # Each weight op's gradient is asked of autograd apart (one call over all of them
+        # would also run each op's activation side on to the weights before it), but they
+        # reach the parameters in one call per bucket's worth of bytes: one call per op
+        # cost GPT small's zero-bubble pipeline 86 ms a step against 77.6 ms batched and
+        # 76.5 ms for 1F1B (2 gloo ranks, 8 microbatches, 2026-11-30), the parameters'
+        # gradient hooks and autograd's own start-up paid 14 times per W.
+        ready: list[tuple[torch.Tensor, torch.Tensor]] = []
+        held = 0
+
+        def accumulate() -> None:
+            if ready:
+                torch.autograd.backward([w for w, _ in ready], [g for _, g in ready],
+                                        retain_graph=True)
+                ready.clear()
+
         with with_groups(per_mb[i], accumulator, seeds):
             for num_out, num_w in st.weight_ops:
                 ys = sl.outputs[offset:offset + num_out]
@@ -294,10 +309,14 @@ def run(program: PipelineProgram, actions: Sequence[Action | None], place: Pipel
                     continue
                 gws = torch.autograd.grad([y for y, _ in pairs], need, [g for _, g in pairs],
                                           retain_graph=True, allow_unused=True)
-                ready = [(w, g) for w, g in zip(need, gws) if g is not None]
-                if ready:
-                    torch.autograd.backward([w for w, _ in ready], [g for _, g in ready],
-                                            retain_graph=True)
+                for w, g in zip(need, gws):
+                    if g is not None:
+                        ready.append((w, g))
+                        held += g.numel() * g.element_size()
+                if held >= bucket_bytes:  # what waits is bounded as a bucket is
+                    accumulate()
+                    held = 0
+            accumulate()
         sl.outputs = ()
         sl.weight_grads = []
 
