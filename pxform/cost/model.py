@@ -560,6 +560,19 @@ BUCKET_BYTES = 25 * 2**20
 DDP's default)."""
 
 
+def weight_pool_bytes(grads: Sequence[float]) -> float:
+    """Bytes a zero-bubble W action holds on top of its stage's memory: the weight
+    gradients it has asked autograd for and not yet accumulated into the parameters, a
+    bucket's worth at most (`pxform.runtime.pipeline` accumulates them in one call per
+    bucket). `grads`: the stage's blocks' parameter gradient bytes.
+
+    Example:
+        >>> weight_pool_bytes([1e6, 2e6]), weight_pool_bytes([1e9]) == BUCKET_BYTES
+        (3000000.0, True)
+    """
+    return float(min(sum(grads), BUCKET_BYTES))
+
+
 def backward_extra(activations: Sequence[float], grads: Sequence[float],
                    workspaces: Sequence[float], in_flight: int, microbatches: int,
                    packed: float, ends: Sequence[float | None] | None = None) -> float:

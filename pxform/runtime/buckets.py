@@ -336,6 +336,10 @@ class GradAccumulator:
         self.bucket_bytes = bucket_bytes
         self.microbatch_axis = microbatch_axis
         self.sums: dict[tuple[int, tuple[Step, ...]], torch.Tensor] = {}
+        # the sums this accumulator allocated: added to in place, without a second buffer
+        # of the parameter's size for a moment (a zero-bubble W's accumulation, with its
+        # stage's weight gradients held, took its peak there)
+        self.owned: set[tuple[int, tuple[Step, ...]]] = set()
         self.stats = BucketStats()
         self.out_dtypes: dict[int, torch.dtype] = {}
 
@@ -349,8 +353,13 @@ class GradAccumulator:
         if dtype is not None and dtype != grad.dtype:
             self.out_dtypes[key] = dtype
         slot = (key, steps)
-        if slot in self.sums:
+        if slot in self.owned:
+            self.sums[slot].add_(grad)
+        elif slot in self.sums:
+            # a sum of its own from the second microbatch on, added to in place after:
+            # the first gradient is autograd's, which may share its memory
             self.sums[slot] = self.sums[slot] + grad
+            self.owned.add(slot)
         else:
             self.sums[slot] = grad
 

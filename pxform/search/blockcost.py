@@ -153,6 +153,9 @@ class WalkCost:
                            # with the last op that saves a tensor for backward (torch's
                            # checkpoint stops once that op saved it: autograd saves an
                            # op's inputs after its kernel ran), and its parameter gathers
+    largest_grad_bytes: float = 0.0  # its largest parameter's local gradient: what a
+                                     # pipeline's sum over microbatches allocates at once
+                                     # (`pxform.runtime.buckets.GradAccumulator`)
 
 
 def _floating(v: Value) -> bool:
@@ -420,13 +423,14 @@ def walk(a: Analysis, block: BlockInfo, strats: list[Strategy], outside: Mapping
         lay = outside.get(name, Layout.replicated(v.type.rank))
         local = math.prod(lay.local_shape(v.type.shape, cache.mesh))
         kept += local * v.type.dtype.itemsize * (scale if name in batch_values else 1.0)
-    pbytes = gbytes = 0.0
+    pbytes = gbytes = largest_grad = 0.0
     for name in block.params:
         v = vals[name]
         lay = params.get(name, Layout.replicated(v.type.rank))
         local = math.prod(lay.local_shape(v.type.shape, cache.mesh))
         pbytes += local * model.state_bytes_per_param(v.type.dtype)
         gbytes += local * v.type.dtype.itemsize
+        largest_grad = max(largest_grad, local * v.type.dtype.itemsize)
     # ZeRO-3's gathers run per block, one block ahead (`pxform.runtime.prefetch`): while a
     # block runs, the next block's gather is in flight and the block's own gathered
     # parameters are freed one by one after their use: about one block's worth on top of
@@ -438,7 +442,7 @@ def walk(a: Analysis, block: BlockInfo, strats: list[Strategy], outside: Mapping
                     transient, packed, packed_sent.get("outer", 0.0),
                     packed_sent.get("inner", 0.0), redo + gathered, bwd_compute,
                     weight_compute, weight_out, gather_time, weight_ops, gathered_saved,
-                    weight_held, redo_until + gather_time)
+                    weight_held, redo_until + gather_time, largest_grad)
 
 
 def sync_waits(sequence: list[tuple[float, int]], wait: Callable[[float], float]) -> float:

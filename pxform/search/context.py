@@ -66,6 +66,7 @@ class OptionCost:
     weight_ops: int = 0  # ops with a weight gradient: a W asks autograd for each apart
     weight_held: float = 0.0  # outputs of those ops no op saves: zero-bubble keeps them
                               # from F to W, per microbatch held (`WalkCost`)
+    largest_grad: float = 0.0  # its largest parameter's gradient (`WalkCost`)
 
     def step_time(self, m: int) -> float:
         return m * (self.forward + self.backward) + self.step_extra

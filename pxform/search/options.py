@@ -132,7 +132,7 @@ def _fields(w: WalkCost) -> tuple[float, ...]:
             w.param_bytes, w.grad_bytes, w.transient_bytes, w.packed_bytes, w.packed_outer,
             w.packed_inner, w.redo_bytes, w.bwd_compute, w.weight_compute,
             w.weight_out_bytes, w.gather_s, w.weight_ops, w.gathered_saved_bytes,
-            w.weight_held_bytes, w.redo_fwd)
+            w.weight_held_bytes, w.redo_fwd, w.largest_grad_bytes)
 
 
 def _walk_at(ctx: SearchContext, block: BlockInfo, config: Config, option: Option,
@@ -197,7 +197,7 @@ def option_cost(ctx: SearchContext, block: BlockInfo, config: Config, option: Op
     return OptionCost(f, b, extra, saved, w.kept_bytes, w.param_bytes, w.grad_bytes,
                       w.transient_bytes, w.packed_bytes, w.redo_bytes, w.packed_outer,
                       w.packed_inner, w.weight_compute, w.weight_out_bytes,
-                      round(w.weight_ops), w.weight_held_bytes)
+                      round(w.weight_ops), w.weight_held_bytes, w.largest_grad_bytes)
 
 
 

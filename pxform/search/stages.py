@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from pxform.cost.hardware import Hardware
-from pxform.cost.model import BACKWARD_RATIO, backward_extra
+from pxform.cost.model import BACKWARD_RATIO, backward_extra, weight_pool_bytes
 from pxform.search.analysis import BlockInfo
 from pxform.search.context import OptionCost, OptionTable, SearchContext, StagePoint
 from pxform.search.frontier import Point, chain_frontier
@@ -145,7 +145,7 @@ def stage_frontier(ctx: SearchContext, config: Config, idx: list[int],
         trans_time.append(mat)
     held = (borrowed(ctx, idx, tables) if config.stages > 1 else 0.0) + inputs
     budget = ctx.budget - held
-    workspace = _least_extra(tables, idx, flight, mm) + during_backward
+    workspace = _least_extra(tables, idx, flight, mm, waits) + during_backward
     for _ in range(3):
         limit = budget - workspace
         if limit <= 0:
@@ -157,7 +157,7 @@ def stage_frontier(ctx: SearchContext, config: Config, idx: list[int],
         out = []
         worst = workspace
         for pt in pts:
-            ws = _extra(tables, idx, pt.choices, flight, mm) + during_backward
+            ws = _extra(tables, idx, pt.choices, flight, mm, waits) + during_backward
             worst = max(worst, ws)
             if pt.memory + ws <= budget:
                 out.append((pt, pt.memory + ws + held, ws))
@@ -177,19 +177,29 @@ def memory_microbatches(m: int, flight: int, waits: int) -> int:
 
 
 def _extra(tables: Sequence[OptionTable], idx: list[int], choices: Sequence[int],
-           flight: int, m: int) -> float:
-    """Bytes on top of the chosen options' summed memory (`cost.model.backward_extra`)."""
+           flight: int, m: int, waits: int = 0) -> float:
+    """Bytes on top of the chosen options' summed memory (`cost.model.backward_extra`);
+    on a zero-bubble stage (`waits` > 0) at least what its W actions hold
+    (`cost.model.weight_pool_bytes`) and, from the second microbatch on, the sum over
+    microbatches of the largest parameter's gradient the accumulation makes meanwhile: a
+    W runs apart from any backward, with the microbatch's graph still kept, as the
+    summed memory counts it (GPT small's 2-stage zero-bubble pipeline peaked there on
+    both ranks, in the second W's accumulation, 2026-11-30)."""
     costs = [tables[k].costs[c] for k, c in zip(idx, choices)]
     redo = [tables[k].options[c].recompute for k, c in zip(idx, choices)]
-    return backward_extra([c.kept if r else c.saved for c, r in zip(costs, redo)],
-                          [c.grads for c in costs],
-                          [c.workspace(r) for c, r in zip(costs, redo)], flight, m,
-                          sum(c.packed for c in costs),
-                          [c.transient if r else None for c, r in zip(costs, redo)])
+    extra = backward_extra([c.kept if r else c.saved for c, r in zip(costs, redo)],
+                           [c.grads for c in costs],
+                           [c.workspace(r) for c, r in zip(costs, redo)], flight, m,
+                           sum(c.packed for c in costs),
+                           [c.transient if r else None for c, r in zip(costs, redo)])
+    if not waits:
+        return extra
+    return max(extra, weight_pool_bytes([c.grads for c in costs])
+               + max(c.largest_grad for c in costs))
 
 
-def _least_extra(tables: Sequence[OptionTable], idx: list[int], flight: int, m: int
-                 ) -> float:
+def _least_extra(tables: Sequence[OptionTable], idx: list[int], flight: int, m: int,
+                 waits: int = 0) -> float:
     """A lower bound of `_extra` over every choice of options: each block's least
     workspace, less the most the blocks before it may not yet hold and, with every
     microbatch in flight, the most the blocks after it no longer hold (`backward_extra`;
@@ -202,8 +212,11 @@ def _least_extra(tables: Sequence[OptionTable], idx: list[int], flight: int, m: 
     # (a recomputed block's recompute may come before its gradients: its transient is
     # what `backward_extra` charges it at least)
     least_work = [min(c.transient for c, _ in p) for p in pairs]
+    # a zero-bubble stage's W actions: what they hold with the fewest gradients
+    pool = (weight_pool_bytes([min(c.grads for c, _ in p) for p in pairs])
+            + max(min(c.largest_grad for c, _ in p) for p in pairs)) if waits and pairs else 0.0
     if flight < m:
-        return max([0.0, *least_work])
+        return max([0.0, pool, *least_work])
     ahead = [max(over(c, o)[0] for c, o in p) for p in pairs]
     behind = [max(over(c, o)[1] for c, o in p) for p in pairs]
     least, before, after = -math.inf, 0.0, sum(behind)
@@ -211,7 +224,7 @@ def _least_extra(tables: Sequence[OptionTable], idx: list[int], flight: int, m: 
         after -= behind[k]
         least = max(least, work - before - after)
         before += ahead[k]
-    return least if pairs else 0.0
+    return max(least, pool) if pairs else 0.0
 
 
 def assemble(ctx: SearchContext, config: Config, part: tuple[int, ...],
