@@ -1372,8 +1372,16 @@ def _relayout_costs(hw: Hardware, gen: torch.Generator, repeats: int) -> float:
         sharded = functools.partial(value_and_grad(step), *step.distribute(params, tokens))
         # a run costs about a millisecond, noisy from one pair to the next: thrice the
         # repeats
-        _, longer = _paired(one_device, sharded, 3 * repeats)
-        got.append((longer - (base - alone), gaps))
+        measured_alone, longer = _paired(one_device, sharded, 3 * repeats)
+        # the sharded step at the speed the profile's op times were fitted at: the one
+        # device's step, timed beside it, says how far the machine has moved since. The
+        # difference of the two steps, as until the thirty-second session, took a drift
+        # for a conversion cost: 6 fits in a row on one profile (2026-11-30) gave 0, 0, 0,
+        # 0.29, 0.46 and 0.18, the last three where the one device ran 25-30 % over its
+        # price; scaled, all six were 0
+        scaled = (measured_alone + longer) * alone / measured_alone if measured_alone > 0 \
+            else measured_alone + longer
+        got.append((scaled - base, gaps))
     return fit_wait_share(got)
 
 
