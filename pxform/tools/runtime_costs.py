@@ -85,9 +85,10 @@ world and returns the profile with them set (`runtime_costs` lists them below):
   transfers, the per-collective cost and the sync wait): the reference transformer
   (below) at 16 sequences of 64 tokens per pair of ranks, every block tensor parallel
   over pairs (and data parallel across them), and the same with sequence parallelism
-  between blocks, each paired with a pair's sequences on one device per rank; the two
-  measured differences less the model's, fitted as the share times the compute before
-  the runs (`_relayout_costs`, `fit_wait_share`; 0 on an odd world).
+  between blocks, each paired with a pair's sequences on one device per rank; each
+  sharded step, scaled by the one device's price over its measured time (the machine's
+  speed as the op times were fitted), less the model's price, fitted as the share times
+  the compute before the runs (`_relayout_costs`, `fit_wait_share`; 0 on an odd world).
   `relayout_overhead_s`, a cost per run, is left at 0 (until 2026-11-29 it was this
   measurement).
 * `all_to_all_share`, an all-to-all's per-collective cost as a share of
@@ -1316,11 +1317,11 @@ def _relayout_costs(hw: Hardware, gen: torch.Generator, repeats: int) -> float:
     `all_to_all_share`): the reference transformer at `_RELAYOUT_SIZE` per pair of
     ranks, every block tensor parallel over pairs (data parallel across them), and the
     same with sequence parallelism between blocks, each paired with a pair's sequences on
-    one device per rank (every rank at once); each measured difference less the one the
-    cost model predicts without the share (the all-to-alls at theirs) is the share times
-    the compute before its runs of collectives after compute (the derivative of the
-    prediction in the share), fitted over both steps (`fit_wait_share`). (0 on an odd
-    world or without a plan.)
+    one device per rank (every rank at once); each sharded step, scaled by the one
+    device's price over its measured time, less the cost model's price without the share
+    (the all-to-alls at theirs) is the share times the compute before its runs of
+    collectives after compute (the derivative of the prediction in the share), fitted
+    over both steps (`fit_wait_share`). (0 on an odd world or without a plan.)
 
     Until 2026-11-29 this was `relayout_overhead_s`, one cost per run, timed on the tensor
     parallel step alone; it is now left at 0. The reference's cost per run grew with the
