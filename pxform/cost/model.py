@@ -560,17 +560,19 @@ BUCKET_BYTES = 25 * 2**20
 DDP's default)."""
 
 
-def weight_pool_bytes(grads: Sequence[float]) -> float:
+def weight_pool_bytes(grads: Sequence[float], largest: float) -> float:
     """Bytes a zero-bubble W action holds on top of its stage's memory: the weight
     gradients it has asked autograd for and not yet accumulated into the parameters, a
     bucket's worth at most (`pxform.runtime.pipeline` accumulates them in one call per
-    bucket). `grads`: the stage's blocks' parameter gradient bytes.
+    bucket), and meanwhile the sum over microbatches of the largest parameter's gradient
+    that the accumulation makes (`pxform.runtime.buckets.GradAccumulator`). `grads`: the
+    stage's blocks' parameter gradient bytes; `largest`: its largest parameter's.
 
     Example:
-        >>> weight_pool_bytes([1e6, 2e6]), weight_pool_bytes([1e9]) == BUCKET_BYTES
-        (3000000.0, True)
+        >>> weight_pool_bytes([1e6, 2e6], 1e6), weight_pool_bytes([1e9], 0) == BUCKET_BYTES
+        (4000000.0, True)
     """
-    return float(min(sum(grads), BUCKET_BYTES))
+    return float(min(sum(grads), BUCKET_BYTES) + largest)
 
 
 def backward_extra(activations: Sequence[float], grads: Sequence[float],

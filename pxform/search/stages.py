@@ -180,11 +180,10 @@ def _extra(tables: Sequence[OptionTable], idx: list[int], choices: Sequence[int]
            flight: int, m: int, waits: int = 0) -> float:
     """Bytes on top of the chosen options' summed memory (`cost.model.backward_extra`);
     on a zero-bubble stage (`waits` > 0) at least what its W actions hold
-    (`cost.model.weight_pool_bytes`) and, from the second microbatch on, the sum over
-    microbatches of the largest parameter's gradient the accumulation makes meanwhile: a
-    W runs apart from any backward, with the microbatch's graph still kept, as the
-    summed memory counts it (GPT small's 2-stage zero-bubble pipeline peaked there on
-    both ranks, in the second W's accumulation, 2026-11-30)."""
+    (`cost.model.weight_pool_bytes`): a W runs apart from any backward, with the
+    microbatch's graph still kept, as the summed memory counts it (GPT small's 2-stage
+    zero-bubble pipeline peaked there on both ranks, in the second W's accumulation,
+    2026-11-30)."""
     costs = [tables[k].costs[c] for k, c in zip(idx, choices)]
     redo = [tables[k].options[c].recompute for k, c in zip(idx, choices)]
     extra = backward_extra([c.kept if r else c.saved for c, r in zip(costs, redo)],
@@ -194,8 +193,8 @@ def _extra(tables: Sequence[OptionTable], idx: list[int], choices: Sequence[int]
                            [c.transient if r else None for c, r in zip(costs, redo)])
     if not waits:
         return extra
-    return max(extra, weight_pool_bytes([c.grads for c in costs])
-               + max(c.largest_grad for c in costs))
+    return max(extra, weight_pool_bytes([c.grads for c in costs],
+                                        max(c.largest_grad for c in costs)))
 
 
 def _least_extra(tables: Sequence[OptionTable], idx: list[int], flight: int, m: int,
@@ -213,8 +212,9 @@ def _least_extra(tables: Sequence[OptionTable], idx: list[int], flight: int, m: 
     # what `backward_extra` charges it at least)
     least_work = [min(c.transient for c, _ in p) for p in pairs]
     # a zero-bubble stage's W actions: what they hold with the fewest gradients
-    pool = (weight_pool_bytes([min(c.grads for c, _ in p) for p in pairs])
-            + max(min(c.largest_grad for c, _ in p) for p in pairs)) if waits and pairs else 0.0
+    pool = (weight_pool_bytes([min(c.grads for c, _ in p) for p in pairs],
+                              max(min(c.largest_grad for c, _ in p) for p in pairs))
+            if waits and pairs else 0.0)
     if flight < m:
         return max([0.0, pool, *least_work])
     ahead = [max(over(c, o)[0] for c, o in p) for p in pairs]
