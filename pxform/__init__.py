@@ -60,7 +60,8 @@ _EXPORTS: dict[str, str] = {
     **dict.fromkeys(["MemoryMeter", "MemoryReport", "MemoryStats", "memory_report"],
                     "pxform.tools.memory"),
     "measure": "pxform.tools.measure",
-    **dict.fromkeys(["ProfileCheck", "check_profile"], "pxform.tools.profile_check"),
+    **dict.fromkeys(["CalibrationSpread", "ProfileCheck", "calibration_spread",
+                     "check_profile"], "pxform.tools.profile_check"),
 }
 # public modules: pxform.hardware.hardware("h100-80gb"), pxform.testing.World(2), ...
 _MODULES: dict[str, str] = {
@@ -124,7 +125,12 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time, names load on firs
     from pxform.search.report import Measured, PlanReport
     from pxform.tools.measure import measure
     from pxform.tools.memory import MemoryMeter, MemoryReport, MemoryStats, memory_report
-    from pxform.tools.profile_check import ProfileCheck, check_profile
+    from pxform.tools.profile_check import (
+        CalibrationSpread,
+        ProfileCheck,
+        calibration_spread,
+        check_profile,
+    )
     from pxform.transforms.auto import Auto, auto, profile
     from pxform.transforms.coshard import Cosharded, coshard
     from pxform.transforms.grad import value_and_grad

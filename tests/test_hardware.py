@@ -478,7 +478,10 @@ def test_main_writes_a_profile(tmp_path, monkeypatch, capsys):
                               "--name", "laptop", "--runs", "2"])
     assert args.sizes == [1024, 4096] and args.runs == 2
     assert parser.parse_args(["--out", "x.json"]).runs == 1  # the default: one calibration
-    assert main(args) == 0
+    # what `pxform calibrate` prints last with --runs above 1: how far apart the
+    # calibrations priced the reference program (the median profile carries none)
+    from pxform.tools.cli import _spread_text
+    assert main(args, advise=_spread_text) == 0
     hw = Hardware.load(out)
     assert hw.name == "laptop" and hw.comm_tables == ()
     assert hw.source.startswith("median of 2 calibrations; ")
@@ -487,6 +490,8 @@ def test_main_writes_a_profile(tmp_path, monkeypatch, capsys):
         main(args)
     printed = capsys.readouterr().out
     assert "laptop: 1 devices per node" in printed and f"wrote {out}" in printed
+    assert "profile laptop's 1 calibration priced the reference program (8 x 64 tokens" \
+        in printed
 
 
 def test_median_profile_keeps_the_median_of_every_measured_number():
@@ -571,6 +576,8 @@ def test_representative_profile_keeps_the_middle_calibration_whole():
     from pxform.tools.cli import build_parser
     run = build_parser().parse_args(["calibrate", "--out", "x.json", "--runs", "3"]).run
     assert run.keywords["combine"] is representative_profile
+    from pxform.tools.cli import _spread_text
+    assert run.keywords["advise"] is _spread_text  # (`calibration_spread`'s text)
     one = replace(base, devices_per_node=1)
     assert len(_representative_steps(one)) == 1  # data parallel over one device only
     with pytest.raises(ValueError, match="representative_profile: no profiles given"):

@@ -13,7 +13,9 @@ import pxform
 from pxform.cost.hardware import CommTable, Hardware, Link, hardware
 from pxform.tools.cli import main
 from pxform.tools.profile_check import (
+    CalibrationSpread,
     ProfileCheck,
+    calibration_spread,
     check_profile,
     profile_ranks,
     refreshed_profile,
@@ -140,6 +142,43 @@ def test_a_check_explains_itself_either_way():
 
 def test_check_profile_is_exported():
     assert pxform.check_profile is check_profile and pxform.ProfileCheck is ProfileCheck
+    assert pxform.calibration_spread is calibration_spread
+    assert pxform.CalibrationSpread is CalibrationSpread
+
+
+def test_the_calibrations_spread_is_each_ones_price_and_past_10_percent_a_warning():
+    """`calibration_spread`: each calibration a profile carries prices the reference
+    program, in order, as `reference_price` does; more than 10 % apart is `wide`, and the
+    text says by how much, why it matters and what to do. Close calibrations, and a
+    profile of one, are not."""
+    members = tuple(profile(op_time_scale=s, op_step_overhead_s=0.0)
+                    for s in (1.1, 1.3, 1.6))
+    hw = dataclasses.replace(members[1], calibrations=members)
+    got = calibration_spread(hw)
+    _, params, tokens = reference_program(8)
+    assert got.prices_s == tuple(reference_price(c, params, tokens) for c in members)
+    # without a time per op, a price is its scale times the ops' times
+    assert got.spread == pytest.approx(1.6 / 1.1 - 1, rel=1e-6) and got.wide
+    assert got.explain().startswith(
+        "warning: profile two-ranks's 3 calibrations priced the reference program (8 x 64 "
+        "tokens, one value_and_grad step) at ")
+    assert "ms: 45% apart, more than 10%. The machine's speed moved while it was " \
+        "measured" in got.explain()
+    assert "Fix: calibrate while nothing else runs on the machine, with more --runs, and " \
+        "run `pxform check-profile PROFILE`" in got.explain()
+    close = tuple(profile(op_time_scale=s) for s in (1.30, 1.33))
+    calm = calibration_spread(dataclasses.replace(close[0], calibrations=close))
+    assert 0 < calm.spread < 0.1 and not calm.wide
+    assert calm.explain().endswith("% apart, within 10%")
+    alone = calibration_spread(profile(), rows=2)
+    assert alone.spread == 0 and len(alone.prices_s) == 1 and alone.rows == 2
+    assert "profile two-ranks's 1 calibration priced" in alone.explain()
+    assert calibration_spread(hw, tolerance=0.5).wide is False
+    assert CalibrationSpread("x", 8, 64, (0.010, 0.013)).spread == pytest.approx(0.3)
+    with pytest.raises(ValueError, match=r"calibration_spread\('two-ranks'\): rows=0"):
+        calibration_spread(hw, rows=0)
+    with pytest.raises(ValueError, match="tolerance=0; give a fraction > 0"):
+        calibration_spread(hw, tolerance=0)
 
 
 def test_the_command_finds_a_stale_profile_and_refreshes_it_under_torchrun(tmp_path):

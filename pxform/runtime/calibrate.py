@@ -817,7 +817,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace,
          refine: Callable[[Hardware], Hardware] | None = None,
-         combine: Callable[[Sequence[Hardware]], Hardware] = median_profile) -> int:
+         combine: Callable[[Sequence[Hardware]], Hardware] = median_profile,
+         advise: Callable[[Hardware], str] | None = None) -> int:
     """`pxform calibrate`: measure, print a summary on rank 0, write the profile there.
     `refine` (on every rank) adds what only higher floors can measure: the CLI passes
     `pxform.tools.runtime_costs`, the runtime's own fixed costs. With `--runs N` it
@@ -830,7 +831,10 @@ def main(args: argparse.Namespace,
     drops a fit that caught a short slow or fast spell of the machine. It does not help
     against a drift over minutes: on this project's CPU machine, profiles that were each
     the median of 3 calibrations in a row moved a pinned plan's prediction as much as
-    single calibrations did (`docs/benchmarks/stability.md`).
+    single calibrations did (`docs/benchmarks/stability.md`). `advise` (rank 0, after the
+    summary, with `--runs` above 1) says how far the calibrations were apart: the CLI
+    passes `pxform.tools.profile_check.calibration_spread`'s text, a warning when their
+    prices of the reference program spread more than 10 %.
 
     Under torchrun (WORLD_SIZE set) it initialises the process group itself if needed
     (nccl with CUDA, else gloo) and destroys it at the end; without torchrun it measures
@@ -856,6 +860,8 @@ def main(args: argparse.Namespace,
         hw = combine(profiles)
         if rank == 0:
             print(summary(hw))
+            if advise is not None and runs > 1:
+                print(advise(hw))
             hw.save(args.out)
             print(f"wrote {args.out}")
     return 0

@@ -59,6 +59,7 @@ from pxform.search.plan import FrontierPoint, Plan, schedule_text
 from pxform.tools.profile_check import (
     DEFAULT_TOLERANCE,
     ProfileCheck,
+    calibration_spread,
     check_profile,
     refreshed_profile,
 )
@@ -164,7 +165,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "`pxform plan --hardware PATH`.")
     calibrate.add_arguments(cal)
     cal.set_defaults(run=functools.partial(calibrate.main, refine=runtime_costs,
-                                           combine=representative_profile))
+                                           combine=representative_profile,
+                                           advise=_spread_text))
 
     check = sub.add_parser(
         "check-profile", help="is a profile from `pxform calibrate` still this machine's?",
@@ -273,6 +275,12 @@ def _plan_command(args: argparse.Namespace) -> int:
               f"{exc.strerror or exc}\n  Fix: pass --out / --plots a writable path.", file=err)
         return 1
     return 0
+
+
+def _spread_text(hw: Hardware) -> str:
+    """`pxform calibrate --runs N`'s last word: how far apart its calibrations priced the
+    reference program (`calibration_spread`), a warning past 10 %."""
+    return calibration_spread(hw).explain()
 
 
 # ---------------------------------------------------------------------------- check-profile

@@ -35,8 +35,8 @@ from pxform.runtime import world
 from pxform.tools.runtime_costs import reference_price, reference_program, timed_call
 from pxform.transforms.grad import value_and_grad
 
-__all__ = ["DEFAULT_TOLERANCE", "ProfileCheck", "check_profile", "profile_ranks",
-           "refreshed_profile"]
+__all__ = ["DEFAULT_TOLERANCE", "CalibrationSpread", "ProfileCheck", "calibration_spread",
+           "check_profile", "profile_ranks", "refreshed_profile"]
 
 DEFAULT_TOLERANCE = 0.10
 """How far the profile may price the reference program from its measured time before
@@ -119,6 +119,95 @@ class ProfileCheck:
                          f"{self.factor:.3f} (`pxform check-profile PROFILE --refresh "
                          f"NEW`, `refreshed_profile`)")
         return "\n".join(lines)
+
+
+@dataclasses.dataclass(frozen=True)
+class CalibrationSpread:
+    """How far apart the calibrations a profile carries (`Hardware.calibrations`, what
+    `pxform calibrate --runs N` keeps) price the reference program: the machine's own
+    drift while it was measured, which no fit can take out.
+
+    Each calibration fits its op time scale so that it prices the reference program at
+    what it measured then (`runtime_costs`), so their prices are the program's measured
+    times, minutes apart. On this project's 2-core CI machine they spread 8-50 % within
+    each of 12 runs of `benchmarks/accuracy.py` (5 calibrations over 10 minutes each,
+    2026-11-30), while the program's median over each run's 30 rounds was 12.9-14.9 ms:
+    the machine moves between states some 40 % apart (about 10.5 and 14.5 ms) for
+    seconds to minutes, and a calibration, which times the program for about a second,
+    catches one of them. A plan priced with such a profile is no closer than the spread.
+
+    Attributes:
+        profile: the profile's name.
+        rows, tokens: the reference program's sequences and tokens per sequence.
+        prices_s: per calibration (in the profile's order), its price for one step.
+        tolerance: the largest `spread` that is not `wide`.
+
+    Example:
+        >>> spread = CalibrationSpread("cpu-x2", 8, 64, (0.0110, 0.0143, 0.0117), 0.1)
+        >>> round(spread.spread, 2), spread.wide
+        (0.3, True)
+    """
+
+    profile: str
+    rows: int
+    tokens: int
+    prices_s: tuple[float, ...]
+    tolerance: float = DEFAULT_TOLERANCE
+
+    @property
+    def spread(self) -> float:
+        """The largest price over the smallest, less 1 (0 for one calibration)."""
+        return max(self.prices_s) / min(self.prices_s) - 1 if self.prices_s else 0.0
+
+    @property
+    def wide(self) -> bool:
+        """Do the calibrations price the reference more than `tolerance` apart?"""
+        return self.spread > self.tolerance
+
+    def explain(self) -> str:
+        """One line: the prices, their spread, and (when `wide`) what to do about it.
+
+        Example:
+            >>> print(spread.explain())
+            warning: profile cpu-x2's 3 calibrations priced the reference program ...
+        """
+        n = len(self.prices_s)
+        prices = ", ".join(f"{p * 1e3:.2f}" for p in self.prices_s)
+        text = (f"profile {self.profile}'s {n} calibration{'s' * (n != 1)} priced the "
+                f"reference program ({self.rows} x {self.tokens} tokens, one "
+                f"value_and_grad step) at {prices} ms: {self.spread:.0%} apart")
+        if not self.wide:
+            return f"{text}, within {self.tolerance:.0%}"
+        return (f"warning: {text}, more than {self.tolerance:.0%}. The machine's speed "
+                f"moved while it was measured, and plans priced with this profile are no "
+                f"closer to their measured steps than that. Fix: calibrate while nothing "
+                f"else runs on the machine, with more --runs, and run `pxform "
+                f"check-profile PROFILE` (with --refresh NEW) right before timing a plan")
+
+
+def calibration_spread(hw: Hardware, *, rows: int = 8,
+                       tolerance: float = DEFAULT_TOLERANCE) -> CalibrationSpread:
+    """Each of `hw`'s calibrations' price for one step of the reference program at `rows`
+    sequences (`CalibrationSpread`; `hw` alone when it carries none). Prices only, runs
+    nothing: call it anywhere (`pxform calibrate --runs N` prints it).
+
+    Raises:
+        ValueError: `rows` below 1 or `tolerance` not positive.
+
+    Example:
+        >>> calibration_spread(hardware("cpu.json")).wide
+        False
+    """
+    what = f"calibration_spread({hw.name!r})"
+    if rows < 1:
+        raise ValueError(f"{what}: rows={rows}; give at least 1 sequence")
+    if not tolerance > 0:
+        raise ValueError(f"{what}: tolerance={tolerance!r}; give a fraction > 0, e.g. 0.1")
+    _, params, tokens = reference_program(rows)
+    members: Sequence[Hardware] = hw.calibrations or (hw,)
+    return CalibrationSpread(hw.name, rows, int(tokens.shape[1]),
+                             tuple(reference_price(c, params, tokens) for c in members),
+                             tolerance)
 
 
 def profile_ranks(hw: Hardware) -> int:
