@@ -578,6 +578,12 @@ def main() -> None:
           f"'less ref.', each error with it taken out: {met_less}/{len(less)} within "
           f"{GOAL_TIME:.0%} (median {sorted(less)[len(less) // 2]:.1%}, worst "
           f"{max(less):.1%})")
+    # how far apart the calibrations priced that program: what `pxform calibrate --runs N`
+    # warns of past 10 % (each fit makes its price the program's time as measured then)
+    from pxform.tools.profile_check import CalibrationSpread
+    spread = CalibrationSpread(f"cpu-x{args.ranks}", ref["rows"], ref["tokens"],
+                               tuple(ref["predicted_each_calibration_s"]))
+    print(f"  {spread.explain()}")
     first_errors = [abs(r["time_error_first_calibration"]) for r in r0["rows"]]
     met_first = sum(e <= GOAL_TIME for e in first_errors)
     if over > 1:
@@ -636,6 +642,7 @@ def main() -> None:
                     "time_within_goal_without_sync_wait": sum(e <= GOAL_TIME for e in before),
                     "time_within_goal_less_reference": met_less,
                     "reference_time_error": ref["time_error"],
+                    "calibration_spread": spread.spread,
                     "time_inside_p10_p90": inside,
                     "time_misses_beyond_band": len(told),
                     "cases": len(time_errors), "worst_abs_time_error": max(time_errors),
