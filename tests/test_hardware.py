@@ -492,6 +492,13 @@ def test_main_writes_a_profile(tmp_path, monkeypatch, capsys):
     assert "laptop: 1 devices per node" in printed and f"wrote {out}" in printed
     assert "profile laptop's 1 calibration priced the reference program (8 x 64 tokens" \
         in printed
+    # as the CLI combines them (`representative_profile`), the profile carries both
+    from pxform.tools.runtime_costs import representative_profile
+    args.runs = 2
+    assert main(args, combine=representative_profile, advise=_spread_text) == 0
+    assert len(Hardware.load(out).calibrations) == 2
+    assert "profile laptop's 2 calibrations priced the reference program (8 x 64 tokens, " \
+        "one value_and_grad step) at " in capsys.readouterr().out
 
 
 def test_median_profile_keeps_the_median_of_every_measured_number():
