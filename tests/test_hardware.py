@@ -39,8 +39,8 @@ def measured(**kw) -> Hardware:
                 op_curves=(OpCurve("gelu", ((1e3, 1e-6, 3e-6), (1e6, 1e-3, 2e-3)), 0.05),),
                 overlap_slowdown=1.8, step_overhead_s=1e-3, param_overhead_s=2e-5,
                 action_overhead_s=4e-4, collective_overhead_s=3e-4,
-                param_action_overhead_s=1e-5, op_time_scale=1.2,
-                op_step_overhead_s=5e-6, op_action_overhead_s=7e-6,
+                param_action_overhead_s=1e-5, op_time_scale=1.2, forward_scale=1.15,
+                backward_scale=0.9, op_step_overhead_s=5e-6, op_action_overhead_s=7e-6,
                 recompute_overhead_s=2e-4, relayout_overhead_s=6e-4,
                 relayout_wait_share=0.3, all_to_all_share=0.5,
                 autograd_op_overhead_s=3e-6, autograd_share=0.07, transfer_overhead_s=9e-4,
@@ -283,6 +283,11 @@ def write(tmp_path, content) -> str:
      r"key 'receive_overhead_s' must be a number, got 'fast'"),
     (lambda d: d.update(op_time_scale=0),
      r"op_time_scale must be a number > 0 \(1: not measured\), got 0"),
+    (lambda d: d.update(forward_scale=-1.0),
+     r"forward_scale must be a number > 0 \(a factor on op_time_scale; 1: not measured\), "
+     r"got -1.0"),
+    (lambda d: d.update(backward_scale="x"),
+     r"key 'backward_scale' must be a number, got 'x'"),
     (lambda d: d.update(autograd_share=1.0),
      r"autograd_share must be a number in \[0, 1\) \(a share of a forward's time; 0: not "
      r"measured\), got 1.0"),
@@ -847,6 +852,12 @@ def test_op_curves_price_ops_by_class():
                  (0.0, torch.float32, 1e9, "view")]:
         f, b = model.op_times(*args)
         assert scaled.op_times(*args) == pytest.approx((1.25 * f + 1e-6, 1.25 * b + 2e-6))
+        # the forward and the backward each by its own factor on top (the time per op
+        # as it was: it is fitted apart)
+        split = CostModel(replace(hw, op_time_scale=1.25, op_step_overhead_s=3e-6,
+                                  forward_scale=1.2, backward_scale=0.9))
+        assert split.op_times(*args) == pytest.approx((1.25 * 1.2 * f + 1e-6,
+                                                       1.25 * 0.9 * b + 2e-6))
     # a profile's measured overlap replaces the default constant
     assert CostModel(replace(hw, overlap_slowdown=1.9)).overlap_slowdown == 1.9
     assert CostModel(hw).overlap_slowdown == 1.3
@@ -947,7 +958,7 @@ def measure_runtime_costs() -> tuple[float, ...]:
             hw.recompute_overhead_s, hw.relayout_overhead_s, hw.autograd_op_overhead_s,
             hw.autograd_share, hw.receive_stall_s, hw.send_overhead_s,
             hw.receive_overhead_s, hw.transfer_overhead_s, hw.relayout_wait_share,
-            hw.all_to_all_share)
+            hw.all_to_all_share, hw.forward_scale, hw.backward_scale)
 
 
 def test_runtime_costs_are_measured_on_real_programs(world):
@@ -966,12 +977,17 @@ def test_runtime_costs_are_measured_on_real_programs(world):
     assert results[0] == results[1]
     per_param, per_step, per_action, per_collective, per_param_action, per_weight_op, \
         scale, per_op, per_op_action, per_region, per_run, per_node, share, \
-        per_stall, per_send, per_receive, per_transfer, wait_share, a2a_share = results[0]
+        per_stall, per_send, per_receive, per_transfer, wait_share, a2a_share, \
+        forward_scale, backward_scale = results[0]
     # a reference transformer step at two sizes against its ops timed alone: measured,
     # not the defaults (its ops run somewhat slower in a step, not several times; and
     # microseconds more per op, not milliseconds)
     assert scale != 1.0 and 0.5 < scale < 3.0
     assert 0 <= per_op < 1e-3
+    # its forward timed alone against the step: each pass's own factor on that scale,
+    # fitted (not the defaults) and within the fit's bounds
+    assert (forward_scale, backward_scale) != (1.0, 1.0)
+    assert 0.5 <= forward_scale <= 2.0 and 0.5 <= backward_scale <= 2.0
     # a forward without autograd's graph saves something (0.12 of 0.4 ms at the
     # smallest size here): microseconds per op, a share of the time below a half
     assert 0 <= per_node < 1e-4 and 0 <= share <= 0.5 and (per_node > 0 or share > 0)
@@ -1153,6 +1169,28 @@ def test_fit_overlapped_recovers_the_scale_and_the_host_time():
     steps = [max(0.8 * f, host / 3) + max(0.8 * b, 2 * host / 3) for f, b in passes]
     linear, _ = _fit_scale(steps, [f + b for f, b in passes], ops)
     assert abs(linear - 0.8) > 0.01
+
+
+def test_fit_passes_recovers_each_pass_factor_on_the_step_scale():
+    """`forward_scale` and `backward_scale`: from reference steps and their forwards made
+    with known factors on the step's scale (the time per op split a third forward, two
+    thirds backward), `_fit_passes` gives them back; a factor beyond the bounds is held at
+    them, and a fit with no positive factor is (1, 1). Priced with the fitted profile, the
+    step's forward and backward are what was measured."""
+    from pxform.tools.runtime_costs import _fit_passes
+
+    ops, scale, per_op = 200, 1.2, 1e-5
+    passes = [(c, 1.9 * c) for c in (4e-4, 1.5e-3, 6e-3, 2.4e-2)]
+    host = ops * per_op
+    forwards = [scale * 1.25 * f + host / 3 for f, _ in passes]
+    steps = [t + scale * 0.88 * b + 2 * host / 3 for t, (_, b) in zip(forwards, passes)]
+    got = _fit_passes(steps, forwards, passes, ops, scale, per_op)
+    assert got == pytest.approx((1.25, 0.88), rel=1e-9)
+    slow = [scale * 3.0 * f + host / 3 for f, _ in passes]  # a slow spell over forwards
+    longer = [t + scale * 0.88 * b + 2 * host / 3 for t, (_, b) in zip(slow, passes)]
+    assert _fit_passes(longer, slow, passes, ops, scale, per_op) == pytest.approx((2.0, 0.88))
+    assert _fit_passes(steps, [2 * t for t in steps], passes, ops, scale, per_op) == \
+        (1.0, 1.0)  # (forwards longer than the steps: no backward left to fit)
 
 
 def test_the_reference_price_is_the_fit_of_the_op_time_scale_and_time_per_op():

@@ -362,6 +362,14 @@ class Hardware:
             (`pxform.tools.runtime_costs`). Ops timed alone in chains run faster than in a
             training step, where their inputs come cold from memory, the allocator
             churns and autograd's engine walks a larger graph; 1: not measured.
+        forward_scale, backward_scale: factors on `op_time_scale` for an op's forward
+            and its backward time apart: the reference step's forward (autograd's graph
+            recorded) timed alone against the step, each against the op model
+            (`pxform.tools.runtime_costs`). Op curves time forward and backward in chains;
+            in a step the forward ran relatively slower (the reference transformer on
+            this project's CPU: its forward priced 29 % under, its backward 11 %), and a
+            recomputed forward, priced as one more forward, came out a quarter under;
+            1: not measured (a preset, a device whose kernels run asynchronously).
         op_step_overhead_s: seconds every op costs in a training step on top of that,
             forward and backward together (a third forward, two thirds backward): the
             same reference step at two batch sizes separates the part that grows with
@@ -506,6 +514,8 @@ class Hardware:
     param_action_overhead_s: float = 0.0
     weight_op_overhead_s: float = 0.0
     op_time_scale: float = 1.0
+    forward_scale: float = 1.0
+    backward_scale: float = 1.0
     op_step_overhead_s: float = 0.0
     op_action_overhead_s: float = 0.0
     recompute_overhead_s: float = 0.0
@@ -568,6 +578,11 @@ class Hardware:
         if not _number(self.op_time_scale) or self.op_time_scale <= 0:
             raise ValueError(f"{what}: op_time_scale must be a number > 0 (1: not measured), "
                              f"got {self.op_time_scale!r}")
+        for key in ("forward_scale", "backward_scale"):
+            if not _number(getattr(self, key)) or getattr(self, key) <= 0:
+                raise ValueError(f"{what}: {key} must be a number > 0 (a factor on "
+                                 f"op_time_scale; 1: not measured), got "
+                                 f"{getattr(self, key)!r}")
         for key in _FIXED_COSTS:
             value = getattr(self, key)
             if not _number(value) or value < 0:
@@ -788,6 +803,8 @@ class Hardware:
             "overlap_slowdown": self.overlap_slowdown,
             **{key: getattr(self, key) for key in _FIXED_COSTS},
             "op_time_scale": self.op_time_scale,
+            "forward_scale": self.forward_scale,
+            "backward_scale": self.backward_scale,
             "autograd_share": self.autograd_share,
             "relayout_wait_share": self.relayout_wait_share,
             "all_to_all_share": self.all_to_all_share,
@@ -866,8 +883,9 @@ def _from_json(d: Any, where: str) -> Hardware:
     known = {"format", "name", "devices_per_node", "memory_bytes", "peak_flops",
              "efficiency", "links", "comm_tables", "compute_flops", "source",
              "memory_bandwidth", "op_overhead_s", "op_curves", "overlap_slowdown",
-             "op_time_scale", "autograd_share", "relayout_wait_share", "all_to_all_share",
-             "host_overlaps", "sync_wait", "calibrations", *_FIXED_COSTS}
+             "op_time_scale", "forward_scale", "backward_scale", "autograd_share",
+             "relayout_wait_share", "all_to_all_share", "host_overlaps", "sync_wait",
+             "calibrations", *_FIXED_COSTS}
     for key in d:
         if key not in known:
             raise bad(key, f"is not a profile key (known: {', '.join(sorted(known))})")
@@ -905,6 +923,8 @@ def _from_json(d: Any, where: str) -> Hardware:
     curves_json = get("op_curves", "a list", [], required=False)
     overlap = get("overlap_slowdown", "a number", 0.0, required=False)
     scale = get("op_time_scale", "a number", 1.0, required=False)
+    forward_scale = get("forward_scale", "a number", 1.0, required=False)
+    backward_scale = get("backward_scale", "a number", 1.0, required=False)
     autograd_share = get("autograd_share", "a number", 0.0, required=False)
     wait_share = get("relayout_wait_share", "a number", 0.0, required=False)
     a2a_share = get("all_to_all_share", "a number", 1.0, required=False)
@@ -967,6 +987,8 @@ def _from_json(d: Any, where: str) -> Hardware:
                         source=source, memory_bandwidth=float(bandwidth),
                         op_overhead_s=float(overhead), op_curves=tuple(curves),
                         overlap_slowdown=float(overlap), op_time_scale=float(scale),
+                        forward_scale=float(forward_scale),
+                        backward_scale=float(backward_scale),
                         autograd_share=float(autograd_share),
                         relayout_wait_share=float(wait_share),
                         all_to_all_share=float(a2a_share), host_overlaps=host_overlaps,
@@ -1111,7 +1133,8 @@ def hardware(spec: str | Hardware | os.PathLike[str] | None) -> Hardware:
 _MEDIAN_FIELDS = ("efficiency", "memory_bandwidth", "op_overhead_s", "overlap_slowdown",
                   "step_overhead_s", "param_overhead_s", "action_overhead_s",
                   "collective_overhead_s", "param_action_overhead_s", "weight_op_overhead_s",
-                  "op_time_scale", "op_step_overhead_s", "op_action_overhead_s",
+                  "op_time_scale", "forward_scale", "backward_scale",
+                  "op_step_overhead_s", "op_action_overhead_s",
                   "recompute_overhead_s", "relayout_overhead_s", "relayout_wait_share",
                   "all_to_all_share", "autograd_op_overhead_s", "autograd_share",
                   "transfer_overhead_s", "send_overhead_s", "receive_overhead_s",

@@ -172,8 +172,11 @@ class CostModel:
         (`compute_time`) forward and `BACKWARD_RATIO` times it backward. A view costs the
         per-op host time only (`Hardware.op_overhead_s`), forward and backward. Each is
         multiplied by `Hardware.op_time_scale` (what ops cost in a training step over
-        what they cost alone; 1 unless measured), and `Hardware.op_step_overhead_s` is
-        added (a third forward, two thirds backward; 0 unless measured).
+        what they cost alone; 1 unless measured), the forward also by
+        `Hardware.forward_scale` and the backward by `Hardware.backward_scale` (the step's
+        forward and backward measured apart; 1 unless measured), and
+        `Hardware.op_step_overhead_s` is added (a third forward, two thirds backward; 0
+        unless measured).
 
         Example:
             >>> model = CostModel(hardware("a100-80gb"))
@@ -184,7 +187,8 @@ class CostModel:
         f, b = self._op_times(flops, dtype, nbytes, kind)
         hw = self.hardware
         extra = hw.op_step_overhead_s / (1 + BACKWARD_RATIO)
-        return f * hw.op_time_scale + extra, b * hw.op_time_scale + BACKWARD_RATIO * extra
+        return (f * hw.op_time_scale * hw.forward_scale + extra,
+                b * hw.op_time_scale * hw.backward_scale + BACKWARD_RATIO * extra)
 
     def _op_times(self, flops: float, dtype: torch.dtype, nbytes: float, kind: str
                   ) -> tuple[float, float]:

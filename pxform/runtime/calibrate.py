@@ -929,6 +929,10 @@ def summary(hw: Hardware) -> str:
     if hw.op_time_scale != 1.0:
         lines.append(f"  op time scale: {hw.op_time_scale:.3f} (a reference training step "
                      f"over its ops timed alone)")
+    if (hw.forward_scale, hw.backward_scale) != (1.0, 1.0):
+        lines.append(f"  forward and backward scales: {hw.forward_scale:.3f} and "
+                     f"{hw.backward_scale:.3f} on the op time scale (the step's forward "
+                     f"timed alone against the step)")
     if hw.host_overlaps:
         lines.append(f"  the host runs ahead of the device: a pass takes the longer of its "
                      f"device time and its host time ({hw.op_step_overhead_s * 1e6:.3g} us "

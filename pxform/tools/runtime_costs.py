@@ -215,7 +215,12 @@ def runtime_costs(hw: Hardware, repeats: int = 9) -> Hardware:
     forwards.time(repeats)
     fit = steps.fit()
     scale, per_op = world.gather_objects(fit)[0] if n > 1 else fit
+    # the forward and the backward apart: the reference forward (autograd's graph
+    # recorded) timed in `forwards`' blocks against the step (`_fit_passes`)
+    passes = steps.split(forwards.forward_medians(), scale, per_op)
+    forward_scale, backward_scale = world.gather_objects(passes)[0] if n > 1 else passes
     hw = dataclasses.replace(hw, op_time_scale=scale, op_step_overhead_s=per_op,
+                             forward_scale=forward_scale, backward_scale=backward_scale,
                              collective_overhead_s=per_collective)
     # against the forward priced with the scale just fitted
     autograd = forwards.fit(hw)
@@ -703,6 +708,7 @@ class _ReferenceSteps:
         params = _reference_params(gen, device)
         # the model's time for the same ops: one device, no fixed costs, no fit yet
         bare = dataclasses.replace(hw, op_time_scale=1.0, op_step_overhead_s=0.0,
+                                   forward_scale=1.0, backward_scale=1.0,
                                    step_overhead_s=0.0, param_overhead_s=0.0)
         step = value_and_grad(_reference)
         self.host_overlaps = hw.host_overlaps
@@ -734,6 +740,17 @@ class _ReferenceSteps:
             return _fit_overlapped(medians, self.passes, self.ops)
         return _fit_scale(medians, self.modelled, self.ops)
 
+    def split(self, forwards: Sequence[float], scale: float, per_op: float
+              ) -> tuple[float, float]:
+        """(`forward_scale`, `backward_scale`) against the fitted `scale` and `per_op`:
+        `_fit_passes` of the steps' medians and the reference forward's (`forwards`, per
+        size); (1, 1) on a device whose host runs ahead (its passes overlap the host's
+        time: `_fit_overlapped` prices them whole) or without forwards."""
+        if self.host_overlaps or len(forwards) != len(self.passes):
+            return 1.0, 1.0
+        return _fit_passes([statistics.median(t) for t in self.times], forwards,
+                           self.passes, self.ops, scale, per_op)
+
 
 class _AutogradForwards:
     """(`autograd_op_overhead_s`, `autograd_share`): the reference transformer's forward
@@ -762,11 +779,18 @@ class _AutogradForwards:
                 with_grad()
                 without()
         self.saved: list[list[float]] = [[] for _ in self.calls]
+        self.forwards: list[list[float]] = [[] for _ in self.calls]
 
     def time(self, repeats: int) -> None:
         for _ in range(repeats):
             for k, (with_grad, without) in enumerate(self.calls):
-                self.saved[k].append(timed_call(with_grad) - timed_call(without))
+                recorded = timed_call(with_grad)
+                self.forwards[k].append(recorded)
+                self.saved[k].append(recorded - timed_call(without))
+
+    def forward_medians(self) -> list[float]:
+        """Per size, the median seconds of the forward with autograd's graph recorded."""
+        return [statistics.median(t) for t in self.forwards if t]
 
     def fit(self, hw: Hardware) -> tuple[float, float]:
         bare = dataclasses.replace(hw, step_overhead_s=0.0, param_overhead_s=0.0)
@@ -853,6 +877,48 @@ def _fit_scale(measured: list[float], modelled: list[float], ops: int
         return scale, per_op
     scale = _through_origin(modelled, measured)  # no time per op
     return (scale, 0.0) if scale > 0 else (1.0, 0.0)
+
+
+_PASS_SCALE_BOUNDS = (0.5, 2.0)
+"""The range `_fit_passes` keeps each factor in: the forward and the backward of one step
+came out 0.8-1.3 times the step's own scale here; beyond a factor of 2 a fit has read
+noise (a slow spell over one block of forwards), not the passes."""
+
+
+def _fit_passes(steps: Sequence[float], forwards: Sequence[float],
+                passes: Sequence[tuple[float, float]], ops: int, scale: float,
+                per_op: float) -> tuple[float, float]:
+    """(`forward_scale`, `backward_scale`): per size, the reference step's measured seconds
+    `steps`, its forward's `forwards` (autograd's graph recorded, the graph dropped), and
+    the op model's `passes` (forward, backward) at scale 1. With the step's fit (`scale`,
+    `per_op`: a third of the time per op in the forward, two thirds in the backward, as
+    `CostModel.op_times` adds it), each pass's factor is fitted through the origin by
+    least squares: `forward - ops x per_op / 3 = scale x f_scale x f` and `step - forward -
+    2 ops x per_op / 3 = scale x b_scale x b`; each kept within `_PASS_SCALE_BOUNDS`, and
+    (1, 1) where either cannot be fitted.
+
+    Why: the op curves time forward and backward in chains, where a backward ran about
+    twice its forward; in the reference step on this project's CPU the forward ran 29 %
+    over its price and the backward 11 % (1.5 times the forward, priced 1.9), and one
+    scale on both priced a recomputed block's second forward a quarter under (GPT small,
+    one rank: 13.6-14.5 ms measured against 10.3 priced, 2026-11-30).
+
+    Example:
+        >>> # forwards 30 % over the model at scale 1, backwards 10 % under
+        >>> f, b = _fit_passes([2.2, 4.4], [1.3, 2.6], [(1.0, 1.0), (2.0, 2.0)], 10, 1.0, 0.0)
+        >>> round(f, 3), round(b, 3)
+        (1.3, 0.9)
+    """
+    share = 1.0 / (1.0 + BACKWARD_RATIO)  # the forward's part of the time per op
+    host = ops * per_op
+    f_rest = [t - host * share for t in forwards]
+    b_rest = [s - t - host * (1.0 - share) for s, t in zip(steps, forwards)]
+    f_scale = _through_origin([scale * f for f, _ in passes], f_rest)
+    b_scale = _through_origin([scale * b for _, b in passes], b_rest)
+    low, high = _PASS_SCALE_BOUNDS
+    if not (f_scale > 0 and b_scale > 0):
+        return 1.0, 1.0
+    return min(max(f_scale, low), high), min(max(b_scale, low), high)
 
 
 def _fit_overlapped(measured: Sequence[float], passes: Sequence[tuple[float, float]],
