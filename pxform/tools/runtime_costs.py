@@ -734,11 +734,14 @@ class _ReferenceSteps:
             for k, call in enumerate(self.calls):
                 self.times[k].append(timed_call(call))
 
+    def medians(self) -> list[float]:
+        """Per size, the median seconds of the step over every block timed."""
+        return [statistics.median(t) for t in self.times]
+
     def fit(self) -> tuple[float, float]:
-        medians = [statistics.median(t) for t in self.times]
         if self.host_overlaps:
-            return _fit_overlapped(medians, self.passes, self.ops)
-        return _fit_scale(medians, self.modelled, self.ops)
+            return _fit_overlapped(self.medians(), self.passes, self.ops)
+        return _fit_scale(self.medians(), self.modelled, self.ops)
 
     def split(self, forwards: Sequence[float], scale: float, per_op: float
               ) -> tuple[float, float]:
@@ -748,8 +751,7 @@ class _ReferenceSteps:
         time: `_fit_overlapped` prices them whole) or without forwards."""
         if self.host_overlaps or len(forwards) != len(self.passes):
             return 1.0, 1.0
-        return _fit_passes([statistics.median(t) for t in self.times], forwards,
-                           self.passes, self.ops, scale, per_op)
+        return _fit_passes(self.medians(), forwards, self.passes, self.ops, scale, per_op)
 
 
 class _AutogradForwards:
