@@ -29,6 +29,7 @@ import dataclasses
 import datetime
 import statistics
 from collections.abc import Sequence
+from typing import Any
 
 from pxform.cost.hardware import Hardware
 from pxform.runtime import world
@@ -204,10 +205,15 @@ def calibration_spread(hw: Hardware, *, rows: int = 8,
     if not tolerance > 0:
         raise ValueError(f"{what}: tolerance={tolerance!r}; give a fraction > 0, e.g. 0.1")
     _, params, tokens = reference_program(rows)
-    members: Sequence[Hardware] = hw.calibrations or (hw,)
     return CalibrationSpread(hw.name, rows, int(tokens.shape[1]),
-                             tuple(reference_price(c, params, tokens) for c in members),
-                             tolerance)
+                             _calibration_prices(hw, params, tokens), tolerance)
+
+
+def _calibration_prices(hw: Hardware, params: dict, tokens: Any) -> tuple[float, ...]:
+    """Per calibration `hw` carries (`hw` alone without any), its price for one step of
+    the reference program on `tokens`: what plans are priced with, one by one."""
+    members: Sequence[Hardware] = hw.calibrations or (hw,)
+    return tuple(reference_price(c, params, tokens) for c in members)
 
 
 def profile_ranks(hw: Hardware) -> int:
@@ -260,8 +266,7 @@ def check_profile(hw: Hardware, *, repeats: int = 30, rows: int = 8,
     mine = [timed_call(lambda: step(params, tokens)) for _ in range(repeats)]
     every = world.gather_objects(mine)
     slowest = max(every, key=statistics.median)
-    members: Sequence[Hardware] = hw.calibrations or (hw,)
-    predicted = statistics.median(reference_price(c, params, tokens) for c in members)
+    predicted = statistics.median(_calibration_prices(hw, params, tokens))
     return ProfileCheck(hw.name, ranks, rows, int(tokens.shape[1]), predicted,
                         statistics.median(slowest), tuple(slowest), tolerance)
 
