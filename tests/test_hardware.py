@@ -958,7 +958,8 @@ def measure_runtime_costs() -> tuple[float, ...]:
             hw.recompute_overhead_s, hw.relayout_overhead_s, hw.autograd_op_overhead_s,
             hw.autograd_share, hw.receive_stall_s, hw.send_overhead_s,
             hw.receive_overhead_s, hw.transfer_overhead_s, hw.relayout_wait_share,
-            hw.all_to_all_share, hw.forward_scale, hw.backward_scale)
+            hw.all_to_all_share, hw.forward_scale, hw.backward_scale,
+            hw.split_backward_share)
 
 
 def test_runtime_costs_are_measured_on_real_programs(world):
@@ -978,7 +979,7 @@ def test_runtime_costs_are_measured_on_real_programs(world):
     per_param, per_step, per_action, per_collective, per_param_action, per_weight_op, \
         scale, per_op, per_op_action, per_region, per_run, per_node, share, \
         per_stall, per_send, per_receive, per_transfer, wait_share, a2a_share, \
-        forward_scale, backward_scale = results[0]
+        forward_scale, backward_scale, split_share = results[0]
     # a reference transformer step at two sizes against its ops timed alone: measured,
     # not the defaults (its ops run somewhat slower in a step, not several times; and
     # microseconds more per op, not milliseconds)
@@ -996,6 +997,10 @@ def test_runtime_costs_are_measured_on_real_programs(world):
     # two autograd calls per weight op, read off recorded W actions against the model's
     # (tens of microseconds here; 0 where the model prices the Ws over)
     assert 0 <= per_weight_op < 5e-3
+    # and a share of the backward that splitting it costs: zero-bubble's B and W against
+    # 1F1B's fused B at two microbatch sizes (0.2-0.3 here; 0 where the fit cannot part it
+    # from the cost per weight op), a share, not a multiple
+    assert 0 <= split_share < 1.5
     # torch's checkpoint per region: over a hundred microseconds here, far above the
     # tiny ops it recomputes (clamped at 0 would mean the measurement failed)
     assert 1e-5 < per_region < 5e-3
@@ -1027,7 +1032,7 @@ def test_an_action_pair_is_read_off_the_recorded_actions():
     that ran no forward or no backward gives nothing; a zero-bubble rank's W is their
     mean."""
     from pxform.schedules.actions import Action
-    from pxform.tools.runtime_costs import _action_pair, _mean_weight
+    from pxform.tools.runtime_costs import _action_pair, _mean_weight, _split_and_fused
 
     def ran(kind, seconds):
         return [(Action(0, kind, i), 10.0 * i, 10.0 * i + t) for i, t in enumerate(seconds)]
@@ -1042,6 +1047,16 @@ def test_an_action_pair_is_read_off_the_recorded_actions():
     assert _mean_weight(ran("F", [1.0]) + [(Action(1, "W", i), 0.0, t)
                                            for i, t in enumerate((2.0, 4.0))]) == (1, 3.0)
     assert _mean_weight(ran("F", [1.0])) == (None, 0.0)
+    # and its B and W against 1F1B's fused B of the same stage: their means
+    split = [(Action(1, kind, i), 0.0, t) for kind, times in (("B", (2.0, 3.0)),
+                                                              ("W", (1.0, 2.0)))
+             for i, t in enumerate(times)]
+    fused = [(Action(1, "B", i), 0.0, t) for i, t in enumerate((3.0, 3.5))]
+    assert _split_and_fused(split, fused) == (1, 2.5 + 1.5, 3.25)
+    # (another stage's fused Bs, or no W: nothing to compare)
+    other = [(Action(0, "B", 0), 0.0, 3.0)]
+    assert _split_and_fused(split, other) == (None, 0.0, 0.0)
+    assert _split_and_fused(fused, fused) == (None, 0.0, 0.0)
 
 
 def test_the_transfer_cost_is_fitted_so_that_the_priced_call_is_the_measured_share():
@@ -1191,6 +1206,29 @@ def test_fit_passes_recovers_each_pass_factor_on_the_step_scale():
     assert _fit_passes(longer, slow, passes, ops, scale, per_op) == pytest.approx((2.0, 0.88))
     assert _fit_passes(steps, [2 * t for t in steps], passes, ops, scale, per_op) == \
         (1.0, 1.0)  # (forwards longer than the steps: no backward left to fit)
+
+
+def test_fit_split_costs_parts_the_cost_per_weight_op_from_the_share_of_the_backward():
+    """`weight_op_overhead_s` and `split_backward_share` from zero-bubble's B + W against
+    1F1B's fused B: rows made with a known cost per weight op and a known share of the
+    backward (stages at two microbatch sizes) give both back; rows of one size cannot part
+    them and price per weight op alone; a fit that makes one negative holds it at 0 and
+    fits the other alone; no rows, no costs."""
+    from pxform.tools.runtime_costs import _fit_split_costs
+
+    per_op, share = 60e-6, 0.25
+    rows = [(ops * per_op + share * b, ops, b)
+            for ops, b in ((6, 1.1e-3), (12, 2.3e-3), (13, 2.5e-3), (12, 15e-3), (13, 17e-3))]
+    assert _fit_split_costs(rows) == pytest.approx((per_op, share), rel=1e-9)
+    one_size = [(1e-3, 10, 2e-3), (2e-3, 20, 4e-3)]
+    assert _fit_split_costs(one_size) == pytest.approx((1e-4, 0.0))
+    # larger microbatches cost less beyond the fused backward: no share, per op alone
+    shrinking = [(1.2e-3, 12, 2e-3), (0.6e-3, 12, 16e-3)]
+    assert _fit_split_costs(shrinking) == pytest.approx((0.9e-3 / 12, 0.0))
+    # more weight ops over the same backward cost less: the share alone
+    share_only = [(1.2e-3, 6, 4e-3), (0.9e-3, 12, 4e-3)]
+    assert _fit_split_costs(share_only) == pytest.approx((0.0, 2.1e-3 / 8e-3))
+    assert _fit_split_costs([]) == (0.0, 0.0)
 
 
 def test_the_reference_price_is_the_fit_of_the_op_time_scale_and_time_per_op():

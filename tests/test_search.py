@@ -828,6 +828,29 @@ def test_zero_bubble_pays_the_runtime_per_weight_op():
     assert one.step_time_s == one_paid.step_time_s
 
 
+def test_zero_bubble_pays_a_share_of_its_split_backward():
+    """B and W together take longer than the fused backward, in proportion to it: a
+    profile's `split_backward_share` (measured by `runtime_costs`) adds that share of each
+    stage's backward to its B + W and of its weight gradients to its W, and nothing under
+    1F1B."""
+    from pxform.cost.hardware import hardware
+
+    args = mlp_args(d=1024, layers=4, batch=4096)
+    slow = dataclasses.replace(hardware("a100-80gb"), split_backward_share=0.25)
+    base, paid = (plan_schedule(residual_mlp, args, hardware=hw, schedule=ScheduleChoice("zb"))
+                  for hw in ("a100-80gb", slow))
+    for b, p in zip(base.stage_plans, paid.stage_plans):
+        assert b.weight_s > 0
+        # (the runtime's fixed costs are 0 in the preset: the W is the weight gradients'
+        # own time, the backward theirs and the stage's transfers', which take no share)
+        assert p.weight_s == pytest.approx(1.25 * b.weight_s, rel=1e-6), (b, p)
+        assert 0.24 * b.backward_s < p.backward_s - b.backward_s <= 0.25 * b.backward_s
+    assert paid.step_time_s > base.step_time_s
+    one, one_paid = (plan_schedule(residual_mlp, args, hardware=hw, schedule=ScheduleChoice())
+                     for hw in ("a100-80gb", slow))
+    assert one.step_time_s == one_paid.step_time_s
+
+
 def test_a_pipeline_action_pays_the_runtime_per_op_of_its_stage():
     """The executor runs a stage's graph once per microbatch: a profile's
     `op_action_overhead_s` (measured by `runtime_costs`) adds to each stage's F and B per

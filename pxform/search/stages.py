@@ -368,6 +368,7 @@ def _stage_sums(ctx: SearchContext, config: Config, idx: list[int], pt: Point,
         outer += oc.packed_outer
         inner += oc.packed_inner
     hw = ctx.hardware
+    computed_b, computed_w = b, w  # (the passes' own time, before the runtime's costs)
     num_ops = sum(a.blocks[k].stop - a.blocks[k].start for k in idx)
     # the forward without autograd's graph (the shifted schedule's first forward of a
     # stage that recomputes early: its R records the graph, `pxform.runtime.pipeline`):
@@ -448,9 +449,14 @@ def _stage_sums(ctx: SearchContext, config: Config, idx: list[int], pt: Point,
             # pipelines, every action recorded, 2026-11-28: B + W took 1.3 ms more than
             # 1F1B's B per microbatch, priced 2.1 ms more with it paid twice, and
             # zero-bubble plans came out 5-7 points further over than 1F1B)
+            # And the two passes take longer than the fused backward in proportion to its
+            # time (`Hardware.split_backward_share`: each weight gradient made from
+            # operands the B left cold; GPT small's B + W ran 1.27-1.42 times 1F1B's B,
+            # the same stages, 2026-11-30), each pass its own part of it.
             moved = hw.param_action_overhead_s * num_params
-            b += hw.action_overhead_s + hw.weight_op_overhead_s * weight_ops
-            w += hw.action_overhead_s + hw.weight_op_overhead_s * weight_ops + moved
+            own = hw.action_overhead_s + hw.weight_op_overhead_s * weight_ops
+            b += own + hw.split_backward_share * computed_b
+            w += own + moved + hw.split_backward_share * computed_w
     # transitions are in the point's time; spread them over forward and backward
     trans = (pt.time - sum(times)) / m
     p2p = _p2p(ctx, config, idx) if config.stages > 1 else 0.0

@@ -67,13 +67,17 @@ world and returns the profile with them set (`runtime_costs` lists them below):
   day it came out 0-38 us, and the calibrations' 8-microbatch GPT pipelines moved with
   it by a third of a point per microsecond; six blocks in one process gave 3-21 us at
   16, 15-19 at 64.)
-* `weight_op_overhead_s`, per weight op of a zero-bubble W action (the executor asks
-  autograd for each weight op's gradient on its own, then hands it on): the same
-  reference pipelines under zero-bubble at 16 microbatches, their W actions recorded:
-  their mean less the model's W without it, over the stage's weight ops
-  (`_action_costs`). Until 2026-11-28 a 2-stage ZB-H1 pipeline of chained tiny 8 x 8
-  matmuls, 1 and 16 per stage: 14-95 us per op, while GPT small's W actions ran 4.5-5.1
-  ms against 2.2-2.5 priced (its weight ops' gradients over 2 sequences each, not 2 rows).
+* `weight_op_overhead_s` and `split_backward_share`, per weight op of a zero-bubble W
+  action (the executor asks autograd for each weight op's gradient on its own, then
+  hands it on) and per second of the backward zero-bubble splits into B and W (the two
+  passes run slower than the fused one: each weight gradient is made from operands the
+  input gradients' pass left cold): the same reference pipelines under zero-bubble and
+  1F1B, at 16 microbatches and at 2, their B and W actions recorded: what B + W took
+  beyond 1F1B's fused B, fitted over the stages' weight ops and backward seconds
+  (`_action_costs`, `_fit_split_costs`). Until 2026-11-28 a 2-stage ZB-H1 pipeline of
+  chained tiny 8 x 8 matmuls, 1 and 16 per stage: 14-95 us per op, while GPT small's W
+  actions ran 4.5-5.1 ms against 2.2-2.5 priced (its weight ops' gradients over 2
+  sequences each, not 2 rows).
 * `recompute_overhead_s`, per recompute region per microbatch (torch's non-reentrant
   checkpoint: its frame, the saved tensors' hooks, the RNG state, stopping the recompute;
   the region's re-entry into pxform's process groups): tiny residual layers, data
@@ -287,8 +291,8 @@ def runtime_costs(hw: Hardware, repeats: int = 9) -> Hardware:
         _, slots_many = _paired(pp_step(2, many), pp_step(8, many), 3 * repeats)
         per_param_action = _agreed(max(0.0, (slots_many - slots) / (2 * 6 * (many - 1))))
 
-    per_action = per_op_action = per_stall = per_delay = per_weight_op = per_send = 0.0
-    per_receive = 0.0
+    per_action = per_op_action = per_stall = per_delay = per_send = per_receive = 0.0
+    per_weight_op: tuple[float, float] = (0.0, 0.0)  # (per weight op, the split's share)
     if n >= 2 and n % 2 == 0:
         (per_action, per_op_action, per_stall, per_delay, per_weight_op, per_send,
          per_receive) = _action_costs(
@@ -317,7 +321,9 @@ def runtime_costs(hw: Hardware, repeats: int = 9) -> Hardware:
     kept = world.gather_objects(mine)[0] if n > 1 else mine
     return dataclasses.replace(hw, param_overhead_s=kept[0], step_overhead_s=kept[1],
                                action_overhead_s=kept[2], collective_overhead_s=kept[3],
-                               param_action_overhead_s=kept[4], weight_op_overhead_s=kept[5],
+                               param_action_overhead_s=kept[4],
+                               weight_op_overhead_s=kept[5][0],
+                               split_backward_share=kept[5][1],
                                op_action_overhead_s=kept[6], recompute_overhead_s=kept[7],
                                relayout_overhead_s=0.0, relayout_wait_share=kept[8],
                                all_to_all_share=kept[12], receive_stall_s=kept[9],
@@ -977,10 +983,10 @@ def _staged(params: dict[str, Any], tokens: torch.Tensor) -> torch.Tensor:
 
 
 def _action_costs(hw: Hardware, gen: torch.Generator, repeats: int
-                  ) -> tuple[float, float, float, float, float, float, float]:
+                  ) -> tuple[float, float, float, float, tuple[float, float], float, float]:
     """(`action_overhead_s`, `op_action_overhead_s`, `receive_stall_s`,
-    `transfer_overhead_s`, `weight_op_overhead_s`, `send_overhead_s`,
-    `receive_overhead_s`) (module doc):
+    `transfer_overhead_s`, (`weight_op_overhead_s`, `split_backward_share`),
+    `send_overhead_s`, `receive_overhead_s`) (module doc):
     the reference transformer at each depth of `_ACTION_DEPTHS`, cut into 2 stages, its
     1F1B pipeline at `_ACTION_MICROBATCHES` microbatches of 16 sequences per data-parallel
     replica (the two timed alternately, every rank at once; the longer one's actions
@@ -1025,11 +1031,16 @@ def _action_costs(hw: Hardware, gen: torch.Generator, repeats: int
     schedules that wait less (the shifted one, zero-bubble) came out 5-13 points further
     over than 1F1B.
 
-    The weight ops: the zero-bubble pipeline's W actions: per depth, their mean less the
-    model's W without this cost, over the stage's weight ops (what the model's W grows
-    by per second of it), averaged over stages and depths. Until 2026-11-28 it came from
-    tiny 8 x 8 matmuls chained 1 and 16 to a stage: 14-95 us per op, and GPT small's W
-    actions ran 4.5-5.1 ms against 2.2-2.5 priced."""
+    The split backward: the zero-bubble pipeline's B and W actions against 1F1B's fused B
+    of the same stage, per depth at the longer pipeline's microbatches and at the deepest
+    also at the shorter one's (8 times the tokens a microbatch): per stage, what B + W
+    took beyond the fused B and one more action, fitted over the stage's weight ops and
+    its backward's seconds in the model (`_fit_split_costs`: a cost per weight op and a
+    share of the backward). Until 2026-11-30 the W alone against the model's W, per
+    weight op, at one size: zero-bubble came out 8-17 points under 1F1B in the accuracy
+    runs, and at 2 microbatches it was priced 12 % under 1F1B while it ran 2 % under.
+    Until 2026-11-28 it came from tiny 8 x 8 matmuls chained 1 and 16 to a stage: 14-95 us
+    per op, and GPT small's W actions ran 4.5-5.1 ms against 2.2-2.5 priced."""
     n = world.size()
     device = default_device()
     _, _, vocab, seq = _reference_shape(device)
@@ -1084,7 +1095,19 @@ def _action_costs(hw: Hardware, gen: torch.Generator, repeats: int
                                                     in_specs=(None, P("dp")))), params, tokens)
         zb_pin = dataclasses.replace(pins[1], schedule=ScheduleChoice("zb"))
         zb_calls = _recorded(zb, repeats)
-        zb_runs.append(([e for got in zb_calls for e in got], zb_pin, priced))
+        # (with 1F1B's recorded at the same microbatches: `events`)
+        zb_runs.append(([e for got in zb_calls for e in got], events, zb_pin, priced))
+        if depth == _ACTION_DEPTHS[-1]:
+            # and both at the fewer, larger microbatches: what splitting a backward costs
+            # per second of it, apart from per weight op (`_fit_split_costs`)
+            piped = pipeline(_staged, stages=2, microbatches=few, schedule="zb")
+            zb_few = functools.partial(value_and_grad(shard(
+                piped, mesh=Mesh({"pp": 2, "dp": n // 2}), in_specs=(None, P("dp")))),
+                params, tokens)
+            zb_runs.append(([e for got in _recorded(zb_few, repeats) for e in got],
+                            [e for got in _recorded(calls[0], repeats) for e in got],
+                            dataclasses.replace(pins[0], schedule=ScheduleChoice("zb")),
+                            priced))
         # interleaved, 2 chunks a rank, at the same microbatches: the same ops in twice
         # the actions, so what its forwards and backwards take more than 1F1B's over a
         # microbatch, less what the model has them take more, is 4 actions' own cost
@@ -1117,22 +1140,28 @@ def _action_costs(hw: Hardware, gen: torch.Generator, repeats: int
     receive = statistics.mean(receives) if receives else 0.0
     fitted = dataclasses.replace(hw, action_overhead_s=action, op_action_overhead_s=per_op,
                                  send_overhead_s=send, receive_overhead_s=receive)
-    per_weight_op = []
-    for events, zb_pin, priced in zb_runs:
-        at = [dataclasses.replace(fitted, weight_op_overhead_s=t) for t in (0.0, 1e-3)]
-        weights = [priced(h, zb_pin).stage_plans for h in at]
-        # (stage, its recorded W's mean) of each rank
-        for stage, mean in world.gather_objects(_mean_weight(events)):
+    # per stage and recording: (what its zero-bubble B + W took beyond 1F1B's fused B and
+    # one more action's cost, its weight ops, its backward's seconds in the model), the
+    # last two read off the model as each cost moves
+    split_rows = []
+    for events, fused, zb_pin, priced in zb_runs:
+        at = [dataclasses.replace(fitted, weight_op_overhead_s=op, split_backward_share=share)
+              for op, share in ((0.0, 0.0), (1e-3, 0.0), (0.0, 1e-3))]
+        stages = [priced(h, zb_pin).stage_plans for h in at]
+        # (stage, the recorded B + W's mean, the recorded fused B's mean) of each rank
+        for stage, split, whole in world.gather_objects(_split_and_fused(events, fused)):
             if stage is None:
                 continue
-            ops = (weights[1][stage].weight_s - weights[0][stage].weight_s) / 1e-3
+            ops = (stages[1][stage].weight_s - stages[0][stage].weight_s) / 1e-3
+            backward = (stages[2][stage].backward_s - stages[0][stage].backward_s) / 1e-3
             if ops > 0.5:
-                per_weight_op.append((mean - weights[0][stage].weight_s) / ops)
-    weight_op = max(0.0, statistics.mean(per_weight_op)) if per_weight_op else 0.0
+                split_rows.append((split - whole - action, ops, backward))
+    weight_op, split_share = _fit_split_costs(split_rows)
     # the stall and the delay on waits, in a fixed split (`_STALL_SHARE`): per depth and
     # pipeline (1F1B, interleaved), what makes the model's whole call its measured share
     # of the data-parallel step's (that step priced as the model prices it), averaged
-    final = dataclasses.replace(fitted, weight_op_overhead_s=weight_op)
+    final = dataclasses.replace(fitted, weight_op_overhead_s=weight_op,
+                                split_backward_share=split_share)
     levels = []
     for params, (one_pin, int_pin), dp_pin, ratios in anchors:
         dp_s = _priced_pipeline(final, dp_pin, params, tokens, n, fn=_reference).step_time_s
@@ -1147,7 +1176,52 @@ def _action_costs(hw: Hardware, gen: torch.Generator, repeats: int
 
             levels.append(fit_to_call(priced_call, ratio * dp_s))
     stall, delay = transfer_costs(statistics.mean(levels))
-    return action, per_op, stall, delay, weight_op, send, receive
+    return action, per_op, stall, delay, (weight_op, split_share), send, receive
+
+
+def _fit_split_costs(rows: Sequence[tuple[float, float, float]]) -> tuple[float, float]:
+    """(`weight_op_overhead_s`, `split_backward_share`) >= 0 from recorded pipelines: per
+    row (one stage at one microbatch size), (what zero-bubble's B and W of a microbatch
+    took beyond 1F1B's fused B of the same stage and one more action's cost, the stage's
+    weight ops, its backward's seconds as the model prices them), fitted by least squares
+    as `ops x per_op + share x backward`; where the rows cannot tell the two apart (one
+    size only) or the fit makes one negative, that one is 0 and the other is fitted alone.
+
+    Why a share: the split backward's extra grows with its work, not only with the weight
+    ops' autograd calls. Two layers of the reference transformer in one process, split as
+    the executor splits them, took 1.27-1.35 times the fused backward at 64-512 tokens; in
+    GPT small's 2-stage pipelines (the same stages under both schedules, 2026-11-30) B + W
+    took 1.27-1.42 times 1F1B's B at 2 sequences a microbatch and 1.29-1.32 at 8, priced
+    1.2 and 1.08 times with a cost per weight op alone: zero-bubble came out 8-17 points
+    under 1F1B in every accuracy run of the twenty-ninth to thirty-third sessions, and the
+    search took it over 1F1B at 2 microbatches, where it measured 0.98 times 1F1B's step
+    and was priced 0.88.
+
+    Example:
+        >>> # 50 us per weight op and a fifth of the backward, at two sizes
+        >>> rows = [(12 * 50e-6 + 0.2 * b, 12, b) for b in (2e-3, 9e-3)]
+        >>> [round(x, 6) for x in _fit_split_costs(rows)]
+        [5e-05, 0.2]
+        >>> [round(x, 6) for x in _fit_split_costs([(1.2e-3, 12, 2e-3)])]  # one size
+        [0.0001, 0.0]
+    """
+    if not rows:
+        return 0.0, 0.0
+    extra = [r[0] for r in rows]
+    ops = [r[1] for r in rows]
+    backward = [r[2] for r in rows]
+    per_op_alone = max(0.0, _through_origin(ops, extra))
+    x = np.asarray([ops, backward], dtype=float).T
+    gram = x.T @ x
+    # (rows whose backward is in proportion to their ops cannot part the two)
+    if len(rows) < 2 or abs(float(np.linalg.det(gram))) <= 1e-9 * float(gram.trace()) ** 2:
+        return per_op_alone, 0.0
+    per_op, share = (float(v) for v in np.linalg.solve(gram, x.T @ np.asarray(extra)))
+    if share < 0:
+        return per_op_alone, 0.0
+    if per_op < 0:
+        return 0.0, max(0.0, _through_origin(backward, extra))
+    return per_op, share
 
 
 _STALL_SHARE = 0.25
@@ -1295,6 +1369,20 @@ def _mean_weight(events: Sequence[tuple[Any, float, float]]) -> tuple[int | None
     if not seconds:
         return None, 0.0
     return next(a.stage for a, _, _ in events if a.kind == "W"), statistics.mean(seconds)
+
+
+def _split_and_fused(split: Sequence[tuple[Any, float, float]],
+                     fused: Sequence[tuple[Any, float, float]]
+                     ) -> tuple[int | None, float, float]:
+    """(the stage, the mean seconds of a microbatch's B and W, of its fused B) of one
+    stage's actions recorded under zero-bubble (`split`) and under 1F1B (`fused`); (None,
+    0, 0) unless both have them."""
+    stage, w = _mean_weight(split)
+    b = [end - start for a, start, end in split if a.kind == "B"]
+    whole = [end - start for a, start, end in fused if a.kind == "B" and a.stage == stage]
+    if stage is None or not b or not whole:
+        return None, 0.0, 0.0
+    return stage, statistics.mean(b) + w, statistics.mean(whole)
 
 
 def _priced_pipeline(profile: Hardware, pin: Pin, params: Any, tokens: torch.Tensor,
