@@ -1094,9 +1094,11 @@ def _action_costs(hw: Hardware, gen: torch.Generator, repeats: int
         zb = functools.partial(value_and_grad(shard(piped, mesh=Mesh({"pp": 2, "dp": n // 2}),
                                                     in_specs=(None, P("dp")))), params, tokens)
         zb_pin = dataclasses.replace(pins[1], schedule=ScheduleChoice("zb"))
-        zb_calls = _recorded(zb, repeats)
-        # (with 1F1B's recorded at the same microbatches: `events`)
-        zb_runs.append(([e for got in zb_calls for e in got], events, zb_pin, priced))
+        # each recorded in turn with 1F1B's at the same microbatches (a slow spell
+        # between the two went into the split's cost: its share came out 0-0.5 over five
+        # calibrations recorded one after the other, 2026-11-30)
+        split, fused = _alternated_recorded(zb, calls[1], repeats)
+        zb_runs.append((split, fused, zb_pin, priced))
         if depth == _ACTION_DEPTHS[-1]:
             # and both at the fewer, larger microbatches: what splitting a backward costs
             # per second of it, apart from per weight op (`_fit_split_costs`)
@@ -1104,8 +1106,8 @@ def _action_costs(hw: Hardware, gen: torch.Generator, repeats: int
             zb_few = functools.partial(value_and_grad(shard(
                 piped, mesh=Mesh({"pp": 2, "dp": n // 2}), in_specs=(None, P("dp")))),
                 params, tokens)
-            zb_runs.append(([e for got in _recorded(zb_few, repeats) for e in got],
-                            [e for got in _recorded(calls[0], repeats) for e in got],
+            split, fused = _alternated_recorded(zb_few, calls[0], repeats)
+            zb_runs.append((split, fused,
                             dataclasses.replace(pins[0], schedule=ScheduleChoice("zb")),
                             priced))
         # interleaved, 2 chunks a rank, at the same microbatches: the same ops in twice
@@ -1360,6 +1362,25 @@ def _recorded(call: Callable[[], Any], repeats: int) -> list[list[tuple[Any, flo
             call()
         calls.append(got)
     return calls
+
+
+def _alternated_recorded(first: Callable[[], Any], second: Callable[[], Any], repeats: int
+                         ) -> tuple[list[tuple[Any, float, float]],
+                                    list[tuple[Any, float, float]]]:
+    """The pipeline actions this rank ran in `repeats` calls of each of `first` and
+    `second`, called in turn (each after a barrier, after two unrecorded calls of each):
+    a drift of the machine falls on both alike."""
+    for _ in range(2):
+        first()
+        second()
+    got: tuple[list[tuple[Any, float, float]], list[tuple[Any, float, float]]] = ([], [])
+    for _ in range(repeats):
+        for out, call in zip(got, (first, second)):
+            world.barrier()
+            with recording() as events:
+                call()
+            out.extend(events)
+    return got
 
 
 def _mean_weight(events: Sequence[tuple[Any, float, float]]) -> tuple[int | None, float]:
