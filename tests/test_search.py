@@ -492,8 +492,8 @@ def test_the_memory_bound_prunes_without_changing_the_least_memory_plan(monkeypa
     evaluated: list[object] = []
     real_evaluate, real_bound = core.evaluate, core.memory_lower_bound
 
-    def counting(ctx, config, objective="time", incumbent=math.inf):
-        cand, more = real_evaluate(ctx, config, objective, incumbent)
+    def counting(ctx, config, objective="time", incumbent=math.inf, *rest):
+        cand, more = real_evaluate(ctx, config, objective, incumbent, *rest)
         evaluated.append(config)
         for c in ([cand] if cand is not None else []) + list(more):
             assert real_bound(ctx, config) <= c.peak_memory * (1 + 1e-12), config
@@ -524,8 +524,8 @@ def test_the_time_bound_holds_with_per_step_costs_after_the_schedule(monkeypatch
     seen = []
     real_evaluate = core.evaluate
 
-    def checking(ctx, config, objective="time", incumbent=math.inf):
-        cand, more = real_evaluate(ctx, config, objective, incumbent)
+    def checking(ctx, config, objective="time", incumbent=math.inf, *rest):
+        cand, more = real_evaluate(ctx, config, objective, incumbent, *rest)
         for c in ([cand] if cand is not None else []) + list(more):
             if config.stages > 1 and any(st.step_extra > 0 for st in c.stages):
                 seen.append(config)
@@ -1088,6 +1088,32 @@ def test_zero_bubble_is_chosen_where_its_simulated_bubble_wins():
     assert times["zb"] == pytest.approx(free.step_time_s)
     assert "schedules priced for this configuration" in free.explain()
     assert "zb " + f"{free.step_time_s:.4g} s (chosen)" in free.explain()
+
+
+def test_a_schedule_within_the_tolerance_of_1f1b_leaves_it_1f1b():
+    """`auto`'s tolerance makes plans within it ties that the simplest wins, 1F1B before
+    the other schedules (`simplicity`), within a configuration too: zero-bubble priced 2 %
+    under 1F1B (its split backward made slower by `split_backward_share`) is taken at
+    tolerance 0 (past `SCHEDULE_GAIN`), and at the default 5 % 1F1B is kept; 5 % under
+    and more, zero-bubble again."""
+    from pxform.cost.hardware import hardware
+    from pxform.search.partition import SCHEDULE_GAIN
+
+    args = mlp_args(d=1024, layers=4, batch=4096)
+
+    def chosen(share: float, tolerance: float):
+        hw = dataclasses.replace(hardware("a100-80gb"), split_backward_share=share)
+        step = pxform.auto(residual_mlp, mesh=pxform.Mesh.abstract(4), memory_budget="80GiB",
+                           hardware=hw, memory_margin=0.0, tolerance=tolerance,
+                           plan=Pin(stages=4, outer=1, inner=1, microbatches=4))
+        plan = step.plan(*args)
+        return plan.schedule, dict(plan.schedule_times)
+
+    schedule, times = chosen(0.5, 0.0)
+    assert schedule == "zb" and SCHEDULE_GAIN < 1 - times["zb"] / times["1f1b"] < 0.05, times
+    assert chosen(0.5, 0.05)[0] == "1f1b"
+    schedule, times = chosen(0.3, 0.05)
+    assert schedule == "zb" and times["zb"] < 0.95 * times["1f1b"], times
 
 
 def test_interleaved_is_chosen_where_weight_gradients_are_few():
