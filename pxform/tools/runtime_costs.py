@@ -1062,12 +1062,18 @@ def _action_costs(hw: Hardware, gen: torch.Generator, repeats: int
         blocks = len(auto(_staged, mesh=abstract_mesh(n), hardware=bare,
                           plan=Pin(stages=2)).plan(params, tokens).blocks)
         roles = (("outer", "dp"),) if n > 2 else ()
-        calls, pins = [], []
-        for m in (few, many):
-            piped = pipeline(_staged, stages=2, microbatches=m)
+
+        def staged_call(m: int, schedule: str = "1f1b", params: Any = params
+                        ) -> Callable[[], Any]:
+            """One training step of the reference cut into 2 stages, `m` microbatches."""
+            piped = pipeline(_staged, stages=2, microbatches=m, schedule=schedule)
             sharded = shard(piped, mesh=Mesh({"pp": 2, "dp": n // 2}),
                             in_specs=(None, P("dp")))
-            calls.append(functools.partial(value_and_grad(sharded), params, tokens))
+            return functools.partial(value_and_grad(sharded), params, tokens)
+
+        calls, pins = [], []
+        for m in (few, many):
+            calls.append(staged_call(m))
             # the same pipeline as the cost model prices it: data parallel, 1F1B
             pins.append(Pin(stages=2, outer=n // 2, inner=1, microbatches=m,
                             schedule=ScheduleChoice(), block_options=(Option(roles, False),)
@@ -1088,27 +1094,18 @@ def _action_costs(hw: Hardware, gen: torch.Generator, repeats: int
         receives += [receive for _, _, receive in recorded if receive > 0]
         per_action.append((statistics.mean(pairs) - priced_pair) / 2 if pairs else 0.0)
         ops_per_stage.append(ops)
-        # zero-bubble's W actions at the longer pipeline's microbatches (its step is not
-        # timed: the Ws and the spans as they ran are what is read)
-        piped = pipeline(_staged, stages=2, microbatches=many, schedule="zb")
-        zb = functools.partial(value_and_grad(shard(piped, mesh=Mesh({"pp": 2, "dp": n // 2}),
-                                                    in_specs=(None, P("dp")))), params, tokens)
-        zb_pin = dataclasses.replace(pins[1], schedule=ScheduleChoice("zb"))
-        # each recorded in turn with 1F1B's at the same microbatches (a slow spell
+        # zero-bubble's B and W actions at the longer pipeline's microbatches (its step
+        # is not timed: the actions as they ran are what is read), each recorded in turn
+        # with 1F1B's at the same microbatches (a slow spell
         # between the two went into the split's cost: its share came out 0-0.5 over five
-        # calibrations recorded one after the other, 2026-11-30)
-        split, fused = _alternated_recorded(zb, calls[1], repeats)
-        zb_runs.append((split, fused, zb_pin, priced))
-        if depth == _ACTION_DEPTHS[-1]:
-            # and both at the fewer, larger microbatches: what splitting a backward costs
-            # per second of it, apart from per weight op (`_fit_split_costs`)
-            piped = pipeline(_staged, stages=2, microbatches=few, schedule="zb")
-            zb_few = functools.partial(value_and_grad(shard(
-                piped, mesh=Mesh({"pp": 2, "dp": n // 2}), in_specs=(None, P("dp")))),
-                params, tokens)
-            split, fused = _alternated_recorded(zb_few, calls[0], repeats)
+        # calibrations recorded one after the other, 2026-11-30); at the deepest also at
+        # the fewer, larger microbatches: what splitting a backward costs per second of
+        # it, apart from per weight op (`_fit_split_costs`)
+        for k in (1, 0) if depth == _ACTION_DEPTHS[-1] else (1,):
+            split, fused = _alternated_recorded(staged_call((few, many)[k], "zb"), calls[k],
+                                                repeats)
             zb_runs.append((split, fused,
-                            dataclasses.replace(pins[0], schedule=ScheduleChoice("zb")),
+                            dataclasses.replace(pins[k], schedule=ScheduleChoice("zb")),
                             priced))
         # interleaved, 2 chunks a rank, at the same microbatches: the same ops in twice
         # the actions, so what its forwards and backwards take more than 1F1B's over a
