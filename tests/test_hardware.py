@@ -959,7 +959,7 @@ def measure_runtime_costs() -> tuple[float, ...]:
             hw.autograd_share, hw.receive_stall_s, hw.send_overhead_s,
             hw.receive_overhead_s, hw.transfer_overhead_s, hw.relayout_wait_share,
             hw.all_to_all_share, hw.forward_scale, hw.backward_scale,
-            hw.split_backward_share, hw.weight_gradient_scale)
+            hw.split_backward_share)
 
 
 def test_runtime_costs_are_measured_on_real_programs(world):
@@ -979,7 +979,7 @@ def test_runtime_costs_are_measured_on_real_programs(world):
     per_param, per_step, per_action, per_collective, per_param_action, per_weight_op, \
         scale, per_op, per_op_action, per_region, per_run, per_node, share, \
         per_stall, per_send, per_receive, per_transfer, wait_share, a2a_share, \
-        forward_scale, backward_scale, split_share, weight_scale = results[0]
+        forward_scale, backward_scale, split_share = results[0]
     # a reference transformer step at two sizes against its ops timed alone: measured,
     # not the defaults (its ops run somewhat slower in a step, not several times; and
     # microseconds more per op, not milliseconds)
@@ -1001,9 +1001,6 @@ def test_runtime_costs_are_measured_on_real_programs(world):
     # 1F1B's fused B at two microbatch sizes (0.2-0.3 here; 0 where the fit cannot part it
     # from the cost per weight op), a share, not a multiple
     assert 0 <= split_share < 1.5
-    # and how much of it the W takes against the op model's count of the weight
-    # gradients: fitted to the recorded Ws (not the default 1), within the fit's range
-    assert weight_scale != 1.0 and 0.25 <= weight_scale <= 2.0
     # torch's checkpoint per region: over a hundred microseconds here, far above the
     # tiny ops it recomputes (clamped at 0 would mean the measurement failed)
     assert 1e-5 < per_region < 5e-3
@@ -1055,11 +1052,11 @@ def test_an_action_pair_is_read_off_the_recorded_actions():
                                                               ("W", (1.0, 2.0)))
              for i, t in enumerate(times)]
     fused = [(Action(1, "B", i), 0.0, t) for i, t in enumerate((3.0, 3.5))]
-    assert _split_and_fused(split, fused) == (1, 2.5, 1.5, 3.25)
+    assert _split_and_fused(split, fused) == (1, 2.5 + 1.5, 3.25)
     # (another stage's fused Bs, or no W: nothing to compare)
     other = [(Action(0, "B", 0), 0.0, 3.0)]
-    assert _split_and_fused(split, other) == (None, 0.0, 0.0, 0.0)
-    assert _split_and_fused(fused, fused) == (None, 0.0, 0.0, 0.0)
+    assert _split_and_fused(split, other) == (None, 0.0, 0.0)
+    assert _split_and_fused(fused, fused) == (None, 0.0, 0.0)
 
 
 def test_the_transfer_cost_is_fitted_so_that_the_priced_call_is_the_measured_share():
@@ -1232,23 +1229,6 @@ def test_fit_split_costs_parts_the_cost_per_weight_op_from_the_share_of_the_back
     share_only = [(1.2e-3, 6, 4e-3), (0.9e-3, 12, 4e-3)]
     assert _fit_split_costs(share_only) == pytest.approx((0.0, 2.1e-3 / 8e-3))
     assert _fit_split_costs([]) == (0.0, 0.0)
-
-
-def test_fit_weight_scale_is_the_recorded_w_over_the_models_weight_gradients():
-    """`weight_gradient_scale` from recorded zero-bubble Ws: rows of (the W less the
-    model's own costs of a W, at the model's speed; the model's W compute) give their
-    ratio through the origin, weighted to the larger Ws; a ratio past `WEIGHT_SCALE_RANGE`
-    (a recording in a slow spell) is held at its end; no rows, the default 1."""
-    from pxform.tools.runtime_costs import WEIGHT_SCALE_RANGE, _fit_weight_scale
-
-    rows = [(0.7 * c, c) for c in (1.1e-3, 2.3e-3, 15e-3)]
-    assert _fit_weight_scale(rows) == pytest.approx(0.7, rel=1e-9)
-    noisy = [(0.6 * 1e-3, 1e-3), (0.8 * 1e-3, 1e-3)]
-    assert _fit_weight_scale(noisy) == pytest.approx(0.7, rel=1e-9)
-    low, high = WEIGHT_SCALE_RANGE
-    assert _fit_weight_scale([(5e-3, 1e-3)]) == high
-    assert _fit_weight_scale([(-1e-3, 1e-3)]) == low
-    assert _fit_weight_scale([]) == 1.0
 
 
 def test_the_reference_price_is_the_fit_of_the_op_time_scale_and_time_per_op():

@@ -851,28 +851,6 @@ def test_zero_bubble_pays_a_share_of_its_split_backward():
     assert one.step_time_s == one_paid.step_time_s
 
 
-def test_a_zero_bubble_w_takes_the_profiles_scale_of_the_weight_gradients():
-    """`Hardware.weight_gradient_scale` (fitted by `runtime_costs` to recorded B and W
-    actions) moves time between a zero-bubble stage's B and its W: the W is that factor
-    times the op model's weight gradients, the whole backward (B + W) does not change, and
-    1F1B, which runs them fused, is priced the same. A longer B on the critical path makes
-    the zero-bubble step slower."""
-    from pxform.cost.hardware import hardware
-
-    args = mlp_args(d=1024, layers=4, batch=4096)
-    scaled = dataclasses.replace(hardware("a100-80gb"), weight_gradient_scale=0.6)
-    base, moved = (plan_schedule(residual_mlp, args, hardware=hw,
-                                 schedule=ScheduleChoice("zb")) for hw in ("a100-80gb", scaled))
-    for b, m in zip(base.stage_plans, moved.stage_plans):
-        assert b.weight_s > 0
-        assert m.weight_s == pytest.approx(0.6 * b.weight_s, rel=1e-6), (b, m)
-        assert m.backward_s == pytest.approx(b.backward_s, rel=1e-9)
-    assert moved.step_time_s > base.step_time_s
-    one, one_moved = (plan_schedule(residual_mlp, args, hardware=hw, schedule=ScheduleChoice())
-                      for hw in ("a100-80gb", scaled))
-    assert one.step_time_s == one_moved.step_time_s
-
-
 def test_a_pipeline_action_pays_the_runtime_per_op_of_its_stage():
     """The executor runs a stage's graph once per microbatch: a profile's
     `op_action_overhead_s` (measured by `runtime_costs`) adds to each stage's F and B per

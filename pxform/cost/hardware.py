@@ -361,12 +361,6 @@ class Hardware:
             beyond the fused backward, as a share of its time (0: not measured; about
             0.2-0.3 on this project's CPU, where each weight gradient is made from
             operands the input gradients' pass left cold).
-        weight_gradient_scale: how much of a split backward its W takes, as a factor on
-            what the op model counts for the weight gradients (each weight op's
-            `min(forward, backward)`); its B takes the rest, so B + W is the same at any
-            value (1: not measured). Fitted to the recorded B and W against the fused
-            backward (`pxform.tools.runtime_costs`): where it counts the W too large, the
-            B on the critical path came out short and zero-bubble fast.
         op_time_scale: a factor on every op's time (`CostModel.op_times`): a reference
             training step's measured time over the time the op model gives it
             (`pxform.tools.runtime_costs`). Ops timed alone in chains run faster than in a
@@ -524,7 +518,6 @@ class Hardware:
     param_action_overhead_s: float = 0.0
     weight_op_overhead_s: float = 0.0
     split_backward_share: float = 0.0
-    weight_gradient_scale: float = 1.0
     op_time_scale: float = 1.0
     forward_scale: float = 1.0
     backward_scale: float = 1.0
@@ -604,10 +597,6 @@ class Hardware:
             raise ValueError(f"{what}: split_backward_share must be a number >= 0 (a share of "
                              f"a split backward's time; 0: not measured), got "
                              f"{self.split_backward_share!r}")
-        if not _number(self.weight_gradient_scale) or self.weight_gradient_scale <= 0:
-            raise ValueError(f"{what}: weight_gradient_scale must be a number > 0 (a factor "
-                             f"on a zero-bubble W's weight gradients as the op model counts "
-                             f"them; 1: not measured), got {self.weight_gradient_scale!r}")
         if not _number(self.relayout_wait_share) or self.relayout_wait_share < 0:
             raise ValueError(f"{what}: relayout_wait_share must be a number >= 0 (seconds per "
                              f"second of compute; 0: not measured), got "
@@ -827,7 +816,6 @@ class Hardware:
             "backward_scale": self.backward_scale,
             "autograd_share": self.autograd_share,
             "split_backward_share": self.split_backward_share,
-            "weight_gradient_scale": self.weight_gradient_scale,
             "relayout_wait_share": self.relayout_wait_share,
             "all_to_all_share": self.all_to_all_share,
             "host_overlaps": self.host_overlaps,
@@ -906,8 +894,8 @@ def _from_json(d: Any, where: str) -> Hardware:
              "efficiency", "links", "comm_tables", "compute_flops", "source",
              "memory_bandwidth", "op_overhead_s", "op_curves", "overlap_slowdown",
              "op_time_scale", "forward_scale", "backward_scale", "autograd_share",
-             "split_backward_share", "weight_gradient_scale", "relayout_wait_share",
-             "all_to_all_share", "host_overlaps", "sync_wait", "calibrations", *_FIXED_COSTS}
+             "split_backward_share", "relayout_wait_share", "all_to_all_share",
+             "host_overlaps", "sync_wait", "calibrations", *_FIXED_COSTS}
     for key in d:
         if key not in known:
             raise bad(key, f"is not a profile key (known: {', '.join(sorted(known))})")
@@ -949,7 +937,6 @@ def _from_json(d: Any, where: str) -> Hardware:
     backward_scale = get("backward_scale", "a number", 1.0, required=False)
     autograd_share = get("autograd_share", "a number", 0.0, required=False)
     split_share = get("split_backward_share", "a number", 0.0, required=False)
-    weight_scale = get("weight_gradient_scale", "a number", 1.0, required=False)
     wait_share = get("relayout_wait_share", "a number", 0.0, required=False)
     a2a_share = get("all_to_all_share", "a number", 1.0, required=False)
     host_overlaps = get("host_overlaps", "true or false", False, required=False)
@@ -1015,7 +1002,6 @@ def _from_json(d: Any, where: str) -> Hardware:
                         backward_scale=float(backward_scale),
                         autograd_share=float(autograd_share),
                         split_backward_share=float(split_share),
-                        weight_gradient_scale=float(weight_scale),
                         relayout_wait_share=float(wait_share),
                         all_to_all_share=float(a2a_share), host_overlaps=host_overlaps,
                         sync_wait=tuple((float(g), float(w)) for g, w in sync_json),
@@ -1159,8 +1145,7 @@ def hardware(spec: str | Hardware | os.PathLike[str] | None) -> Hardware:
 _MEDIAN_FIELDS = ("efficiency", "memory_bandwidth", "op_overhead_s", "overlap_slowdown",
                   "step_overhead_s", "param_overhead_s", "action_overhead_s",
                   "collective_overhead_s", "param_action_overhead_s", "weight_op_overhead_s",
-                  "split_backward_share", "weight_gradient_scale", "op_time_scale",
-                  "forward_scale", "backward_scale",
+                  "split_backward_share", "op_time_scale", "forward_scale", "backward_scale",
                   "op_step_overhead_s", "op_action_overhead_s",
                   "recompute_overhead_s", "relayout_overhead_s", "relayout_wait_share",
                   "all_to_all_share", "autograd_op_overhead_s", "autograd_share",

@@ -36,10 +36,8 @@ def lower_bound(ctx: SearchContext, config: Config,
     if schedules is None:
         schedules = choices(config, len(ctx.analysis.blocks), ctx.pin.schedule)
     # the weight gradients' largest share of any option's work: ZB's least bubble
-    # (as the stages price it: `Hardware.weight_gradient_scale` of the op model's)
-    share = ctx.hardware.weight_gradient_scale * max(
-        (c.weight / (c.forward + c.backward) for t in tables for c in t.costs
-         if c.forward + c.backward > 0), default=0.0)
+    share = max((c.weight / (c.forward + c.backward) for t in tables for c in t.costs
+                 if c.forward + c.backward > 0), default=0.0)
     # the shifted schedule recomputes the forward of all stages but the last: of about
     # (p - 1) / p of the blocks, with stages of equal work; their first forwards run
     # without autograd's graph, at most its share and time per op less (`stages`)

@@ -368,11 +368,6 @@ def _stage_sums(ctx: SearchContext, config: Config, idx: list[int], pt: Point,
         outer += oc.packed_outer
         inner += oc.packed_inner
     hw = ctx.hardware
-    # the W's part of the backward as it runs, not as the op model counts it: B + W stays
-    # the backward (`Hardware.weight_gradient_scale`; GPT small's 2-stage zero-bubble
-    # pipelines, every action recorded, 2026-11-30: W 5.3-6.1 ms, B 6.2-6.8, priced 6.1-7.1
-    # and 5.3: the B on the critical path short, and the step 7 % under)
-    w *= hw.weight_gradient_scale
     computed_b, computed_w = b, w  # (the passes' own time, before the runtime's costs)
     num_ops = sum(a.blocks[k].stop - a.blocks[k].start for k in idx)
     # the forward without autograd's graph (the shifted schedule's first forward of a

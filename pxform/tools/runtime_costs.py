@@ -292,8 +292,7 @@ def runtime_costs(hw: Hardware, repeats: int = 9) -> Hardware:
         per_param_action = _agreed(max(0.0, (slots_many - slots) / (2 * 6 * (many - 1))))
 
     per_action = per_op_action = per_stall = per_delay = per_send = per_receive = 0.0
-    # (per weight op, the split's share, the W's scale)
-    per_weight_op: tuple[float, float, float] = (0.0, 0.0, 1.0)
+    per_weight_op: tuple[float, float] = (0.0, 0.0)  # (per weight op, the split's share)
     if n >= 2 and n % 2 == 0:
         (per_action, per_op_action, per_stall, per_delay, per_weight_op, per_send,
          per_receive) = _action_costs(
@@ -325,7 +324,6 @@ def runtime_costs(hw: Hardware, repeats: int = 9) -> Hardware:
                                param_action_overhead_s=kept[4],
                                weight_op_overhead_s=kept[5][0],
                                split_backward_share=kept[5][1],
-                               weight_gradient_scale=kept[5][2],
                                op_action_overhead_s=kept[6], recompute_overhead_s=kept[7],
                                relayout_overhead_s=0.0, relayout_wait_share=kept[8],
                                all_to_all_share=kept[12], receive_stall_s=kept[9],
@@ -985,11 +983,9 @@ def _staged(params: dict[str, Any], tokens: torch.Tensor) -> torch.Tensor:
 
 
 def _action_costs(hw: Hardware, gen: torch.Generator, repeats: int
-                  ) -> tuple[float, float, float, float, tuple[float, float, float], float,
-                             float]:
+                  ) -> tuple[float, float, float, float, tuple[float, float], float, float]:
     """(`action_overhead_s`, `op_action_overhead_s`, `receive_stall_s`,
-    `transfer_overhead_s`, (`weight_op_overhead_s`, `split_backward_share`,
-    `weight_gradient_scale`),
+    `transfer_overhead_s`, (`weight_op_overhead_s`, `split_backward_share`),
     `send_overhead_s`, `receive_overhead_s`) (module doc):
     the reference transformer at each depth of `_ACTION_DEPTHS`, cut into 2 stages, its
     1F1B pipeline at `_ACTION_MICROBATCHES` microbatches of 16 sequences per data-parallel
@@ -1147,28 +1143,24 @@ def _action_costs(hw: Hardware, gen: torch.Generator, repeats: int
     # one more action's cost, its weight ops, its backward's seconds in the model), the
     # last two read off the model as each cost moves
     split_rows = []
-    runs = []  # per stage and recording: (its pin, priced, stage, B, W, fused B, backward)
     for events, fused, zb_pin, priced in zb_runs:
         at = [dataclasses.replace(fitted, weight_op_overhead_s=op, split_backward_share=share)
               for op, share in ((0.0, 0.0), (1e-3, 0.0), (0.0, 1e-3))]
         stages = [priced(h, zb_pin).stage_plans for h in at]
-        # (stage, the recorded B's mean, W's mean, fused B's mean) of each rank
-        for stage, b, w, whole in world.gather_objects(_split_and_fused(events, fused)):
+        # (stage, the recorded B + W's mean, the recorded fused B's mean) of each rank
+        for stage, split, whole in world.gather_objects(_split_and_fused(events, fused)):
             if stage is None:
                 continue
             ops = (stages[1][stage].weight_s - stages[0][stage].weight_s) / 1e-3
             backward = (stages[2][stage].backward_s - stages[0][stage].backward_s) / 1e-3
             if ops > 0.5:
-                split_rows.append((b + w - whole - action, ops, backward))
-                runs.append((zb_pin, priced, stage, b, w, whole, backward))
+                split_rows.append((split - whole - action, ops, backward))
     weight_op, split_share = _fit_split_costs(split_rows)
-    shared = dataclasses.replace(fitted, weight_op_overhead_s=weight_op,
-                                 split_backward_share=split_share)
-    weight_scale = _fit_weight_scale(_weight_rows(shared, runs))
     # the stall and the delay on waits, in a fixed split (`_STALL_SHARE`): per depth and
     # pipeline (1F1B, interleaved), what makes the model's whole call its measured share
     # of the data-parallel step's (that step priced as the model prices it), averaged
-    final = dataclasses.replace(shared, weight_gradient_scale=weight_scale)
+    final = dataclasses.replace(fitted, weight_op_overhead_s=weight_op,
+                                split_backward_share=split_share)
     levels = []
     for params, (one_pin, int_pin), dp_pin, ratios in anchors:
         dp_s = _priced_pipeline(final, dp_pin, params, tokens, n, fn=_reference).step_time_s
@@ -1183,68 +1175,7 @@ def _action_costs(hw: Hardware, gen: torch.Generator, repeats: int
 
             levels.append(fit_to_call(priced_call, ratio * dp_s))
     stall, delay = transfer_costs(statistics.mean(levels))
-    return (action, per_op, stall, delay, (weight_op, split_share, weight_scale), send,
-            receive)
-
-
-def _weight_rows(shared: Hardware, runs: Sequence[tuple[Any, ...]]
-                 ) -> list[tuple[float, float]]:
-    """Per recorded zero-bubble stage (`_action_costs`' `runs`: its pin, the pricing
-    function, the stage, the recorded B's, W's and 1F1B's fused B's means, its backward's
-    compute in the model), `(what its W took beyond the model's own costs of a W, brought to
-    the model's speed; the model's W compute per unit of weight_gradient_scale)`: the rows
-    `_fit_weight_scale` fits. The machine's speed while recording against the model's is
-    the fused B's (less its action's own costs) over the model's backward compute: recorded
-    in turn with the W, it drifted with it."""
-    unit = 1e-3
-    acts = dataclasses.replace(shared, action_overhead_s=0.0, param_action_overhead_s=0.0,
-                               op_action_overhead_s=0.0)
-    rows = []
-    for zb_pin, priced, stage, _, w, whole, backward in runs:
-        fused_pin = dataclasses.replace(zb_pin, schedule=ScheduleChoice())
-        # the fused B's own action costs (the model's, transfers alike in both)
-        own_fused = (priced(shared, fused_pin).stage_plans[stage].backward_s
-                     - priced(acts, fused_pin).stage_plans[stage].backward_s)
-        at_one = priced(shared, zb_pin).stage_plans[stage].weight_s
-        moved = priced(dataclasses.replace(shared, weight_gradient_scale=1.0 + unit),
-                       zb_pin).stage_plans[stage].weight_s
-        compute = (moved - at_one) / unit  # the W's compute at scale 1
-        if compute <= 0 or backward <= 0 or whole <= own_fused:
-            continue
-        speed = (whole - own_fused) / backward  # recorded over modelled
-        rows.append(((w - (at_one - compute)) / speed, compute))
-    return rows
-
-
-WEIGHT_SCALE_RANGE = (0.25, 2.0)
-"""Where `_fit_weight_scale` keeps `Hardware.weight_gradient_scale`: a W of a quarter of
-the weight gradients' compute, or twice it, is a recording gone wrong (a slow spell on one
-pipeline), not the op model's count."""
-
-
-def _fit_weight_scale(rows: Sequence[tuple[float, float]]) -> float:
-    """`Hardware.weight_gradient_scale` from recorded zero-bubble Ws (`_weight_rows`: per
-    stage and recording, its W less the model's own costs of a W at the model's speed, and
-    the model's W compute at scale 1): their least-squares ratio through the origin, kept in
-    `WEIGHT_SCALE_RANGE`; 1 without rows.
-
-    Why: the op model counts a weight op's gradient as `min(forward, backward)`, and the
-    split's B as the rest of the backward. GPT small's 2-stage zero-bubble pipelines, every
-    action recorded (2026-11-30), ran W 5.3-6.1 ms and B 6.2-6.8 where the model had 6.1-7.1
-    and 5.3: B + W right, but the B, on the critical path, short, and the pipeline at 2
-    microbatches priced 7 % under the step it ran.
-
-    Example:
-        >>> _fit_weight_scale([(0.8e-3, 1e-3), (1.6e-3, 2e-3)])
-        0.8
-        >>> _fit_weight_scale([]), _fit_weight_scale([(9e-3, 1e-3)])
-        (1.0, 2.0)
-    """
-    if not rows:
-        return 1.0
-    low, high = WEIGHT_SCALE_RANGE
-    scale = _through_origin([c for _, c in rows], [w for w, _ in rows])
-    return round(min(high, max(low, scale)), 12)
+    return action, per_op, stall, delay, (weight_op, split_share), send, receive
 
 
 def _fit_split_costs(rows: Sequence[tuple[float, float, float]]) -> tuple[float, float]:
@@ -1460,16 +1391,16 @@ def _mean_weight(events: Sequence[tuple[Any, float, float]]) -> tuple[int | None
 
 def _split_and_fused(split: Sequence[tuple[Any, float, float]],
                      fused: Sequence[tuple[Any, float, float]]
-                     ) -> tuple[int | None, float, float, float]:
-    """(the stage, the mean seconds of a microbatch's B, of its W, of its fused B) of one
+                     ) -> tuple[int | None, float, float]:
+    """(the stage, the mean seconds of a microbatch's B and W, of its fused B) of one
     stage's actions recorded under zero-bubble (`split`) and under 1F1B (`fused`); (None,
-    0, 0, 0) unless both have them."""
+    0, 0) unless both have them."""
     stage, w = _mean_weight(split)
     b = [end - start for a, start, end in split if a.kind == "B"]
     whole = [end - start for a, start, end in fused if a.kind == "B" and a.stage == stage]
     if stage is None or not b or not whole:
-        return None, 0.0, 0.0, 0.0
-    return stage, statistics.mean(b), w, statistics.mean(whole)
+        return None, 0.0, 0.0
+    return stage, statistics.mean(b) + w, statistics.mean(whole)
 
 
 def _priced_pipeline(profile: Hardware, pin: Pin, params: Any, tokens: torch.Tensor,
