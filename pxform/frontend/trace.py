@@ -54,6 +54,7 @@ from pxform.frontend.reuse import reusing
 from pxform.frontend.rng import INPLACE, PLAN_INDEPENDENT, RANDOM, tag_random
 from pxform.ops import FALLBACK_TAG, bind, has_rule, rule_info, unsupported_error
 from pxform.ops.norm import BATCH_STATS
+from pxform.ops.view import MAY_COPY, TRACED_VIEW
 
 MODULE_KEY = "pxform.module"
 """Key under `node.meta["custom"]` that carries the issuing module's dotted path."""
@@ -532,6 +533,10 @@ def _to_ir(gm: torch.fx.GraphModule, fn_name: str, input_names: list[str],
             continue
         else:
             op = views.renames.rewire(_convert_call(node, env, new_value, grad))
+            if op.name in MAY_COPY and _aliases_its_input(node):
+                # a view when traced, so a view when it runs: priced as one (`TRACED_VIEW`)
+                op = op.replace(tags=tuple(sorted((*op.tags, (TRACED_VIEW, True)),
+                                                  key=lambda kv: kv[0])))
             if autocast:  # the innermost block decides (`pxform.frontend.precision`)
                 op = op.replace(tags=tuple(sorted((*op.tags, (AUTOCAST, autocast[-1])),
                                                   key=lambda kv: kv[0])))
@@ -730,14 +735,21 @@ def _functionalize(op: Op, input_ids: set[str], views: _Views, fn_name: str,
 
 
 def _aliases_its_input(node: torch.fx.Node) -> bool:
-    """Did this (reshape) node's traced output share its input's storage?"""
-    from torch.multiprocessing.reductions import StorageWeakRef
-
+    """Did this (reshape-like) node return a view of its input when traced? It did where
+    the input's strides allow one (`Tensor.view` to the output's shape succeeds), as they
+    will when it runs. Asked of the strides, not of the storages: a layer copied in the
+    trace (`pxform.frontend.reuse`) reads fresh tensors whose nodes' values are other
+    storages, and a reshape of one looked like a copy there and a view in the layer traced
+    (Mixtral's experts' output, 2026-11-30)."""
     source = node.args[0] if node.args else None
     out, inp = node.meta.get("val"), getattr(source, "meta", {}).get("val")
     if not (isinstance(out, torch.Tensor) and isinstance(inp, torch.Tensor)):
         return False
-    return StorageWeakRef(out.untyped_storage()) == StorageWeakRef(inp.untyped_storage())
+    try:
+        inp.view(out.shape)
+    except (RuntimeError, ValueError):  # (the strides need a copy)
+        return False
+    return True
 
 
 def _batch_norm_train(op: Op, fresh: Callable[[TensorType], Value], sync: bool) -> list[Op]:

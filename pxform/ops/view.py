@@ -86,6 +86,19 @@ def reshape_terms(in_shape: tuple[int, ...], out_shape: tuple[int, ...], lm: Lab
     return ins, outs, fixed
 
 
+TRACED_VIEW = "pxform.traced_view"
+"""Tag of a reshape-like op that may copy (`reshape`, `flatten`, `unflatten`, `reshape_as`)
+whose output shared its input's storage when traced (`pxform.frontend.trace`): its input's
+strides allowed a view, as they will when it runs, so it costs the host's time only (the
+cost model's "view" class). Untagged, it is priced as the copy it may be: the IR does not
+carry strides (a reshape after a transpose copies; a flatten of a contiguous tensor does
+not)."""
+
+MAY_COPY = frozenset({"reshape", "flatten", "unflatten", "reshape_as"})
+"""The reshape-like ops that return a view where the input's strides allow one and a copy
+otherwise (`TRACED_VIEW`)."""
+
+
 @register_rule(*overloads("view.default", "reshape", "_unsafe_view", "flatten",
                           "unflatten", "view_as", "reshape_as", "_reshape_alias"))
 def _reshape(op: Op) -> OpInfo:
@@ -106,7 +119,8 @@ def _reshape(op: Op) -> OpInfo:
         extra = fresh_labels(v, lm, sizes)  # the template (not a local shape) gives the output
         fixed |= set(extra) | {lb for t in outs for lb in t} | {lb for t in ins for lb in t}
         all_ins.append(_terms(extra))
-    view = op.name in ("view", "_unsafe_view", "view_as", "_reshape_alias")
+    view = op.name in ("view", "_unsafe_view", "view_as", "_reshape_alias") or (
+        op.name in MAY_COPY and bool(op.tag(TRACED_VIEW)))
     return OpInfo(Signature.make(all_ins, [outs], sizes, fixed=fixed, linear=_LINEAR0), 0,
                   view=view)
 
