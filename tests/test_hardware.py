@@ -1303,6 +1303,49 @@ def test_a_reshape_that_was_a_view_when_traced_is_priced_as_one():
     assert priced(copies) - priced(plain) > 2 * 200e-6
 
 
+def test_a_cast_to_its_own_dtype_and_contiguous_of_a_contiguous_tensor_are_views():
+    """torch returns the input itself from `x.to(x.dtype)`, `x.type_as(y)` of the same
+    dtype and `x.contiguous()` of a contiguous `x`: those are priced as views (a Hugging
+    Face norm casts its float32 input to float32). A cast to another dtype, and
+    `contiguous` after a transpose (whose strides the trace saw), copy and are priced by
+    their bytes."""
+    from dataclasses import replace
+
+    from pxform.ops.registry import rule_info
+
+    hw = replace(hardware("a100-80gb"), host_overlaps=False, op_overhead_s=5e-6,
+                 op_time_scale=1.0, op_step_overhead_s=0.0, step_overhead_s=0.0,
+                 param_overhead_s=0.0, memory_bandwidth=1e9)
+    w = torch.randn(256, 256)
+    x = torch.randn(64, 256)
+
+    def free(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        y = x @ w
+        return y.to(torch.float32).type_as(x).contiguous().sum()
+
+    def copying(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        y = x @ w
+        return y.to(torch.float64).t().contiguous().sum()
+
+    def plain(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return (x @ w).sum()
+
+    def priced(fn) -> float:
+        return pxform.auto(fn, mesh=pxform.Mesh.abstract(1), hardware=hw,
+                           memory_margin=0.0).plan(w, x).step_time_s
+
+    def ops(fn) -> list:
+        return [(op.name, rule_info(op).view) for op in pxform.trace(fn, w, x).graph.ops
+                if op.name in ("to", "type_as", "contiguous")]
+
+    # (the trace drops a `contiguous` of a contiguous tensor: it is the tensor itself)
+    assert ops(free) == [("to", True), ("type_as", True)]
+    assert ops(copying) == [("to", False), ("contiguous", False)]
+    assert priced(free) - priced(plain) == pytest.approx(2 * 3 * 5e-6, rel=1e-6)
+    # a cast and a copy of 64 x 256 elements at 1 GB/s: over 100 us forward each
+    assert priced(copying) - priced(plain) > 2 * 100e-6
+
+
 def test_a_dropout_that_drops_nothing_is_priced_as_the_view_it_is():
     """torch returns the input itself from a dropout with p = 0 (or not training): no
     bytes, no autograd node. The cost model prices it at a view's host time, not as an

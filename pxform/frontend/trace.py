@@ -735,16 +735,22 @@ def _functionalize(op: Op, input_ids: set[str], views: _Views, fn_name: str,
 
 
 def _aliases_its_input(node: torch.fx.Node) -> bool:
-    """Did this (reshape-like) node return a view of its input when traced? It did where
-    the input's strides allow one (`Tensor.view` to the output's shape succeeds), as they
-    will when it runs. Asked of the strides, not of the storages: a layer copied in the
-    trace (`pxform.frontend.reuse`) reads fresh tensors whose nodes' values are other
-    storages, and a reshape of one looked like a copy there and a view in the layer traced
-    (Mixtral's experts' output, 2026-11-30)."""
+    """Did this node (`MAY_COPY`) return a view of its input when traced? It did where the
+    input's strides allow one (`Tensor.view` to the output's shape succeeds; for
+    `contiguous`, the input is contiguous), as they will when it runs. Asked of the
+    strides, not of the storages: a layer copied in the trace (`pxform.frontend.reuse`)
+    reads fresh tensors whose nodes' values are other storages, and a reshape of one
+    looked like a copy there and a view in the layer traced (Mixtral's experts' output,
+    2026-11-30)."""
     source = node.args[0] if node.args else None
     out, inp = node.meta.get("val"), getattr(source, "meta", {}).get("val")
     if not (isinstance(out, torch.Tensor) and isinstance(inp, torch.Tensor)):
         return False
+    if node.target is torch.ops.aten.contiguous.default:
+        fmt = node.kwargs.get("memory_format", node.args[1] if len(node.args) > 1 else None)
+        if not isinstance(fmt, torch.memory_format):
+            fmt = torch.contiguous_format
+        return bool(inp.is_contiguous(memory_format=fmt))
     try:
         inp.view(out.shape)
     except (RuntimeError, ValueError):  # (the strides need a copy)

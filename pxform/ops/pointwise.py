@@ -89,7 +89,27 @@ def _multiplicative(op: Op) -> OpInfo:
 
 @register_rule(*overloads(*_FIRST_LINEAR))
 def _first_linear(op: Op) -> OpInfo:
-    return pointwise_info(op, [{0}] if op.inputs else [])
+    info = pointwise_info(op, [{0}] if op.inputs else [])
+    return _as_view(info) if op.name == "to" and returns_its_input(op) else info
+
+
+def returns_its_input(op: Op) -> bool:
+    """Is this cast (`to`, `type_as`) to the dtype its input has, without `copy=True` or
+    another memory format? torch then returns the input itself: no kernel, no bytes, no
+    autograd node (a Hugging Face norm's `hidden_states.to(torch.float32)` in a float32
+    model), and it is priced as the view it is."""
+    if not op.inputs or not op.outputs:
+        return False
+    if op.outputs[0].type.dtype != op.inputs[0].type.dtype:
+        return False
+    args = bind(op)
+    return not args.get("copy", False) and args.get("memory_format") in (
+        None, torch.preserve_format)
+
+
+def _as_view(info: OpInfo) -> OpInfo:
+    """`info` for an op that returns its input: no work, a view (`OpInfo.view`)."""
+    return OpInfo(info.signature, 0, view=True)
 
 
 @register_rule(*overloads("fill.Tensor"))
@@ -169,7 +189,7 @@ def _cast_like(op: Op) -> OpInfo:
     sig = Signature.make([[(lb,) for lb in labels], [(lb,) for lb in other_labels]],
                          [[(lb,) for lb in labels]], sizes, fixed=set(other_labels),
                          linear=[{0}])
-    return OpInfo(sig, x.type.numel)
+    return OpInfo(sig, 0, view=True) if returns_its_input(op) else OpInfo(sig, x.type.numel)
 
 
 @register_rule(*overloads("broadcast_tensors"))

@@ -21,9 +21,20 @@ from pxform.ops.signature import LabelMaker, Signature, Term
 _LINEAR0 = [{0}]
 
 
-
 def _terms(labels: list[str]) -> list[Term]:
     return [(lb,) for lb in labels]
+
+
+TRACED_VIEW = "pxform.traced_view"
+"""Tag of an op that may copy (`MAY_COPY`) which returned a view of its input when traced
+(`pxform.frontend.trace`): its input's strides allowed one, as they will when it runs, so
+it costs the host's time only (the cost model's "view" class). Untagged, it is priced as
+the copy it may be: the IR does not carry strides (a reshape after a transpose copies; a
+flatten of a contiguous tensor does not; `contiguous` copies unless its input is)."""
+
+MAY_COPY = frozenset({"reshape", "flatten", "unflatten", "reshape_as", "contiguous"})
+"""The ops that return a view where the input's strides allow one and a copy otherwise
+(`TRACED_VIEW`)."""
 
 
 @register_rule(*overloads("contiguous", "clone", "alias", "detach", "lift_fresh_copy",
@@ -33,7 +44,9 @@ def _identity(op: Op) -> OpInfo:
     sizes: dict[str, int] = {}
     (x,) = op.inputs
     t = _terms(fresh_labels(x, lm, sizes))
-    copies = op.name in ("clone", "lift_fresh_copy")
+    # (`contiguous` copies unless its input was contiguous when traced: `TRACED_VIEW`)
+    copies = op.name in ("clone", "lift_fresh_copy") or (
+        op.name in MAY_COPY and not op.tag(TRACED_VIEW))
     return OpInfo(Signature.make([t], [t], sizes, linear=_LINEAR0),
                   x.type.numel if copies else 0, view=not copies)
 
@@ -84,19 +97,6 @@ def reshape_terms(in_shape: tuple[int, ...], out_shape: tuple[int, ...], lm: Lab
             outs.extend((lb,) for lb in b)
             fixed |= set(a) | set(b)
     return ins, outs, fixed
-
-
-TRACED_VIEW = "pxform.traced_view"
-"""Tag of a reshape-like op that may copy (`reshape`, `flatten`, `unflatten`, `reshape_as`)
-whose output shared its input's storage when traced (`pxform.frontend.trace`): its input's
-strides allowed a view, as they will when it runs, so it costs the host's time only (the
-cost model's "view" class). Untagged, it is priced as the copy it may be: the IR does not
-carry strides (a reshape after a transpose copies; a flatten of a contiguous tensor does
-not)."""
-
-MAY_COPY = frozenset({"reshape", "flatten", "unflatten", "reshape_as"})
-"""The reshape-like ops that return a view where the input's strides allow one and a copy
-otherwise (`TRACED_VIEW`)."""
 
 
 @register_rule(*overloads("view.default", "reshape", "_unsafe_view", "flatten",
