@@ -9,6 +9,8 @@ import re
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given
+from hypothesis import strategies as st
 
 import pxform
 from pxform.core.errors import SignatureMismatchError, TraceError, UnsupportedOpError
@@ -370,3 +372,45 @@ def test_an_in_place_write_through_a_reshape_view_is_written_back():
     x, m = torch.randn(2, 12), torch.randn(4, 6)
     for fn in (through_view, through_copy):
         torch.testing.assert_close(pxform.trace(fn, x, m)(x, m), fn(x, m))
+
+
+@st.composite
+def _strided(draw):
+    """A tensor of up to 4 dims, permuted and perhaps narrowed (strides a view must
+    respect), and a shape of its element count to view it as."""
+    rank = draw(st.integers(1, 4))
+    t = torch.empty(draw(st.lists(st.integers(1, 4), min_size=rank, max_size=rank)))
+    t = t.permute(draw(st.permutations(list(range(rank)))))
+    d = draw(st.integers(0, rank - 1))
+    if draw(st.booleans()) and t.shape[d] > 1:
+        t = t.narrow(d, 0, t.shape[d] - 1)
+    factors = []
+    n = t.numel()
+    for p in (2, 3):
+        while n % p == 0:
+            factors.append(p)
+            n //= p
+    wanted: list[int] = []
+    for f in draw(st.permutations(factors)):
+        if wanted and draw(st.booleans()):
+            wanted[-1] *= f
+        else:
+            wanted.append(f)
+    ones = draw(st.integers(0, 2))
+    return t, wanted + [1] * ones or [1]
+
+
+@given(_strided())
+def test_view_possible_agrees_with_torch(case):
+    """The trace decides from sizes and strides alone whether a reshape-like op returned a
+    view (`_view_possible`; running `Tensor.view` on the traced value fails under a
+    caller's fake mode): it agrees with `Tensor.view` on permuted and narrowed tensors."""
+    from pxform.frontend.trace import _view_possible
+
+    t, wanted = case
+    try:
+        t.view(wanted)
+        expected = True
+    except RuntimeError:
+        expected = False
+    assert _view_possible(list(t.shape), list(t.stride()), wanted) is expected

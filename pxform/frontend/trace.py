@@ -25,6 +25,7 @@ import contextvars
 import functools
 import inspect
 import linecache
+import math
 import operator
 import os
 import sys
@@ -736,26 +737,65 @@ def _functionalize(op: Op, input_ids: set[str], views: _Views, fn_name: str,
 
 def _aliases_its_input(node: torch.fx.Node) -> bool:
     """Did this node (`MAY_COPY`) return a view of its input when traced? It did where the
-    input's strides allow one (`Tensor.view` to the output's shape succeeds; for
-    `contiguous`, the input is contiguous), as they will when it runs. Asked of the
-    strides, not of the storages: a layer copied in the trace (`pxform.frontend.reuse`)
-    reads fresh tensors whose nodes' values are other storages, and a reshape of one
-    looked like a copy there and a view in the layer traced (Mixtral's experts' output,
-    2026-11-30)."""
+    input's strides allow one (`_view_possible` to the output's shape; for `contiguous`,
+    the input is contiguous), as they will when it runs. Asked of the sizes and strides
+    alone: comparing storages missed the views in a layer copied by
+    `pxform.frontend.reuse` (its input's node holds another storage: Mixtral's experts'
+    output, 2026-11-30), and running `Tensor.view` on the traced value fails under a
+    caller's own fake mode (`tests/test_fake_cuda.py`)."""
     source = node.args[0] if node.args else None
     out, inp = node.meta.get("val"), getattr(source, "meta", {}).get("val")
     if not (isinstance(out, torch.Tensor) and isinstance(inp, torch.Tensor)):
         return False
+    try:
+        sizes, strides = [int(x) for x in inp.shape], [int(x) for x in inp.stride()]
+        wanted = [int(x) for x in out.shape]
+    except (TypeError, RuntimeError):  # (symbolic sizes: no answer, priced as a copy)
+        return False
     if node.target is torch.ops.aten.contiguous.default:
         fmt = node.kwargs.get("memory_format", node.args[1] if len(node.args) > 1 else None)
-        if not isinstance(fmt, torch.memory_format):
-            fmt = torch.contiguous_format
-        return bool(inp.is_contiguous(memory_format=fmt))
-    try:
-        inp.view(out.shape)
-    except (RuntimeError, ValueError):  # (the strides need a copy)
+        return fmt in (None, torch.contiguous_format) and _view_possible(
+            sizes, strides, [math.prod(sizes)])
+    return _view_possible(sizes, strides, wanted)
+
+
+def _view_possible(sizes: Sequence[int], strides: Sequence[int],
+                   wanted: Sequence[int]) -> bool:
+    """Can a tensor of `sizes` and `strides` be viewed as `wanted` (same element count)
+    without a copy? Its dims fall into runs that are laid out one after another in memory
+    (dim d and d + 1 are, where stride[d] == stride[d + 1] x size[d + 1]); a view may
+    regroup the dims inside a run, not across two. Dims of size 1 do not count.
+
+    Example:
+        >>> _view_possible([4, 6], [6, 1], [24]), _view_possible([4, 6], [1, 4], [24])
+        (True, False)
+        >>> _view_possible([2, 3, 4], [24, 4, 1], [2, 12])  # (dims 1 and 2 are one run)
+        True
+    """
+    if math.prod(sizes) != math.prod(wanted):
         return False
-    return True
+    if math.prod(sizes) == 0:
+        return True
+    runs: list[int] = []  # the element count of each run of dims laid out together
+    previous = 0
+    for size, stride in zip(sizes, strides):
+        if size == 1:
+            continue
+        if runs and previous == stride * size:
+            runs[-1] *= size
+        else:
+            runs.append(size)
+        previous = stride
+    rest = [n for n in wanted if n != 1]
+    k = 0
+    for run in runs:
+        covered = 1
+        while covered < run and k < len(rest):
+            covered *= rest[k]
+            k += 1
+        if covered != run:
+            return False
+    return k == len(rest)
 
 
 def _batch_norm_train(op: Op, fresh: Callable[[TensorType], Value], sync: bool) -> list[Op]:
