@@ -376,14 +376,16 @@ def test_an_in_place_write_through_a_reshape_view_is_written_back():
 
 @st.composite
 def _strided(draw):
-    """A tensor of up to 4 dims, permuted and perhaps narrowed (strides a view must
-    respect), and a shape of its element count to view it as."""
+    """A tensor of up to 4 dims, permuted and perhaps narrowed or strided (strides a view
+    must respect), and a shape of its element count to view it as."""
     rank = draw(st.integers(1, 4))
     t = torch.empty(draw(st.lists(st.integers(1, 4), min_size=rank, max_size=rank)))
     t = t.permute(draw(st.permutations(list(range(rank)))))
     d = draw(st.integers(0, rank - 1))
     if draw(st.booleans()) and t.shape[d] > 1:
         t = t.narrow(d, 0, t.shape[d] - 1)
+    if draw(st.booleans()) and t.shape[-1] > 2:
+        t = t[..., ::2]  # (a run of dims laid out together whose innermost stride is 2)
     factors = []
     n = t.numel()
     for p in (2, 3):
@@ -404,8 +406,9 @@ def _strided(draw):
 def test_view_possible_agrees_with_torch(case):
     """The trace decides from sizes and strides alone whether a reshape-like op returned a
     view (`_view_possible`; running `Tensor.view` on the traced value fails under a
-    caller's fake mode): it agrees with `Tensor.view` on permuted and narrowed tensors."""
-    from pxform.frontend.trace import _view_possible
+    caller's fake mode): it agrees with `Tensor.view` on permuted and narrowed tensors, and
+    `_contiguous` with `Tensor.is_contiguous`."""
+    from pxform.frontend.trace import _contiguous, _view_possible
 
     t, wanted = case
     try:
@@ -414,3 +417,5 @@ def test_view_possible_agrees_with_torch(case):
     except RuntimeError:
         expected = False
     assert _view_possible(list(t.shape), list(t.stride()), wanted) is expected
+    # and `contiguous` returns the tensor itself where torch calls it contiguous
+    assert _contiguous(list(t.shape), list(t.stride())) is t.is_contiguous()

@@ -534,7 +534,8 @@ def _to_ir(gm: torch.fx.GraphModule, fn_name: str, input_names: list[str],
             continue
         else:
             op = views.renames.rewire(_convert_call(node, env, new_value, grad))
-            if op.name in MAY_COPY and _aliases_its_input(node):
+            viewed = op.name in MAY_COPY and _aliases_its_input(node)
+            if viewed:
                 # a view when traced, so a view when it runs: priced as one (`TRACED_VIEW`)
                 op = op.replace(tags=tuple(sorted((*op.tags, (TRACED_VIEW, True)),
                                                   key=lambda kv: kv[0])))
@@ -552,7 +553,7 @@ def _to_ir(gm: torch.fx.GraphModule, fn_name: str, input_names: list[str],
             # (as they will when it runs); one that copied makes a fresh tensor
             if isinstance(op.target, torch._ops.OpOverload) and op.inputs \
                     and op.name in _VIEW_NAMES \
-                    and (op.name != "reshape" or _aliases_its_input(node)):
+                    and (op.name != "reshape" or viewed):
                 views.add(op)
             for new in emitted:
                 if not has_rule(new.target):
@@ -754,9 +755,24 @@ def _aliases_its_input(node: torch.fx.Node) -> bool:
         return False
     if node.target is torch.ops.aten.contiguous.default:
         fmt = node.kwargs.get("memory_format", node.args[1] if len(node.args) > 1 else None)
-        return fmt in (None, torch.contiguous_format) and _view_possible(
-            sizes, strides, [math.prod(sizes)])
+        return fmt in (None, torch.contiguous_format) and _contiguous(sizes, strides)
     return _view_possible(sizes, strides, wanted)
+
+
+def _contiguous(sizes: Sequence[int], strides: Sequence[int]) -> bool:
+    """Is a tensor of `sizes` and `strides` laid out row-major without gaps (dims of size 1
+    aside), so that `contiguous()` returns it itself?
+
+    Example:
+        >>> _contiguous([4, 3], [3, 1]), _contiguous([4, 3], [6, 2])  # (every other column)
+        (True, False)
+    """
+    expected = 1
+    for size, stride in zip(reversed(sizes), reversed(strides)):
+        if size != 1 and stride != expected:
+            return False
+        expected *= size
+    return True
 
 
 def _view_possible(sizes: Sequence[int], strides: Sequence[int],

@@ -189,7 +189,8 @@ def _cast_like(op: Op) -> OpInfo:
     sig = Signature.make([[(lb,) for lb in labels], [(lb,) for lb in other_labels]],
                          [[(lb,) for lb in labels]], sizes, fixed=set(other_labels),
                          linear=[{0}])
-    return OpInfo(sig, 0, view=True) if returns_its_input(op) else OpInfo(sig, x.type.numel)
+    info = OpInfo(sig, x.type.numel)
+    return _as_view(info) if returns_its_input(op) else info
 
 
 @register_rule(*overloads("broadcast_tensors"))
