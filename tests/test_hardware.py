@@ -1258,22 +1258,30 @@ def test_the_reference_price_is_the_fit_of_the_op_time_scale_and_time_per_op():
                            tokens) == pytest.approx(got, rel=1e-9)
 
 
-def test_a_reshape_that_was_a_view_when_traced_is_priced_as_one():
-    """`reshape` and `flatten` return a view where the input's strides allow one and copy
-    otherwise; the trace sees which (the fake output shares its input's storage or not)
-    and tags the views (`TRACED_VIEW`). A tagged one is priced at a view's host time; one
-    that copied (after a transpose) is priced by its bytes. The reference transformer the
-    op time scale is fitted on has ten such views (its heads split from the fused
-    projection, the logits flattened), 3.8 % of its price when priced as copies: the fitted
-    scale came out that much low, and every plan with it."""
+def _one_device_step(fn, *args) -> float:
+    """`fn`'s step on one device priced with the A100 preset at 5 us of host time per op
+    and 1 GB/s: a view costs its host time only, a copy its bytes (the tests of what is
+    priced as a view)."""
     from dataclasses import replace
-
-    from pxform.ops.registry import rule_info
-    from pxform.ops.view import TRACED_VIEW
 
     hw = replace(hardware("a100-80gb"), host_overlaps=False, op_overhead_s=5e-6,
                  op_time_scale=1.0, op_step_overhead_s=0.0, step_overhead_s=0.0,
                  param_overhead_s=0.0, memory_bandwidth=1e9)
+    return pxform.auto(fn, mesh=pxform.Mesh.abstract(1), hardware=hw,
+                       memory_margin=0.0).plan(*args).step_time_s
+
+
+def test_a_reshape_that_was_a_view_when_traced_is_priced_as_one():
+    """`reshape` and `flatten` return a view where the input's strides allow one and copy
+    otherwise; the trace reads which off the fake input's sizes and strides and tags the
+    views (`TRACED_VIEW`). A tagged one is priced at a view's host time; one
+    that copied (after a transpose) is priced by its bytes. The reference transformer the
+    op time scale is fitted on has ten such views (its heads split from the fused
+    projection, the logits flattened), 3.8 % of its price when priced as copies: the fitted
+    scale came out that much low, and every plan with it."""
+    from pxform.ops.registry import rule_info
+    from pxform.ops.view import TRACED_VIEW
+
     w = torch.randn(256, 256)
     x = torch.randn(8, 16, 256)
 
@@ -1287,8 +1295,7 @@ def test_a_reshape_that_was_a_view_when_traced_is_priced_as_one():
         return (x @ w).sum()
 
     def priced(fn) -> float:
-        return pxform.auto(fn, mesh=pxform.Mesh.abstract(1), hardware=hw,
-                           memory_margin=0.0).plan(w, x).step_time_s
+        return _one_device_step(fn, w, x)
 
     def reshapes(fn) -> list:
         return [op for op in pxform.trace(fn, w, x).graph.ops
@@ -1309,13 +1316,8 @@ def test_a_cast_to_its_own_dtype_and_contiguous_of_a_contiguous_tensor_are_views
     Face norm casts its float32 input to float32). A cast to another dtype, and
     `contiguous` after a transpose (whose strides the trace saw), copy and are priced by
     their bytes."""
-    from dataclasses import replace
-
     from pxform.ops.registry import rule_info
 
-    hw = replace(hardware("a100-80gb"), host_overlaps=False, op_overhead_s=5e-6,
-                 op_time_scale=1.0, op_step_overhead_s=0.0, step_overhead_s=0.0,
-                 param_overhead_s=0.0, memory_bandwidth=1e9)
     w = torch.randn(256, 256)
     x = torch.randn(64, 256)
 
@@ -1331,8 +1333,7 @@ def test_a_cast_to_its_own_dtype_and_contiguous_of_a_contiguous_tensor_are_views
         return (x @ w).sum()
 
     def priced(fn) -> float:
-        return pxform.auto(fn, mesh=pxform.Mesh.abstract(1), hardware=hw,
-                           memory_margin=0.0).plan(w, x).step_time_s
+        return _one_device_step(fn, w, x)
 
     def ops(fn) -> list:
         return [(op.name, rule_info(op).view) for op in pxform.trace(fn, w, x).graph.ops
@@ -1352,15 +1353,10 @@ def test_a_dropout_that_drops_nothing_is_priced_as_the_view_it_is():
     elementwise op over its bytes (GPT small's 9 such dropouts were 0.3-1.9 % of its
     plans); a dropout that drops something is still priced by its bytes, as a mask
     multiply. The rule stays linear (partial sums pass through)."""
-    from dataclasses import replace
-
     import torch.nn.functional as F
 
     from pxform.ops.registry import rule_info
 
-    hw = replace(hardware("a100-80gb"), host_overlaps=False, op_overhead_s=5e-6,
-                 op_time_scale=1.0, op_step_overhead_s=0.0, step_overhead_s=0.0,
-                 param_overhead_s=0.0, memory_bandwidth=1e9)
     w = torch.randn(256, 256)
     x = torch.randn(64, 256)
 
@@ -1370,14 +1366,12 @@ def test_a_dropout_that_drops_nothing_is_priced_as_the_view_it_is():
         return loss
 
     def priced(p: float) -> float:
-        return pxform.auto(model(p), mesh=pxform.Mesh.abstract(1), hardware=hw,
-                           memory_margin=0.0).plan(w, x).step_time_s
+        return _one_device_step(model(p), w, x)
 
     def plain(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         return (x @ w).sum()
 
-    bare = pxform.auto(plain, mesh=pxform.Mesh.abstract(1), hardware=hw,
-                       memory_margin=0.0).plan(w, x).step_time_s
+    bare = _one_device_step(plain, w, x)
     # two views: the host time forward and twice it backward, each
     assert priced(0.0) - bare == pytest.approx(2 * 3 * 5e-6, rel=1e-6)
     # 64 x 256 float32 in and out at 1 GB/s: 131 us forward each, at least
