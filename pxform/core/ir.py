@@ -223,6 +223,17 @@ class Op:
     def replace(self, **changes: Any) -> Op:
         return _dc_replace(self, **changes)
 
+    def with_tag(self, key: str, value: Any) -> Op:
+        """This op with tag `key` set to `value` (replacing the one it had), its tags sorted
+        by key, as transforms and passes leave them.
+
+        Example:
+            >>> op.with_tag("pxform.stage", 1).tag("pxform.stage")
+            1
+        """
+        kept = tuple((k, v) for k, v in self.tags if k != key)
+        return self.replace(tags=tuple(sorted((*kept, (key, value)), key=lambda kv: kv[0])))
+
     def __str__(self) -> str:
         outs = ", ".join(f"{v}: {v.type}" for v in self.outputs) or "_"
         parts = [_fmt(a) for a in self.args] + [f"{k}={_fmt(v)}" for k, v in self.kwargs]

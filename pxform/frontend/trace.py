@@ -537,11 +537,9 @@ def _to_ir(gm: torch.fx.GraphModule, fn_name: str, input_names: list[str],
             viewed = op.name in MAY_COPY and _aliases_its_input(node)
             if viewed:
                 # a view when traced, so a view when it runs: priced as one (`TRACED_VIEW`)
-                op = op.replace(tags=tuple(sorted((*op.tags, (TRACED_VIEW, True)),
-                                                  key=lambda kv: kv[0])))
+                op = op.with_tag(TRACED_VIEW, True)
             if autocast:  # the innermost block decides (`pxform.frontend.precision`)
-                op = op.replace(tags=tuple(sorted((*op.tags, (AUTOCAST, autocast[-1])),
-                                                  key=lambda kv: kv[0])))
+                op = op.with_tag(AUTOCAST, autocast[-1])
             retaken = views.refresh(op, fresh)  # views taken before a write into their base
             op = views.renames.rewire(op)
             emitted = list(retaken)

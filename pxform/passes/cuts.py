@@ -383,6 +383,5 @@ def tag_blocks(graph: Graph, blocks: Sequence[Any], recompute: Sequence[bool],
         tag = RecomputeTag(start + k, Policy(), f"{fn} {b.label}")
         for i in range(b.start, b.stop):
             if ops[i].tag(RECOMPUTE) is None:
-                tags = tuple(sorted((*ops[i].tags, (RECOMPUTE, tag)), key=lambda kv: kv[0]))
-                ops[i] = ops[i].replace(tags=tags)
+                ops[i] = ops[i].with_tag(RECOMPUTE, tag)
     return graph.replace(ops=tuple(ops))

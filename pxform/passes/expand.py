@@ -20,7 +20,6 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import replace
-from typing import Any
 
 from pxform.core.ir import Graph, Op, Renames, Value
 from pxform.core.layout import Layout
@@ -93,7 +92,7 @@ def _strip_marks(graph: Graph) -> tuple[Graph, dict[int, dict[int, Value]],
             # kept as an op (a copy) that the policy saves: tagging the producer instead
             # would save nothing when it returns an alias (dropout with p=0 does)
             names.setdefault(op.tag(RECOMPUTE).region, set()).add(rest)
-            op = _with_tag(op, NAME, (rest,))
+            op = op.with_tag(NAME, (rest,))
         if not is_mark(op) or kind == "name" and op.tag(NAME):
             for v in op.outputs:
                 producer[v.name] = len(ops)
@@ -125,9 +124,9 @@ def _settle(graph: Graph, names: dict[int, set[str]]) -> Graph:
             numbers[tag.region] = len(numbers)
             regions[tag.region] = tag
         new = replace(tag, region=numbers[tag.region])
-        op = _with_tag(op, RECOMPUTE, new)
+        op = op.with_tag(RECOMPUTE, new)
         if tag.policy.saves(op):
-            op = _with_tag(op, SAVE, True)
+            op = op.with_tag(SAVE, True)
         ops.append(op)
     for region, tag in regions.items():
         if tag.policy.kind != "names":
@@ -150,9 +149,6 @@ def _saved_by_name(op: Op, name: str) -> bool:
     return tag is not None and tag.policy.kind == "names" and name in tag.policy.names
 
 
-def _with_tag(op: Op, key: str, value: Any) -> Op:
-    tags = tuple(sorted(((k, v) for k, v in op.tags if k != key), key=lambda kv: kv[0]))
-    return op.replace(tags=tuple(sorted((*tags, (key, value)), key=lambda kv: kv[0])))
 
 
 def region_of(op: Op) -> RecomputeTag | None:
