@@ -482,6 +482,7 @@ class _State:
     params: dict[str, Layout]
     done: frozenset[tuple[str, Layout]]
     picks: tuple[Strategy, ...]
+    params_key: tuple[tuple[str, Layout], ...] = ()  # `params`, sorted: part of the signature
 
 
 def tensor_strategies(a: Analysis, block: BlockInfo, axis: str, size: int, level: int,
@@ -522,6 +523,14 @@ def tensor_strategies(a: Analysis, block: BlockInfo, axis: str, size: int, level
                    if not (batch[0] == "split" and s.choices[0][1] == batch)]
         dtype = op.outputs[0].type.dtype if op.outputs else op.inputs[0].type.dtype
         sc = scale if a.op_batch[k] else 1.0
+        # what a state keeps after this op (module doc of `_State`): the values read
+        # later or leaving the block; an input read for the last time here is dropped,
+        # and a conversion already made is remembered only for a value read again
+        dying = {v.name for v in op.inputs if last.get(v.name) == k and v.name not in crossing}
+        kept_outputs = [(j, v.name) for j, v in enumerate(op.outputs)
+                        if last.get(v.name, -1) > k or v.name in crossing]
+        read_again = [(i, v.name) for i, v in enumerate(op.inputs) if last.get(v.name, -1) > k]
+        new_params = [(i, v.name) for i, v in enumerate(op.inputs) if v.name in a.params]
         grown: dict[tuple, _State] = {}
         # a choice's price depends only on how the state holds the op's inputs (layout,
         # parameter seen, layout used before): states of a beam mostly agree there, and
@@ -547,14 +556,21 @@ def tensor_strategies(a: Analysis, block: BlockInfo, axis: str, size: int, level
                 bad, t = got
                 if t is None:
                     continue
-                layouts = dict(st.layouts)
-                for v, lay in zip(op.outputs, s.outputs):
-                    layouts[v.name] = lay
-                params = dict(st.params)
-                for i, v in enumerate(op.inputs):
-                    if v.name in a.params and v.name not in params:
-                        params[v.name] = Layout(s.inputs[i].dims)
-                done = st.done | {(v.name, s.inputs[i]) for i, v in enumerate(op.inputs)}
+                layouts = {n: lay for n, lay in st.layouts.items() if n not in dying} \
+                    if dying else dict(st.layouts)
+                for j, name in kept_outputs:
+                    layouts[name] = s.outputs[j]
+                params, params_key = st.params, st.params_key
+                fresh = [(name, Layout(s.inputs[i].dims)) for i, name in new_params
+                         if name not in params]
+                if fresh:
+                    params = {**params, **dict(fresh)}
+                    params_key = tuple(sorted(params.items()))
+                done = st.done
+                again = [(name, s.inputs[i]) for i, name in read_again
+                         if (name, s.inputs[i]) not in done]
+                if again:
+                    done = done.union(again)
                 if k == block.stop - 1:  # outputs leave whole (or sequence-split)
                     for name in crossing:
                         have = layouts.get(name)
@@ -564,17 +580,16 @@ def tensor_strategies(a: Analysis, block: BlockInfo, axis: str, size: int, level
                             t += cache.time(v, have, want, sc)
                             t += cache.time(v, gradient_layout(want), gradient_layout(have),
                                             sc)
-                live = tuple(sorted((n, lay) for n, lay in layouts.items()
-                                    if last.get(n, -1) > k or n in crossing))
                 # the state keeps only what is read later or leaves the block: the rest is
                 # never looked up again, and keeping it made each step quadratic in the
                 # block's ops
-                state = _State((st.key[0] + bad, st.key[1] + t), dict(live), params, done,
-                               (*st.picks, s))
-                sig = (live, tuple(sorted(params.items())))
+                live = tuple(sorted(layouts.items()))
+                sig = (live, params_key)
                 old = grown.get(sig)
-                if old is None or state.key < old.key:
-                    grown[sig] = state
+                new_key = (st.key[0] + bad, st.key[1] + t)
+                if old is None or new_key < old.key:
+                    grown[sig] = _State(new_key, layouts, params, done, (*st.picks, s),
+                                        params_key)
         # order by cost so far plus a lower bound of what live partial sums will cost:
         # each must be reduced at least once (a reduce-scatter) before anything but a
         # linear op can read it, so a path that defers its reduction is not favoured
