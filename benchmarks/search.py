@@ -281,7 +281,7 @@ def main() -> None:
         devices, batch = GOAL_RUNS[args.first_plan]
         row, _ = run_case(args.first_plan, devices, batch, trace_first=False)
         print(json.dumps({"total_s": row["total_s"], "search_s": row["search_s"],
-                          "trace_s": row["trace_s"]}))
+                          "trace_s": row["trace_s"], "total_cpu_s": row["total_cpu_s"]}))
         return
     names = [c.strip() for c in args.cases.split(",") if c.strip()]
     unknown = [c for c in names if c not in CASES]
