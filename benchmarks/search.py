@@ -344,7 +344,8 @@ def main() -> None:
               "is slower)")
     print("\nsearch s: plan.search_seconds (wall); total s: wall time of auto(...).plan(), "
           "tracing included (goal: total <= goal); (cpu): its process CPU time, all threads "
-          "(well below total s: the process waited for a CPU); trace s: pxform.trace alone")
+          "(well below total s where the process waited for a CPU); trace s: pxform.trace "
+          "alone")
     spread = repeat_rows(names, args.repeat) if args.repeat > 1 else []
     fresh = fresh_rows(names, args.fresh) if args.fresh > 0 else []
     if not args.quick:
