@@ -477,9 +477,15 @@ def sync_waits(sequence: list[tuple[float, int]], wait: Callable[[float], float]
 
 @dataclass
 class _State:
+    """One path of the tensor-axis beam after some of a block's ops. It keeps only what a
+    later op asks of it: `layouts` of the values read later or leaving the block, `done`
+    the conversions made of values read again (a second read at the same layout is free).
+    Dropping the rest as it dies kept each extension from copying the whole block's
+    history (BERT-large's 18 beams: 0.20 -> 0.12 s of CPU, the same picks)."""
+
     key: tuple[float, float]  # (replicated weight matrices, seconds)
     layouts: dict[str, Layout]
-    params: dict[str, Layout]
+    params: dict[str, Layout]  # parameter -> how its first reader stores it
     done: frozenset[tuple[str, Layout]]
     picks: tuple[Strategy, ...]
     params_key: tuple[tuple[str, Layout], ...] = ()  # `params`, sorted: part of the signature
@@ -523,9 +529,8 @@ def tensor_strategies(a: Analysis, block: BlockInfo, axis: str, size: int, level
                    if not (batch[0] == "split" and s.choices[0][1] == batch)]
         dtype = op.outputs[0].type.dtype if op.outputs else op.inputs[0].type.dtype
         sc = scale if a.op_batch[k] else 1.0
-        # what a state keeps after this op (module doc of `_State`): the values read
-        # later or leaving the block; an input read for the last time here is dropped,
-        # and a conversion already made is remembered only for a value read again
+        # what a state keeps after this op (`_State`): an input read for the last time
+        # here is dropped, and a conversion is remembered only for a value read again
         dying = {v.name for v in op.inputs if last.get(v.name) == k and v.name not in crossing}
         kept_outputs = [(j, v.name) for j, v in enumerate(op.outputs)
                         if last.get(v.name, -1) > k or v.name in crossing]
