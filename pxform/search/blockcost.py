@@ -585,9 +585,6 @@ def tensor_strategies(a: Analysis, block: BlockInfo, axis: str, size: int, level
                             t += cache.time(v, have, want, sc)
                             t += cache.time(v, gradient_layout(want), gradient_layout(have),
                                             sc)
-                # the state keeps only what is read later or leaves the block: the rest is
-                # never looked up again, and keeping it made each step quadratic in the
-                # block's ops
                 live = tuple(sorted(layouts.items()))
                 sig = (live, params_key)
                 old = grown.get(sig)
