@@ -149,8 +149,6 @@ def _saved_by_name(op: Op, name: str) -> bool:
     return tag is not None and tag.policy.kind == "names" and name in tag.policy.names
 
 
-
-
 def region_of(op: Op) -> RecomputeTag | None:
     """The recompute region an op of a prepared graph belongs to, or None."""
     return op.tag(RECOMPUTE)
