@@ -492,8 +492,8 @@ def main() -> None:
                    help="rounds per calibration between the rounds (default 6: 5 "
                         "calibrations over 30 rounds)")
     p.add_argument("--quick", action="store_true", help="two cases, 2 steps; writes nothing")
-    p.add_argument("--malloc", choices=("default", "pinned"), default="default",
-                   help="glibc's heap thresholds on every rank (`harness.pin_malloc`)")
+    p.add_argument("--malloc", choices=harness.MALLOC_CHOICES, default="default",
+                   help=harness.MALLOC_HELP)
     p.add_argument("--out", default=harness.RESULTS)
     p.add_argument("--reprice", nargs="+", metavar="RESULT",
                    help="price saved runs' pinned cases again with the current code "

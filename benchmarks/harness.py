@@ -39,8 +39,8 @@ def parser(doc: str, batch: int, reps: int, steps: int, ranks: bool = False) -> 
     if ranks:
         p.add_argument("--ranks", type=int, default=2)
         p.add_argument("--bucket-mb", type=float, default=25.0, help="pxform's buckets")
-        p.add_argument("--malloc", choices=("default", "pinned"), default="default",
-                       help="glibc's heap thresholds on every rank (`pin_malloc`)")
+        p.add_argument("--malloc", choices=MALLOC_CHOICES, default="default",
+                       help=MALLOC_HELP)
     p.add_argument("--reps", type=int, default=reps, help="timed blocks per contender")
     p.add_argument("--steps", type=int, default=steps, help="steps per timed block")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps of each first")
@@ -65,19 +65,29 @@ PINNED_MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(32 * 2**20),
 """glibc's heap thresholds fixed: tensors under 32 MiB come from the heap, and freed heap
 is kept rather than returned to the OS and faulted in again on the next step."""
 
+MALLOC_CHOICES = ("default", "pinned", "system")
+MALLOC_HELP = ("glibc's heap on every rank: default, as pxform's runtime leaves it (freed "
+               "pages kept, `pxform.runtime.heap`); pinned, glibc's thresholds fixed by "
+               "environment variables (`PINNED_MALLOC`); system, glibc's adaptive "
+               "thresholds (PXFORM_KEEP_HEAP=0)")
+
 
 def pin_malloc(args: Any) -> dict[str, str]:
     """With `--malloc pinned`, set `PINNED_MALLOC` in the environment the ranks inherit
-    (glibc reads it at start). Both contenders run in the same processes, so both get it.
+    (glibc reads it at start); with `--malloc system`, `PXFORM_KEEP_HEAP=0`, so that the
+    runtime leaves glibc's adaptive thresholds alone. Both contenders run in the same
+    processes, so both get it. Returns what was set.
 
-    By default glibc adapts its thresholds as tensors are freed, and a step can end with
-    its heap top trimmed: the next step takes page faults to get the memory back (tens of
+    With glibc's adaptive thresholds, a step can end with its heap top trimmed and its
+    big blocks unmapped: the next step takes page faults to get the memory back (tens of
     thousands per step at GPT small, batch 256, more for one contender's allocation order
-    than the other's; `docs/benchmarks/dp_vs_ddp.md`). Returns what was set."""
-    if getattr(args, "malloc", "default") != "pinned":
-        return {}
-    os.environ.update(PINNED_MALLOC)
-    return dict(PINNED_MALLOC)
+    than the other's; `docs/benchmarks/dp_vs_ddp.md`). Since the thirty-seventh session
+    the runtime keeps the pages itself (`pxform.runtime.heap`), as `pinned` does."""
+    choice = getattr(args, "malloc", "default")
+    env = (dict(PINNED_MALLOC) if choice == "pinned"
+           else {"PXFORM_KEEP_HEAP": "0"} if choice == "system" else {})
+    os.environ.update(env)
+    return env
 
 
 def free_port() -> int:

@@ -59,6 +59,7 @@ from pxform.cost.hardware import (
     median_profile,
     ring_steps,
 )
+from pxform.runtime import heap
 from pxform.runtime.graph_module import synchronize
 from pxform.runtime.world import barrier as world_barrier
 from pxform.runtime.world import rank as world_rank
@@ -147,6 +148,8 @@ def calibrate(*, sizes: Sequence[int] = (2**10, 2**14, 2**18, 2**22), repeats: i
         raise ValueError(f"calibrate: devices_per_node must be >= 1, got {devices_per_node}")
     say: Callable[[str], None] = progress if (progress is not None and rank == 0) \
         else (lambda _line: None)
+    if device.type == "cpu":  # measured on the heap the runtime's steps run on (`heap`)
+        heap.keep_pages()
 
     tables: list[CommTable] = []
     if world >= 2:

@@ -18,6 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from pxform.core.errors import SpecError
 from pxform.core.mesh import AbstractMesh, abstract_mesh
+from pxform.runtime import heap
 
 
 def default_timeout(backend: str) -> float:
@@ -125,6 +126,8 @@ class Mesh:
         # of its own: say "cuda" to test device placement, `tests/test_fake_cuda.py`)
         device = device or ("cuda" if backend == "nccl" else "cpu")
         self.timeout_s = float(timeout) if timeout is not None else default_timeout(backend)
+        if device == "cpu":  # freed host memory stays for the next step (`heap`)
+            heap.keep_pages()
         if backend in ("gloo", "nccl"):
             self.device_mesh = _mesh_with_timeout(device, self.abstract, self.timeout_s)
         else:  # a fake or custom backend: torch's own groups
