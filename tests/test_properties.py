@@ -1,7 +1,9 @@
 """Property tests on real gloo ranks: random meshes (1-D to 3-D over 4 ranks), random chains
 of ops from every family, random in and out specs. The lowered program's loss, output and
 gradients equal the single-process reference. Hypothesis draws batches of cases, each batch
-one round trip to the workers; the `ci` profile is derandomised (8 x 26 = 208 cases)."""
+one round trip to the workers; the `ci` profile is derandomised (2 x 26 = 52 cases; 8 x 26
+until 2026-12-01, when on a slower 2-core machine they took 434 s of a suite that must stay
+under 30 minutes)."""
 
 from __future__ import annotations
 
@@ -41,7 +43,7 @@ def test_every_op_family_is_drawn():
 
 
 # no shrinking: one batch is one round trip of 26 cases; the failure names each bad case
-@settings(max_examples=8, deadline=None, suppress_health_check=list(HealthCheck),
+@settings(max_examples=2, deadline=None, suppress_health_check=list(HealthCheck),
           phases=[Phase.explicit, Phase.reuse, Phase.generate])
 @given(batch=st.lists(cases(), min_size=CASES_PER_BATCH, max_size=CASES_PER_BATCH))
 def test_random_chains_match_the_reference(world4, batch):

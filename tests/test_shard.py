@@ -4,6 +4,8 @@ with the expected collectives; bad specs give messages that name the argument an
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import spmd_workers as W
 import torch
@@ -19,13 +21,15 @@ def world2():
         yield w
 
 
-def check(results, tol=1e-12, loss_tol=None):
+def check(results, tol=1e-12, loss_tol=None, ignored_targets=False):
     for r in results:
         assert abs(r["loss"] - r["ref"]) < (loss_tol or tol), r["text"]
         assert r["grad_err"] < tol, r["text"]
         # a forward-only call divides by the reduced count at once: the same to the loss's
-        # rounding when targets are ignored, bitwise otherwise (loss_tol None)
-        assert abs(r["again"] - r["loss"]) <= (loss_tol or 0.0) and r["cached"] == 1
+        # rounding when targets are ignored (a few ulps: bitwise on an AVX-512 machine, one
+        # ulp apart on an AVX2 one, 2026-12-01), bitwise otherwise (loss_tol None)
+        again_tol = loss_tol or (4 * math.ulp(r["loss"]) if ignored_targets else 0.0)
+        assert abs(r["again"] - r["loss"]) <= again_tol and r["cached"] == 1
         assert abs(r["dtensor_loss"] - r["ref"]) < (loss_tol or tol)
         assert r["dtensor_grad_err"] < tol
     return results[0]
@@ -130,7 +134,8 @@ def test_megatron_tensor_parallel_mlp(world2):
 
 
 def test_gpt_data_parallel(world2):
-    r = check(world2.run(W.gpt_shard, {"dp": 2}, {"idx": P("dp"), "targets": P("dp")}))
+    r = check(world2.run(W.gpt_shard, {"dp": 2}, {"idx": P("dp"), "targets": P("dp")}),
+              ignored_targets=True)
     assert "all_reduce(dp)" in r["fwd"]
     assert "/ count(over dp)" in r["text"]  # mean over non-ignored targets across ranks
 
@@ -148,7 +153,8 @@ def test_sequence_parallel_block(world2):
 
 def test_gpt_sequence_parallel(world2):
     r = check(world2.run(W.gpt_shard, {"tp": 2}, {"idx": P(None, "tp"),
-                                                  "targets": P(None, "tp")}, True))
+                                                  "targets": P(None, "tp")}, True),
+              ignored_targets=True)
     # per layer: gather the sequence for attention (q, k, v) and for the column-parallel
     # MLP, reduce-scatter the row-parallel output back to sequence shards
     per_layer = ["all_gather(tp, dim 2)"] * 3 + ["all_gather(tp, dim 1)",
@@ -257,7 +263,7 @@ def test_dp_by_tp_on_four_ranks():
                      ({"w1": P("tp"), "b1": P("tp"), "w2": P("tp")},
                       {"x": P("dp"), "y": P("dp")})))
         r = check(w4.run(W.gpt_shard, {"dp": 2, "tp": 2},
-                         {"idx": P("dp"), "targets": P("dp")}, True))
+                         {"idx": P("dp"), "targets": P("dp")}, True), ignored_targets=True)
         assert "all_reduce(tp)" in r["fwd"] and "all_reduce(dp)" in r["bwd"]
         r = check(w4.run(W.gpt2_shard, {"dp": 2, "tp": 2}, "tp", GPT2_BATCH), **GPT2_TOL)
         assert r["fwd"].count("all_reduce(tp)") == 2 and r["fwd"].count("all_reduce(dp)") == 1
