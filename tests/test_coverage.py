@@ -64,10 +64,12 @@ def test_every_model_matches_one_process(world2, mode):
 @pytest.mark.timeout(600)
 def test_every_plan_lowers_for_64_devices():
     """`auto` lowers its plan on the abstract mesh before returning it (issue 20, item 7),
-    so a plan coming back at all is the check; a batch of 64 gives 64 devices room. (4
-    devices too in `benchmarks/coverage.py`, left out here for the suite's time.)"""
+    so a plan coming back at all is the check; a batch of 64 gives 64 devices room. Every
+    other model of the zoo (alphabetically; every model, on 4 devices too, in
+    `benchmarks/coverage.py`), for the suite's time: all of them took 100 s of a suite that
+    must stay under 30 minutes on a slower 2-core machine (2026-12-01)."""
     failures = []
-    for name in NAMES:
+    for name in NAMES[::2]:
         model, inputs = hf_zoo.build(name, dtype=torch.float32, batch=64)
         fn, params = pxform.module_fn(model)
 
