@@ -8,13 +8,12 @@ from __future__ import annotations
 import json
 import os
 import platform
-import socket
 import sys
 import textwrap
 
 import pytest
 
-from pxform.tools.testing import run_process
+from pxform.tools.testing import _free_port, run_process
 
 pytestmark = pytest.mark.skipif(
     platform.system() != "Linux" or platform.libc_ver()[0] != "glibc",
@@ -39,8 +38,8 @@ STEPS = textwrap.dedent("""
     from pxform.runtime import heap
     if how == "mesh":  # as a user gets it: a CPU mesh
         import pxform
-        dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + sys.argv[2],
-                                rank=0, world_size=1)
+        from pxform.runtime.world import init_gloo
+        init_gloo(0, 1, int(sys.argv[2]), 60.0)
         pxform.Mesh({"dp": 1})
         dist.destroy_process_group()
     elif how == "calibrate":
@@ -61,12 +60,6 @@ STEPS = textwrap.dedent("""
     print(json.dumps({"mib": mib, "kept": state and state.kept,
                       "reason": state and state.reason}))
 """)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _run(how: str, **env: str) -> dict:
