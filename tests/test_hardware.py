@@ -1031,10 +1031,10 @@ def test_an_action_pair_is_read_off_the_recorded_actions():
     a backward of one microbatch are their means; apart from them, a send is the sends'
     mean and a receive the receives' lower quartile (a receive that waited for its peer is
     the schedule's wait and the transfer's, which the simulator prices apart); a rank
-    that ran no forward or no backward gives nothing; a zero-bubble rank's W is their
-    mean."""
+    that ran no forward or no backward gives nothing; a zero-bubble rank's W, B and 1F1B's
+    fused B are their medians (an action the machine held up moves none of them)."""
     from pxform.schedules.actions import Action
-    from pxform.tools.runtime_costs import _action_pair, _mean_weight, _split_and_fused
+    from pxform.tools.runtime_costs import _action_pair, _median_weight, _split_and_fused
 
     def ran(kind, seconds):
         return [(Action(0, kind, i), 10.0 * i, 10.0 * i + t) for i, t in enumerate(seconds)]
@@ -1045,16 +1045,20 @@ def test_an_action_pair_is_read_off_the_recorded_actions():
     # a stage that sent and received nothing (a 1-stage pipeline's) has no transfer cost
     assert _action_pair(ran("F", [1.0]) + ran("B", [2.0])) == (3.0, 0.0, 0.0)
     assert _action_pair(ran("F", [1.0]) + ran("RB", [1.0])) == (0.0, 0.0, 0.0)
-    # a zero-bubble rank's W actions: their stage and mean
-    assert _mean_weight(ran("F", [1.0]) + [(Action(1, "W", i), 0.0, t)
-                                           for i, t in enumerate((2.0, 4.0))]) == (1, 3.0)
-    assert _mean_weight(ran("F", [1.0])) == (None, 0.0)
-    # and its B and W against 1F1B's fused B of the same stage: their means
+    # a zero-bubble rank's W actions: their stage and median
+    assert _median_weight(ran("F", [1.0]) + [(Action(1, "W", i), 0.0, t)
+                                             for i, t in enumerate((2.0, 4.0))]) == (1, 3.0)
+    assert _median_weight([(Action(1, "W", i), 0.0, t)
+                           for i, t in enumerate((2.0, 2.5, 40.0))]) == (1, 2.5)
+    assert _median_weight(ran("F", [1.0])) == (None, 0.0)
+    # and its B and W against 1F1B's fused B of the same stage: their medians
     split = [(Action(1, kind, i), 0.0, t) for kind, times in (("B", (2.0, 3.0)),
                                                               ("W", (1.0, 2.0)))
              for i, t in enumerate(times)]
     fused = [(Action(1, "B", i), 0.0, t) for i, t in enumerate((3.0, 3.5))]
     assert _split_and_fused(split, fused) == (1, 2.5 + 1.5, 3.25)
+    held_up = fused + [(Action(1, "B", 2), 0.0, 30.0)]
+    assert _split_and_fused(split, held_up) == (1, 2.5 + 1.5, 3.5)
     # (another stage's fused Bs, or no W: nothing to compare)
     other = [(Action(0, "B", 0), 0.0, 3.0)]
     assert _split_and_fused(split, other) == (None, 0.0, 0.0)
@@ -1215,7 +1219,8 @@ def test_fit_split_costs_parts_the_cost_per_weight_op_from_the_share_of_the_back
     1F1B's fused B: rows made with a known cost per weight op and a known share of the
     backward (stages at two microbatch sizes) give both back; rows of one size cannot part
     them and price per weight op alone; a fit that makes one negative holds it at 0 and
-    fits the other alone; no rows, no costs."""
+    fits the other alone; a share above 1 (the split twice as slow as the whole: a
+    recording the machine held up) is held at 1; no rows, no costs."""
     from pxform.tools.runtime_costs import _fit_split_costs
 
     per_op, share = 60e-6, 0.25
@@ -1230,6 +1235,10 @@ def test_fit_split_costs_parts_the_cost_per_weight_op_from_the_share_of_the_back
     # more weight ops over the same backward cost less: the share alone
     share_only = [(1.2e-3, 6, 4e-3), (0.9e-3, 12, 4e-3)]
     assert _fit_split_costs(share_only) == pytest.approx((0.0, 2.1e-3 / 8e-3))
+    held_up = [(ops * per_op + 1.6 * b, ops, b) for ops, b in ((12, 2.3e-3), (12, 15e-3),
+                                                              (13, 17e-3))]
+    assert _fit_split_costs(held_up)[1] == 1.0
+    assert _fit_split_costs([(8e-3, 6, 4e-3), (7e-3, 12, 4e-3)]) == (0.0, 1.0)
     assert _fit_split_costs([]) == (0.0, 0.0)
 
 

@@ -1203,6 +1203,8 @@ def _fit_split_costs(rows: Sequence[tuple[float, float, float]]) -> tuple[float,
         [5e-05, 0.2]
         >>> [round(x, 6) for x in _fit_split_costs([(1.2e-3, 12, 2e-3)])]  # one size
         [0.0001, 0.0]
+        >>> _fit_split_costs([(5e-3, 12, 2e-3), (20e-3, 13, 9e-3)])[1]  # held up: capped
+        1.0
     """
     if not rows:
         return 0.0, 0.0
@@ -1219,8 +1221,15 @@ def _fit_split_costs(rows: Sequence[tuple[float, float, float]]) -> tuple[float,
     if share < 0:
         return per_op_alone, 0.0
     if per_op < 0:
-        return 0.0, max(0.0, _through_origin(backward, extra))
-    return per_op, share
+        return 0.0, min(_MAX_SPLIT_SHARE, max(0.0, _through_origin(backward, extra)))
+    return per_op, min(_MAX_SPLIT_SHARE, share)
+
+
+_MAX_SPLIT_SHARE = 1.0
+"""The most `_fit_split_costs` takes splitting a backward to cost per second of it: B and
+W do the fused backward's arithmetic, so their extra is autograd's calls and the
+operands read twice; a share above 1 (the split twice as slow as the whole) is a
+recording the machine held up, not the split (measured 0.05-0.42 on four hosts)."""
 
 
 _STALL_SHARE = 0.25
@@ -1380,27 +1389,32 @@ def _alternated_recorded(first: Callable[[], Any], second: Callable[[], Any], re
     return got
 
 
-def _mean_weight(events: Sequence[tuple[Any, float, float]]) -> tuple[int | None, float]:
-    """(the stage, the mean seconds) of the W actions among `events` (one stage's: a
+def _median_weight(events: Sequence[tuple[Any, float, float]]) -> tuple[int | None, float]:
+    """(the stage, the median seconds) of the W actions among `events` (one stage's: a
     rank of a 2-stage pipeline); (None, 0.0) without any."""
     seconds = [end - start for a, start, end in events if a.kind == "W"]
     if not seconds:
         return None, 0.0
-    return next(a.stage for a, _, _ in events if a.kind == "W"), statistics.mean(seconds)
+    return next(a.stage for a, _, _ in events if a.kind == "W"), statistics.median(seconds)
 
 
 def _split_and_fused(split: Sequence[tuple[Any, float, float]],
                      fused: Sequence[tuple[Any, float, float]]
                      ) -> tuple[int | None, float, float]:
-    """(the stage, the mean seconds of a microbatch's B and W, of its fused B) of one
+    """(the stage, the median seconds of a microbatch's B and W, of its fused B) of one
     stage's actions recorded under zero-bubble (`split`) and under 1F1B (`fused`); (None,
-    0, 0) unless both have them."""
-    stage, w = _mean_weight(split)
+    0, 0) unless both have them.
+
+    Medians, not means: an action the machine held up (a rank preempted on 2 cores) is
+    tens of milliseconds among actions of one to eight, and a few of them in one schedule's
+    recording and not the other's made the split's share 1.54 in one CI run (0.05-0.42
+    elsewhere)."""
+    stage, w = _median_weight(split)
     b = [end - start for a, start, end in split if a.kind == "B"]
     whole = [end - start for a, start, end in fused if a.kind == "B" and a.stage == stage]
     if stage is None or not b or not whole:
         return None, 0.0, 0.0
-    return stage, statistics.mean(b) + w, statistics.mean(whole)
+    return stage, statistics.median(b) + w, statistics.median(whole)
 
 
 def _priced_pipeline(profile: Hardware, pin: Pin, params: Any, tokens: torch.Tensor,
