@@ -182,3 +182,48 @@ def test_the_pipeline_benchmarks_model_column_prices_transfers_as_the_cost_model
     whole = fit_to_call(lambda c: simulated(*cases["1f1b"], c, 0.0), spans["1f1b"],
                         tolerance=1e-9)
     assert abs(spans["interleaved"] / simulated(*cases["interleaved"], whole, 0.0) - 1) > 0.01
+
+
+def test_the_pipeline_benchmark_prices_a_receive_after_its_send_at_its_mean(pipeline_bench):
+    """`benchmarks/pipeline.py` parts a step's receives (`_receives`): one that began
+    before its send was posted is a hop (send's end to its end, the simulator's latency);
+    one that began after is the receiving stage's own cost, and the simulation charges
+    their mean, in-flight waits and all (until 2026-12-01 the lower quartile of all of a
+    stage's receives: 0.1 ms here, where the mean is 1 ms). A 2-stage GPipe step of 4
+    microbatches, one recorded rep, its ranks' actions written out by hand; a stage whose
+    receives all waited for their sends has no receive cost of its own."""
+    from pxform.schedules import Action, Event
+
+    ms = 1e-3
+    late_waits = [0.1 * ms, 0.1 * ms, 0.1 * ms, 3.7 * ms]  # mean 1 ms, quartile 0.1
+    rank0: list[tuple[str, float, float]] = []
+    rank1: list[tuple[str, float, float]] = []
+    t0 = t1 = 0.0
+    for i in range(4):  # stage 0's forwards and sends; stage 1 receives each after it
+        rank0 += [(f"0F{i}", t0, t0 + 2 * ms), (f"0SF{i}", t0 + 2 * ms, t0 + 2.1 * ms)]
+        t0 += 2.1 * ms
+        start = max(t1, t0) + 0.05 * ms
+        rank1 += [(f"1RF{i}", start, start + late_waits[i]),
+                  (f"1F{i}", start + late_waits[i], start + late_waits[i] + 2 * ms)]
+        t1 = start + late_waits[i] + 2 * ms
+    for i in reversed(range(4)):  # stage 1's backwards; stage 0's receives wait for them
+        rank1 += [(f"1B{i}", t1, t1 + 5 * ms), (f"1SB{i}", t1 + 5 * ms, t1 + 5.1 * ms)]
+        sent = t1 + 5.1 * ms
+        t1 = sent
+        rank0 += [(f"0RB{i}", t0, sent + 0.3 * ms), (f"0B{i}", sent + 0.3 * ms,
+                                                    sent + 4.3 * ms)]
+        t0 = sent + 4.3 * ms
+    events = [Event(r, Action.parse(text), s, e)
+              for r, got in enumerate((rank0, rank1)) for text, s, e in got]
+    hops, after = pipeline_bench._receives(events)
+    assert hops == pytest.approx([0.3 * ms] * 4)
+    assert sorted(after) == [(1, "RF")]
+    assert after[(1, "RF")] == pytest.approx(late_waits)
+    per_rank = [{"steps": [t0], "events": [got]} for got in (rank0, rank1)]
+    row = pipeline_bench.analyse("gpipe", {}, per_rank, 2, 4, None)
+    assert row["p2p_ms"] == pytest.approx(0.3)
+    # stage 1's forward: its F, and its receives' mean (not their quartile, 0.1 ms)
+    assert row["costs_ms"]["F"][1] == pytest.approx(2.0 + 1.0, abs=1e-6)
+    assert row["costs_ms"]["F"][0] == pytest.approx(2.1, abs=1e-6)
+    # stage 0's receives all waited for their sends: their time is the hops', none its own
+    assert row["costs_ms"]["B"][0] == pytest.approx(4.0, abs=1e-6)
