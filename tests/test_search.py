@@ -741,7 +741,9 @@ def test_zero3_reduce_scatters_meet_the_peers_per_block():
 
     wait = 0.01
     base = pxform.hardware.hardware("a100-80gb")
-    waiting = dataclasses.replace(base, sync_wait=((1e-12, 0.0), (2e-12, wait)))
+    # (a last point far beyond any gap: the wait is `wait` at every gap, where beyond
+    # the last point it would grow with the gap)
+    waiting = dataclasses.replace(base, sync_wait=((1e-12, 0.0), (2e-12, wait), (1e3, wait)))
     cfg = gpt.GPT_CONFIGS["small"]
     params, batch = gpt.init_params(cfg), gpt.make_batch(cfg, 16)
 
@@ -882,7 +884,9 @@ def test_a_pipeline_action_waits_for_the_stage_it_receives_from():
     from pxform.cost.hardware import hardware
 
     args = mlp_args(d=1024, layers=4, batch=4096)
-    waits = dataclasses.replace(hardware("a100-80gb"), sync_wait=((0.0, 0.0), (1e-9, 1e-3)))
+    # (1 ms at every gap: the last point far beyond any, where the wait would grow)
+    waits = dataclasses.replace(hardware("a100-80gb"),
+                                sync_wait=((0.0, 0.0), (1e-9, 1e-3), (1e3, 1e-3)))
     base, paid = (plan_schedule(residual_mlp, args, hardware=hw, schedule=ScheduleChoice())
                   for hw in ("a100-80gb", waits))
     last = len(base.stage_plans) - 1
@@ -893,7 +897,7 @@ def test_a_pipeline_action_waits_for_the_stage_it_receives_from():
     # the plan's step gets them where stages meet their inputs: at most on every receive
     m, p = base.microbatches, base.stages
     assert base.step_time_s < paid.step_time_s <= base.step_time_s + 1e-3 * 2 * m * (p - 1)
-    huge = dataclasses.replace(waits, sync_wait=((0.0, 0.0), (1e-9, 1.0)))
+    huge = dataclasses.replace(waits, sync_wait=((0.0, 0.0), (1e-9, 1.0), (1e3, 1.0)))
     met = plan_schedule(residual_mlp, args, hardware=huge, schedule=ScheduleChoice())
     assert met.step_time_s > base.step_time_s + 2 * (met.stages - 1)
     one, one_paid = (pxform.auto(residual_mlp, mesh=4, memory_budget="80GiB", hardware=hw,
@@ -941,7 +945,7 @@ def test_tensor_parallel_collectives_wait_for_the_ranks_after_their_compute():
     bucket). With a wait that grows
     with the compute before it, a larger batch (more compute between the same
     collectives) waits longer; a flat one does not care."""
-    flat = ((0.0, 0.0), (1e-12, 1e-3))
+    flat = ((0.0, 0.0), (1e-12, 1e-3), (1e3, 1e-3))  # (beyond the last point it grows)
     for role in ("tp", "sp"):
         added, count = _tensor_parallel_waits(role, 16, flat)
         runs = added / 1e-3
@@ -949,7 +953,7 @@ def test_tensor_parallel_collectives_wait_for_the_ranks_after_their_compute():
         # (+1: sequence parallelism all-reduces the norms' gradients in a bucket, waited
         # for when backward ends)
         assert 2 * 2 * 4 <= round(runs) <= count + (role == "sp"), (role, runs, count)
-    growing = ((0.0, 0.0), (1e-3, 1e-3))  # 1 ms per ms of compute, up to 1 ms
+    growing = ((0.0, 0.0), (1e-3, 1e-3))  # 1 ms per ms of compute to 1 ms, then its root
     small, _ = _tensor_parallel_waits("tp", 2, growing)
     large, _ = _tensor_parallel_waits("tp", 64, growing)
     assert 0 < small < large
