@@ -66,15 +66,22 @@ def test_reprice_gives_a_saved_runs_errors_back_and_moves_them_with_the_profile(
                     # ranks' backwards (`pxform.search.stages.after_schedule`), and the
                     # no-op dropouts below
                     assert saved[case] - 0.05 < error < saved[case] + 0.005, case
+                elif case.startswith("dp"):
+                    # data parallelism meets its peer once, at its last gradient bucket
+                    # after the whole backward: past the sync curve's last point, where
+                    # the wait grows as the square root of the gap since the fortieth
+                    # session (flat before): 1.6-1.9 points higher
+                    assert saved[case] + 0.01 < error < saved[case] + 0.03, case
                 else:
                     # the run's own errors, but for GPT small's 9 dropouts that drop
                     # nothing: priced as the views they are since the thirty-first
                     # session, not as elementwise ops (they moved these plans' errors
-                    # by -0.1 to +0.2 points)
-                    assert error == pytest.approx(saved[case], abs=0.005), case
+                    # by -0.1 to +0.2 points), and the longer gaps' waits above (ZeRO-3
+                    # and sequence parallelism: up to 1.2 points higher)
+                    assert saved[case] - 0.005 < error < saved[case] + 0.015, case
         else:
             assert saved["tp"] < -0.15 and abs(result["errors"]["tp"]) < 0.10
-            assert result["errors"]["dp"] == pytest.approx(saved["dp"], abs=0.005)
+            assert saved["dp"] + 0.01 < result["errors"]["dp"] < saved["dp"] + 0.03
     out = capsys.readouterr().out
     # (12/12 until the no-op dropouts were priced as views: its tp, -9.97 %, crossed -10 %)
     assert re.search(r"accuracy-twenty-first-d-stall-2026-11-29\.json: 1[12]/12 pinned cases "
@@ -88,8 +95,11 @@ def test_reprice_prices_each_plan_at_the_median_of_the_runs_calibrations(accurac
     """By default a saved run's plans are priced with its representative carrying all its
     calibrations (`Hardware.calibrations`): each plan's error is then the median
     of the errors the run saved for each calibration alone, which is not the
-    representative's own error. (The prices have moved since that run only by the no-op
-    dropouts, priced as views since the thirty-first session: by tenths of a point.)"""
+    representative's own error. (The prices have moved since that run by the no-op
+    dropouts, priced as views since the thirty-first session: by tenths of a point; and
+    for the plans whose ranks meet after more compute than the sync curve's last point,
+    data parallelism's and sequence parallelism's, by the wait growing beyond it since the
+    fortieth session: 1.3-2.0 points.)"""
     import statistics
 
     path = RESULTS / "accuracy-twenty-eighth-a-2026-11-30.json"
@@ -100,6 +110,10 @@ def test_reprice_prices_each_plan_at_the_median_of_the_runs_calibrations(accurac
     for case, error in got["errors"].items():
         each = saved[case]["time_error_each_calibration"]
         assert len(each) == 5
+        if case in ("dp", "dp+recompute", "sp"):
+            assert (statistics.median(each) + 0.005 < error
+                    < statistics.median(each) + 0.03), case
+            continue
         assert error == pytest.approx(statistics.median(each), abs=0.005), case
         drift.append(error - statistics.median(each))
         moved += abs(error - saved[case]["time_error"]) > 1e-3
