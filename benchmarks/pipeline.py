@@ -138,8 +138,10 @@ def analyse(name: str, options: dict[str, Any], per_rank: list[dict[str, Any]], 
         # but the data can still be in flight then (the sending rank's communication
         # thread behind its compute on shared cores): on that day's host a quarter of
         # interleaved's such receives waited past twice the quartile, 8 ms a rank and
-        # step, and interleaved came out 1.11-1.20x its simulation. Replayed with its
-        # recorded action order, the mean put all five schedules at 0.99-1.05.
+        # step, and interleaved came out 1.11-1.20x its simulation. Replayed in its
+        # recorded action order, each receive charged its whole time, that run's spans
+        # came back at 0.996-0.999; with this mean its five schedules came out at
+        # 0.96-1.00 (interleaved 1.16 with the quartile).
         # (none such: each of the stage's receives waited for its send, and its hop, to
         # the receive's end, holds all of its time)
         got = late.get((stage, kind))
