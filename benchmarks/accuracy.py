@@ -61,6 +61,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import statistics
 import sys
 import time
@@ -123,11 +124,13 @@ def cases(ranks: int, num_blocks: int) -> list[tuple[str, Any]]:
 
 def rank_main(config: str, batch_size: int, steps: int, warmup: int, quick: bool,
               sizes: tuple[int, ...], rounds: int = 3, calibrations: int = 1,
-              recalibrate: int = 1) -> dict[str, Any]:
+              recalibrate: int = 1, fit_model: bool = False) -> dict[str, Any]:
     """On every rank: calibrate, then plan and run each case, and measure them all in
     `rounds` rounds of `steps` timed calls each, the cases' order shuffled each round
     (`_order`); with `recalibrate` k > 0, one more calibration before every k-th round after
-    the first, and every plan priced again with their representative."""
+    the first, and every plan priced again with their representative. With `fit_model`,
+    each calibration's op times are rescaled to the GPT's own plain step on one rank's
+    share of the batch (`pxform.check_profile(hw, fn=, args=)`, `refreshed_profile`)."""
     harness.add_paths()
     import dataclasses
 
@@ -137,10 +140,24 @@ def rank_main(config: str, batch_size: int, steps: int, warmup: int, quick: bool
     import pxform
 
     world = dist.get_world_size()
-    start = time.perf_counter()
-    hw = harness.calibrated(calibrations, f"cpu-x{world}", sizes)
-    calibrate_s = time.perf_counter() - start
     gpt_loss, params, batch = _gpt_case(config, batch_size)
+    fit_factors: list[float] = []
+
+    def calibrated(runs: int) -> Any:
+        profile = harness.calibrated(runs, f"cpu-x{world}", sizes)
+        if not fit_model:
+            return profile
+        from pxform.tools.profile_check import check_profile, refreshed_profile
+
+        # one rank's share of the batch, as data parallelism runs it
+        share = {k: v[:batch_size // world] for k, v in batch.items()}
+        check = check_profile(profile, repeats=15, fn=gpt_loss, args=(params, share))
+        fit_factors.append(check.factor)
+        return refreshed_profile(profile, check)
+
+    start = time.perf_counter()
+    hw = calibrated(calibrations)
+    calibrate_s = time.perf_counter() - start
     blocks = len(pxform.auto(gpt_loss, mesh=world, hardware=hw).plan(params, batch).blocks)
     chosen = cases(world, blocks)
     if quick:
@@ -181,7 +198,7 @@ def rank_main(config: str, batch_size: int, steps: int, warmup: int, quick: bool
     profiles = [hw]
     for r in range(rounds):
         if recalibrate and r > 0 and r % recalibrate == 0:
-            profiles.append(harness.calibrated(1, f"cpu-x{world}", sizes))
+            profiles.append(calibrated(1))
             # one untimed call of every case first: the case measured right after a
             # calibration (its big buffers freed, glibc's heap thresholds moved) ran 15-20 %
             # slower than the same plan measured next (2026-11-27: 92.3 and 80.4 ms)
@@ -290,6 +307,7 @@ def rank_main(config: str, batch_size: int, steps: int, warmup: int, quick: bool
             "profiles": [p.to_json() for p in profiles], "representative": over_run.source,
             "first_hardware": hw.to_json(), "calibrations_over_run": len(profiles),
             "op_time_scales": [h.op_time_scale for h in profiles],
+            "model_fit_factors": fit_factors,
             "threads": torch.get_num_threads(),
             # per rank, the waits for gloo's worker thread that ran out over the run (after
             # three on a group the runtime stops waiting there: `let_go_timeouts`)
@@ -388,14 +406,50 @@ def _leaves(tree: Any, none: bool = False) -> list[Any]:
                               none_is_leaf=none)  # type: ignore[arg-type]
 
 
+SHAPE_FIELDS = ("num_layers", "d_model", "num_heads", "seq_len", "vocab_size")
+"""The `gpt.GPTConfig` fields a `--config` spec may set after its key (`gpt_config`)."""
+
+
+def gpt_config(spec: str) -> Any:
+    """The `gpt.GPTConfig` of `spec`: a key of `gpt.GPT_CONFIGS`, optionally followed by
+    `:field=value,...` over `SHAPE_FIELDS`, e.g. `small:num_layers=3,d_model=192` (a shape
+    the cost model was never fitted or checked on: its calibration fits on the reference
+    transformer, and every saved run before the forty-first session was GPT small).
+
+    >>> gpt_config("small:num_layers=3").num_layers
+    3
+    """
+    import dataclasses
+
+    harness.add_paths()
+    import gpt
+
+    key, _, rest = spec.partition(":")
+    if key not in gpt.GPT_CONFIGS:
+        raise SystemExit(f"accuracy.py: --config {spec!r}: {key!r} is not a key of "
+                         f"gpt.GPT_CONFIGS ({', '.join(gpt.GPT_CONFIGS)})")
+    changes = {}
+    for item in filter(None, rest.split(",")):
+        field, _, value = item.partition("=")
+        if field not in SHAPE_FIELDS or not value.isdigit():
+            raise SystemExit(f"accuracy.py: --config {spec!r}: {item!r} is not "
+                             f"field=integer over {', '.join(SHAPE_FIELDS)}")
+        changes[field] = int(value)
+    cfg = dataclasses.replace(gpt.GPT_CONFIGS[key], **changes)
+    if cfg.d_model % cfg.num_heads:
+        raise SystemExit(f"accuracy.py: --config {spec!r}: d_model {cfg.d_model} is not "
+                         f"a multiple of num_heads {cfg.num_heads}")
+    return cfg
+
+
 def _gpt_case(config: str, batch_size: int) -> tuple[Any, Any, Any]:
-    """(loss function, parameters, batch) of the example GPT `config` at `batch_size`
-    sequences, float32."""
+    """(loss function, parameters, batch) of the example GPT `config` (a `gpt_config`
+    spec) at `batch_size` sequences, float32."""
     harness.add_paths()
     import gpt
     import torch
 
-    cfg = gpt.GPT_CONFIGS[config]
+    cfg = gpt_config(config)
 
     def gpt_loss(p: dict, b: dict) -> torch.Tensor:
         return gpt.loss_fn(p, b, cfg)
@@ -472,7 +526,9 @@ def _repriced(saved: dict[str, Any], alone: bool = False) -> tuple[dict[str, flo
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--config", default="small", help="a key of gpt.GPT_CONFIGS")
+    p.add_argument("--config", default="small",
+                   help="a key of gpt.GPT_CONFIGS, optionally with a shape after it: "
+                        "small:num_layers=3,d_model=192,num_heads=6,seq_len=96")
     p.add_argument("--batch", type=int, default=16, help="global sequences per step")
     p.add_argument("--ranks", type=int, default=2)
     p.add_argument("--steps", type=int, default=2,
@@ -491,6 +547,10 @@ def main() -> None:
     p.add_argument("--calibrate-every", type=int, default=6,
                    help="rounds per calibration between the rounds (default 6: 5 "
                         "calibrations over 30 rounds)")
+    p.add_argument("--fit-model", action="store_true",
+                   help="rescale each calibration's op times to the GPT's own plain step "
+                        "on one rank's share of the batch, as `pxform check-profile "
+                        "--model` does (default: the reference program's fit alone)")
     p.add_argument("--quick", action="store_true", help="two cases, 2 steps; writes nothing")
     p.add_argument("--malloc", choices=harness.MALLOC_CHOICES, default="default",
                    help=harness.MALLOC_HELP)
@@ -510,13 +570,12 @@ def main() -> None:
         args.steps, args.warmup, args.rounds = 2, 1, 1
     harness.add_paths()
     import accuracy  # this module by name, so that ranks can unpickle rank_main
-    import gpt
 
     from pxform.core.units import format_table
     from pxform.tools.testing import World
 
     sizes = harness.CALIBRATION_SIZES
-    cfg = gpt.GPT_CONFIGS[args.config]
+    cfg = gpt_config(args.config)
     malloc = harness.pin_malloc(args)
     recalibrate = 0 if args.once else max(1, args.calibrate_every)
     timeout = 300 + 60 * args.calibrations + 30 * args.rounds + (
@@ -524,7 +583,7 @@ def main() -> None:
     with World(args.ranks, timeout=timeout) as world:
         per_rank = world.run(accuracy.rank_main, args.config, args.batch, args.steps,
                              args.warmup, args.quick, sizes, args.rounds, args.calibrations,
-                             recalibrate)
+                             recalibrate, args.fit_model)
     r0 = per_rank[0]
     print(f"GPT {args.config} ({cfg.num_params() / 1e6:.2f} M params), global batch "
           f"{args.batch} x {cfg.seq_len} tokens, float32, {args.ranks} gloo ranks x "
@@ -539,6 +598,10 @@ def main() -> None:
               f"{r0['representative']}; each plan's step the median of its prices under "
               f"the {over}; 'rep. alone': the representative's own price; '1st cal.': the "
               f"error with the first one alone")
+    if r0["model_fit_factors"]:
+        print(f"  each calibration's op times rescaled to the GPT's own plain step on one "
+              f"rank's share of the batch (--fit-model): x"
+              f"{', x'.join(f'{f:.3f}' for f in r0['model_fit_factors'])}")
     head = ("case", "plan", "time pred", "measured", "p10-p90", "error", "error band",
             "less ref.", "rep. alone", "1st cal.", "memory error", "peak spread")
     table = [head] + [(r["case"], r["config"].replace(" schedule=1f1b", ""),
@@ -618,19 +681,24 @@ def main() -> None:
     if args.quick:
         return
     tag = "" if (args.config, args.batch, args.ranks) == ("small", 16, 2) else \
-        f"{args.config}-batch{args.batch}-ranks{args.ranks}"
+        re.sub(r"[^A-Za-z0-9.]+", "-", f"{args.config}-batch{args.batch}-ranks{args.ranks}")
     if args.malloc != "default":
         tag = "-".join(t for t in (tag, f"malloc-{args.malloc}") if t)
+    if args.fit_model:
+        tag = "-".join(t for t in (tag, "fit-model") if t)
     path = harness.write_result("accuracy", {
         "goal": {"abs_time_error": GOAL_TIME, "abs_memory_error": GOAL_MEMORY},
         "config": {"model": args.config, "params": cfg.num_params(), "global_batch":
-                   args.batch, "seq_len": cfg.seq_len, "dtype": "float32",
+                   args.batch, "seq_len": cfg.seq_len, "num_layers": cfg.num_layers,
+                   "d_model": cfg.d_model, "num_heads": cfg.num_heads, "dtype": "float32",
                    "ranks": args.ranks, "backend": "gloo", "threads_per_rank": r0["threads"],
                    "steps": args.steps, "rounds": args.rounds, "warmup": args.warmup,
                    "calibrations": args.calibrations, "recalibrate": recalibrate,
+                   "fit_model": args.fit_model,
                    "malloc_env": malloc},
         "calibrate_s": r0["calibrate_s"], "hardware": r0["hardware"],
         "first_hardware": r0["first_hardware"], "op_time_scales": r0["op_time_scales"],
+        "model_fit_factors": r0["model_fit_factors"],
         "profiles": r0["profiles"], "representative": r0["representative"],
         "cases": r0["rows"], "reference": r0["reference"],
         "let_go_timeouts": r0["let_go_timeouts"],

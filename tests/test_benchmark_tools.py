@@ -149,6 +149,22 @@ def test_the_measured_steps_band_is_the_spread_of_its_median_over_resampled_roun
     assert low > 0.08  # the slow rank's steps (0.08-0.16 s), not the other's
 
 
+def test_the_accuracy_benchmark_takes_a_held_out_shape_and_says_what_is_wrong_with_one(
+        accuracy):
+    """`--config key:field=value,...` plans a GPT shape the cost model was never checked
+    on; a spec it cannot build exits with a message naming the spec and what to write."""
+    cfg = accuracy.gpt_config("small:num_layers=3,d_model=192,num_heads=6,seq_len=96")
+    assert (cfg.num_layers, cfg.d_model, cfg.num_heads, cfg.seq_len, cfg.vocab_size) == \
+        (3, 192, 6, 96, 512)
+    assert accuracy.gpt_config("small") == accuracy.gpt_config("small:")
+    with pytest.raises(SystemExit, match=r"'huge' is not a key of gpt.GPT_CONFIGS \(tiny, "):
+        accuracy.gpt_config("huge")
+    with pytest.raises(SystemExit, match=r"'layers=3' is not field=integer over num_layers"):
+        accuracy.gpt_config("small:layers=3")
+    with pytest.raises(SystemExit, match="d_model 100 is not a multiple of num_heads 4"):
+        accuracy.gpt_config("small:d_model=100")
+
+
 @pytest.fixture(scope="module")
 def pipeline_bench():
     yield from _benchmark("pipeline")

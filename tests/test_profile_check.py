@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import pathlib
 
 import pytest
+import torch
 
 import pxform
 from pxform.cost.hardware import CommTable, Hardware, Link, hardware
@@ -20,7 +22,7 @@ from pxform.tools.profile_check import (
     profile_ranks,
     refreshed_profile,
 )
-from pxform.tools.runtime_costs import reference_price, reference_program
+from pxform.tools.runtime_costs import program_price, reference_price, reference_program
 from pxform.tools.testing import World, torchrun
 
 pytestmark = pytest.mark.timeout(600)
@@ -80,6 +82,60 @@ def test_a_stale_profile_is_found_and_the_refreshed_one_prices_the_machine(world
     assert f"{first.factor:.3f}" in text and "pxform calibrate --out PATH" in text
 
 
+def _mlp_loss(params: dict, x: torch.Tensor) -> torch.Tensor:
+    """A model that is not the reference transformer: two layers, a tanh, a mean."""
+    return torch.tanh(x @ params["w1"]).matmul(params["w2"]).pow(2).mean()
+
+
+def _mlp_args(rows: int = 64) -> tuple[dict, torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    params = {"w1": torch.randn(96, 192, generator=gen) * 0.1,
+              "w2": torch.randn(192, 48, generator=gen) * 0.1}
+    return params, torch.randn(rows, 96, generator=gen)
+
+
+def checked_program(hw: Hardware) -> tuple[ProfileCheck, float, float, float]:
+    """On every rank: check `hw` on `_mlp_loss` (not the reference), and the refreshed
+    profile's prices for that program and for the reference; `hw`'s for the reference."""
+    args = _mlp_args()
+    first = check_profile(hw, repeats=5, fn=_mlp_loss, args=args)
+    now = refreshed_profile(hw, first)
+    _, params, tokens = reference_program(8)
+    return (first, program_price(now, _mlp_loss, *args), reference_price(now, params, tokens),
+            reference_price(hw, params, tokens))
+
+
+def test_a_check_on_the_users_own_function_rescales_the_profile_to_its_ops(world):
+    """`check_profile(hw, fn=, args=)` times `value_and_grad(fn)` on every rank at once
+    and prices it on one device (`program_price`), not the reference program: the
+    refreshed profile prices that program at exactly what was measured, and the reference
+    by the same factor; both ranks get the same result, which names the program and its
+    shapes instead of the reference."""
+    hw = profile(op_time_scale=1.3e-3, op_step_overhead_s=4e-9)
+    results = world.run(checked_program, hw)
+    assert results[0] == results[1]
+    first, program, reference, reference_before = results[0]
+    assert first.predicted_s == pytest.approx(program_price(hw, _mlp_loss, *_mlp_args()))
+    assert first.program == "_mlp_loss([96, 192], [192, 48]; [64, 96])"
+    assert (first.rows, first.tokens) == (0, 0) and len(first.step_times_s) == 5
+    assert first.stale and first.time_error < -0.9
+    assert program == pytest.approx(first.measured_s, rel=1e-6)
+    assert reference == pytest.approx(reference_before * first.factor, rel=1e-6)
+    text = first.explain()
+    assert text.startswith("profile two-ranks on 2 ranks: _mlp_loss([96, 192], [192, 48]; "
+                           "[64, 96]), one value_and_grad step")
+    assert ("off by more than 10%: this program's ops run slower here than the profile "
+            "prices them. Fix: plan this model with the profile's op times rescaled by "
+            f"{first.factor:.3f} (`pxform check-profile PROFILE --model MODULE:FACTORY "
+            "--batch B --refresh NEW`") in text
+
+
+def test_program_price_of_the_reference_is_its_reference_price():
+    loss, params, tokens = reference_program(4, 16)
+    assert program_price(profile(), loss, params, tokens) == reference_price(
+        profile(), params, tokens)
+
+
 def test_check_profile_refuses_another_world_and_an_unfitted_profile():
     """Bad input is refused before anything runs, naming the profile, what is wrong and
     the fix: a 2-rank profile checked in a 1-rank process, a preset (no fitted op time
@@ -95,6 +151,10 @@ def test_check_profile_refuses_another_world_and_an_unfitted_profile():
         check_profile(profile(), repeats=0)
     with pytest.raises(ValueError, match="tolerance=0; give a fraction > 0"):
         check_profile(profile(), tolerance=0)
+    with pytest.raises(ValueError, match=r"check_profile\('two-ranks'\): fn='_mlp_loss' with "
+                                         r"0 argument\(s\); give a callable loss function "
+                                         r"and the arguments of one device's step"):
+        check_profile(profile(), fn=_mlp_loss)
     assert profile_ranks(profile()) == 2 and profile_ranks(hardware("a100-80gb")) == 1
 
 
@@ -200,6 +260,16 @@ def test_the_command_finds_a_stale_profile_and_refreshes_it_under_torchrun(tmp_p
     assert f"wrote {new} (op times x" in done.stdout
     saved = json.loads(new.read_text())
     assert saved["op_time_scale"] > 1.3e-3 * 100 and "check-profile" in saved["source"]
+    # --model: the factory's function on one device's batch, not the reference; its op
+    # times rescaled to that program
+    factory = f"{pathlib.Path(pxform.__file__).parents[1] / 'examples' / 'factories.py'}:gpt_tiny"
+    model = torchrun(script, "check-profile", str(path), "--repeats", "3", "--model",
+                     factory, "--batch", "2", "--refresh", str(new))
+    assert model.returncode == 0, model.stderr[-3000:]
+    assert model.stdout.count("profile two-ranks on 2 ranks: loss_fn(") == 1
+    assert " tensors of " in model.stdout and "values; [2, 16], [2, 16])" in model.stdout
+    assert f"wrote {new} (op times x" in model.stdout
+    assert "check-profile" in json.loads(new.read_text())["source"]
     # a profile of 1 rank checked on 2: refused on every rank, rank 0 saying why
     profile(comm_tables=()).save(path)
     other = torchrun(script, "check-profile", str(path))
@@ -223,3 +293,9 @@ def test_the_command_explains_bad_input(tmp_path, capsys):
     assert "is not valid JSON" in capsys.readouterr().err
     assert main(["check-profile", str(path), "--tolerance", "0"]) == 2
     assert "must be above 0" in capsys.readouterr().err
+    assert main(["check-profile", str(path), "--batch", "4"]) == 2
+    assert ("--batch and --seq are the arguments of --model's factory, and no --model was "
+            "given.\n  Fix: add --model MODULE:FACTORY") in capsys.readouterr().err
+    assert main(["check-profile", str(path), "--model", "examples.factories:gpt_tiny"]) == 2
+    assert ("--model examples.factories:gpt_tiny needs --batch B: one device's batch to "
+            "time its step at.") in capsys.readouterr().err

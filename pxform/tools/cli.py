@@ -5,6 +5,7 @@
                 [--per-block] [--quiet]
     pxform calibrate --out profile.json [--sizes ...] [--repeats R] [--name NAME] [--runs N]
     pxform check-profile PROFILE [--repeats R] [--tolerance F] [--refresh NEW]
+                         [--model MODULE:FACTORY --batch B [--seq S]]
     pxform --version
 
 `pxform plan` imports MODULE (the current directory first on `sys.path`, so
@@ -18,6 +19,8 @@ two pictures (the frontier, and the chosen plan's pipeline timeline; they need m
 torchrun) times the program the profile's op time scale was fitted on and compares it with
 the profile's price (`pxform.tools.profile_check`): is the profile still this machine's?
 With --refresh it writes the profile with its op times rescaled to the machine as it is.
+With --model it times and prices the factory's function on one device's batch instead, and
+--refresh rescales the op times to that model's (`check_profile`'s `fn`).
 
 Exit codes: 0 done (check-profile: within the tolerance, or refreshed); 1 no plan fits
 (`pxform.SearchError`) or planning failed; 2 a usage error (bad arguments, a
@@ -190,6 +193,16 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--refresh", default=None, metavar="NEW",
                        help="write the profile with its op times rescaled to the time "
                             "measured now to NEW (rank 0; NEW may be PROFILE)")
+    check.add_argument("--model", default=None, metavar="MODULE:FACTORY",
+                       help="time and price your own function instead of the reference "
+                            "program: FACTORY(batch=B, seq=S) returns (fn, args), as for "
+                            "`pxform plan`; with --refresh the profile then prices this "
+                            "model's ops at what they take here")
+    check.add_argument("--batch", type=_positive, default=None, metavar="B",
+                       help="with --model: one device's batch (e.g. the global batch over "
+                            "the data-parallel degree)")
+    check.add_argument("--seq", type=_positive, default=None, metavar="S",
+                       help="with --model: the sequence length, passed as seq=S")
     check.set_defaults(run=_check_profile_command)
     return parser
 
@@ -295,10 +308,27 @@ def _check_profile_command(args: argparse.Namespace) -> int:
     except ValueError as exc:  # (its message says what is wrong and how to fix it)
         print(f"pxform check-profile: {exc}", file=err)
         return 2
+    if (args.batch is not None or args.seq is not None) and args.model is None:
+        print("pxform check-profile: --batch and --seq are the arguments of --model's "
+              "factory, and no --model was given.\n  Fix: add --model MODULE:FACTORY, or "
+              "drop them to check the reference program.", file=err)
+        return 2
+    if args.model is not None and args.batch is None:
+        print(f"pxform check-profile: --model {args.model} needs --batch B: one device's "
+              f"batch to time its step at.\n  Fix: add --batch (e.g. the global batch over "
+              f"the data-parallel degree).", file=err)
+        return 2
     with world.torchrun_world():
         try:
-            result = check_profile(hw, repeats=args.repeats, tolerance=args.tolerance)
-        except ValueError as exc:  # raised alike on every rank, before any collective
+            fn, fn_args = None, ()
+            if args.model is not None:
+                # every rank builds its own arguments (same seed, same values)
+                fn, fn_args = call_factory(load_factory(args.model), args.model, args.batch,
+                                           args.seq)
+            result = check_profile(hw, repeats=args.repeats, tolerance=args.tolerance,
+                                   fn=fn, args=fn_args)
+        except (ValueError, UsageError, PxformError) as exc:
+            # raised alike on every rank, before any collective
             if world.rank() == 0:
                 print(f"pxform check-profile: {exc}", file=err, flush=True)
             world.barrier()  # (rank 0 printed before any rank leaves: see below)

@@ -17,6 +17,17 @@ ranks sharing cores and memory run slower together):
 
     $ torchrun --nproc-per-node 2 -m pxform check-profile cpu.json --refresh cpu-now.json
 
+With `fn` and `args` (`--model MODULE:FACTORY --batch B` from the shell) the program timed
+and priced is the user's own function on one device's share of the batch instead of the
+reference (TensorOpt's and Alpa's profiled costs): the refreshed profile prices that
+model's ops at what they take here. The reference transformer fixes one op time scale for
+every model, and the op mix it has is not every model's: on this project's Zen 5 CPU host
+(2026-12-02) one profile priced the reference's plain step +3 %, GPT small's +12 % and a
+wider GPT's (3 layers of width 192, 96 tokens) +15 to +18 %, at 4-16 sequences alike
+(`docs/benchmarks/accuracy.md`, forty-first session); on the Intel host of 2026-12-01
+GPT small's and the reference's agreed within a point. A plan's other costs (the
+collectives, the runtime's fixed costs, the pipeline's transfers) stay as calibrated.
+
 Example:
     >>> result = check_profile(hardware("cpu.json"))
     >>> print(result.explain())
@@ -27,13 +38,22 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import math
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
+
+import optree
+import torch
 
 from pxform.cost.hardware import Hardware
 from pxform.runtime import world
-from pxform.tools.runtime_costs import reference_price, reference_program, timed_call
+from pxform.tools.runtime_costs import (
+    program_price,
+    reference_price,
+    reference_program,
+    timed_call,
+)
 from pxform.transforms.grad import value_and_grad
 
 __all__ = ["DEFAULT_TOLERANCE", "CalibrationSpread", "ProfileCheck", "calibration_spread",
@@ -62,6 +82,9 @@ class ProfileCheck:
         measured_s: the slowest rank's median step time.
         step_times_s: that rank's timed steps.
         tolerance: the largest `abs(time_error)` that is not `stale`.
+        program: what was timed when not the reference program (`check_profile`'s
+            `fn`): its name and its arguments' tensor shapes; "" for the reference, whose
+            `rows` and `tokens` then say its size (0 and 0 otherwise).
 
     Example:
         >>> check = ProfileCheck("cpu-x2", 2, 8, 64, 0.010, 0.012, (0.012,), 0.1)
@@ -77,6 +100,12 @@ class ProfileCheck:
     measured_s: float
     step_times_s: tuple[float, ...]
     tolerance: float = DEFAULT_TOLERANCE
+    program: str = ""
+
+    @property
+    def program_text(self) -> str:
+        """What was timed, in words: the reference program and its size, or `program`."""
+        return self.program or f"the reference program ({self.rows} x {self.tokens} tokens)"
 
     @property
     def time_error(self) -> float:
@@ -103,22 +132,32 @@ class ProfileCheck:
         """
         low, high = min(self.step_times_s), max(self.step_times_s)
         lines = [f"profile {self.profile} on {self.ranks} rank{'s' * (self.ranks != 1)}: "
-                 f"the reference program ({self.rows} x {self.tokens} tokens), one "
-                 f"value_and_grad step",
+                 f"{self.program_text}, one value_and_grad step",
                  f"  predicted {self.predicted_s * 1e3:.2f} ms, measured "
                  f"{self.measured_s * 1e3:.2f} ms (median of {len(self.step_times_s)} "
                  f"steps, {low * 1e3:.2f}-{high * 1e3:.2f} ms): error "
                  f"{self.time_error:+.1%}"]
         bound = f"{self.tolerance:.0%}"
         if not self.stale:
-            lines.append(f"within {bound}: the profile still prices this machine's ops")
+            lines.append(f"within {bound}: the profile still prices this machine's ops"
+                         + (" for this program" if self.program else ""))
         else:
             way = "slower" if self.time_error < 0 else "faster"
-            lines.append(f"stale: off by more than {bound}; the machine is now {way} than "
-                         f"the profile. Fix: calibrate again (`pxform calibrate --out "
-                         f"PATH`), or rescale the profile's op times by "
-                         f"{self.factor:.3f} (`pxform check-profile PROFILE --refresh "
-                         f"NEW`, `refreshed_profile`)")
+            if self.program:
+                # (the reference may still be priced right: this model's op mix is not
+                # the reference's, so rescaling is the fix, not calibrating again)
+                lines.append(f"off by more than {bound}: this program's ops run {way} "
+                             f"here than the profile prices them. Fix: plan this model "
+                             f"with the profile's op times rescaled by "
+                             f"{self.factor:.3f} (`pxform check-profile PROFILE --model "
+                             f"MODULE:FACTORY --batch B --refresh NEW`, "
+                             f"`refreshed_profile`)")
+            else:
+                lines.append(f"stale: off by more than {bound}; the machine is now {way} "
+                             f"than the profile. Fix: calibrate again (`pxform calibrate "
+                             f"--out PATH`), or rescale the profile's op times by "
+                             f"{self.factor:.3f} (`pxform check-profile PROFILE --refresh "
+                             f"NEW`, `refreshed_profile`)")
         return "\n".join(lines)
 
 
@@ -227,26 +266,42 @@ def profile_ranks(hw: Hardware) -> int:
 
 
 def check_profile(hw: Hardware, *, repeats: int = 30, rows: int = 8,
-                  tolerance: float = DEFAULT_TOLERANCE) -> ProfileCheck:
+                  tolerance: float = DEFAULT_TOLERANCE,
+                  fn: Callable[..., Any] | None = None,
+                  args: Sequence[Any] = ()) -> ProfileCheck:
     """Time `repeats` steps of the reference program (`rows` sequences) on every rank at
     once, after `_WARMUP` untimed ones, each after a barrier, and compare the slowest rank's
     median with `hw`'s price for it. Call it on every rank of the world `hw` was
     measured on; every rank returns the same result.
 
+    With `fn`, the program is `pxform.value_and_grad(fn)(*args)` instead (a plain
+    function returning a scalar loss, as `pxform.auto` takes; `args` one device's share
+    of the batch, the same on every rank, e.g. the global batch over the data-parallel
+    degree, or a few of the model's layers when the whole does not fit one device),
+    priced on one device as `runtime_costs.reference_price` prices the reference: what
+    `refreshed_profile` then rescales to is this model's ops on this machine (module
+    doc).
+
     Raises:
-        ValueError: `repeats` or `rows` below 1, `tolerance` not positive, or a world of
-            another size than `hw` was measured on (raised on every rank alike, before any
-            collective).
+        ValueError: `repeats` or `rows` below 1, `tolerance` not positive, `fn` not
+            callable or without `args`, or a world of another size than `hw` was
+            measured on (raised on every rank alike, before any collective).
 
     Example:
         >>> check_profile(hardware("cpu.json")).stale
         False
+        >>> check_profile(hw, fn=gpt.loss_fn, args=(params, batch)).factor  # one rank's
+        0.87
     """
     what = f"check_profile({hw.name!r})"
     if repeats < 1 or rows < 1:
         raise ValueError(f"{what}: repeats={repeats}, rows={rows}; both must be at least 1")
     if not tolerance > 0:
         raise ValueError(f"{what}: tolerance={tolerance!r}; give a fraction > 0, e.g. 0.1")
+    if fn is not None and not (callable(fn) and len(args) > 0):
+        raise ValueError(f"{what}: fn={getattr(fn, '__name__', fn)!r} with {len(args)} "
+                         f"argument(s); give a callable loss function and the arguments "
+                         f"of one device's step, e.g. fn=loss_fn, args=(params, batch)")
     if hw.op_time_scale == 1.0 and hw.op_step_overhead_s == 0.0:
         raise ValueError(f"{what}: the profile has no fitted op time scale (a preset or a "
                          f"profile written without pxform's runtime costs); nothing here "
@@ -259,16 +314,40 @@ def check_profile(hw: Hardware, *, repeats: int = 30, rows: int = 8,
                          f"has {world.size()}; ranks that share cores and memory run each "
                          f"op slower together. Fix: run under `torchrun --nproc-per-node "
                          f"{ranks} -m pxform check-profile PROFILE`")
-    loss, params, tokens = reference_program(rows)
-    step = value_and_grad(loss)
+    if fn is None:
+        loss, params, tokens = reference_program(rows)
+        fn, args, tokens_per_row, program = loss, (params, tokens), int(tokens.shape[1]), ""
+        prices = _calibration_prices(hw, params, tokens)
+    else:
+        args = tuple(args)
+        rows = tokens_per_row = 0
+        program = _program_text(fn, args)
+        # priced before timing: a function the cost model cannot trace fails here, on
+        # every rank alike, before any collective
+        prices = tuple(program_price(c, fn, *args) for c in hw.calibrations or (hw,))
+    step = value_and_grad(fn)
     for _ in range(_WARMUP):
-        step(params, tokens)
-    mine = [timed_call(lambda: step(params, tokens)) for _ in range(repeats)]
+        step(*args)
+    mine = [timed_call(lambda: step(*args)) for _ in range(repeats)]
     every = world.gather_objects(mine)
     slowest = max(every, key=statistics.median)
-    predicted = statistics.median(_calibration_prices(hw, params, tokens))
-    return ProfileCheck(hw.name, ranks, rows, int(tokens.shape[1]), predicted,
-                        statistics.median(slowest), tuple(slowest), tolerance)
+    return ProfileCheck(hw.name, ranks, rows, tokens_per_row, statistics.median(prices),
+                        statistics.median(slowest), tuple(slowest), tolerance, program)
+
+
+def _program_text(fn: Callable[..., Any], args: tuple[Any, ...]) -> str:
+    """`name(...)` with each argument's tensors: their shapes, or for a pytree of more
+    than 3 (the parameters) their count and size, for the check's text."""
+    parts = []
+    for arg in args:
+        shapes = [list(t.shape) for t in optree.tree_leaves(arg, none_is_leaf=False)
+                  if isinstance(t, torch.Tensor)]
+        if len(shapes) > 3:
+            values = sum(math.prod(s) for s in shapes)
+            parts.append(f"{len(shapes)} tensors of {values:,} values")
+        elif shapes:
+            parts.append(", ".join(str(s) for s in shapes))
+    return f"{getattr(fn, '__name__', type(fn).__name__)}({'; '.join(parts)})"
 
 
 def refreshed_profile(hw: Hardware, check: ProfileCheck) -> Hardware:

@@ -573,10 +573,24 @@ def reference_price(hw: Hardware, params: dict[str, Any], tokens: torch.Tensor) 
         >>> reference_price(hw, params, tokens)
         0.0131
     """
+    return program_price(hw, _reference, params, tokens)
+
+
+def program_price(hw: Hardware, fn: Callable[..., Any], *args: Any) -> float:
+    """What `hw` predicts for one `value_and_grad` step of the plain function `fn` on
+    `args` on one device, as `reference_price` prices the reference program (its ops;
+    not pxform runtime's per-step and per-parameter costs, which a plain function does
+    not pay): what `pxform.check_profile(hw, fn=fn, args=args)` compares with the step
+    timed.
+
+    Example:
+        >>> program_price(hw, *reference_program(8)) == reference_price(hw, params, tokens)
+        True
+    """
     plain = dataclasses.replace(hw, step_overhead_s=0.0, param_overhead_s=0.0,
                                 calibrations=())
-    return auto(_reference, mesh=abstract_mesh(1), hardware=plain,
-                memory_margin=0.0).plan(params, tokens).step_time_s
+    return auto(fn, mesh=abstract_mesh(1), hardware=plain,
+                memory_margin=0.0).plan(*args).step_time_s
 
 
 def _reference(params: dict[str, Any], tokens: torch.Tensor) -> torch.Tensor:
