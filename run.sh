@@ -2,7 +2,8 @@
 # The flagship demo, on a laptop, in a few minutes:
 #   1. plan GPT-3 175B for 1,024 H100s (fake tensors: no GPU, no memory) and print the plan
 #      and its time/memory frontier;
-#   2. measure this machine (matmul and gloo collectives on 2 local CPU ranks);
+#   2. measure this machine (matmul and gloo collectives on 2 local CPU ranks), and fit the
+#      profile's op times to the GPT's own step (`pxform check-profile --model`);
 #   3. train a small GPT on those 2 ranks under torchrun with a plan searched for them,
 #      printing the loss beside a single-process run's and the predicted vs measured step
 #      time and memory.
@@ -23,8 +24,14 @@ echo "== 2/3  Measuring this machine: 2 CPU ranks, gloo =="
 python -m torch.distributed.run --standalone --nproc-per-node 2 -m pxform calibrate \
     --out "$OUT/cpu-profile.json" --name cpu-x2
 
+# the profile's op times fitted on a small reference transformer, then rescaled to this
+# GPT's own step on one rank's share of the batch (16 / 2): its op mix is not the reference's
+python -m torch.distributed.run --standalone --nproc-per-node 2 -m pxform check-profile \
+    "$OUT/cpu-profile.json" --model "examples/factories.py:gpt_$SIZE" --batch 8 \
+    --refresh "$OUT/cpu-profile-gpt.json"
+
 echo
 echo "== 3/3  Training GPT '$SIZE' on 2 CPU ranks with a searched plan =="
 python -m torch.distributed.run --standalone --nproc-per-node 2 examples/train_gpt.py \
-    --size "$SIZE" --steps "$STEPS" --hardware "$OUT/cpu-profile.json" --report-at 3 \
+    --size "$SIZE" --steps "$STEPS" --hardware "$OUT/cpu-profile-gpt.json" --report-at 3 \
     --log-every 5 --check "$@"

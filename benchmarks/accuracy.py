@@ -47,6 +47,16 @@ thirtieth session; the goal is judged on "error").
     python benchmarks/accuracy.py --quick        # two cases, nothing written
     python benchmarks/accuracy.py --ranks 4      # adds the 4-rank compositions
     python benchmarks/accuracy.py --reprice benchmarks/results/accuracy-*.json
+    python benchmarks/accuracy.py --config small:num_layers=3,d_model=192,num_heads=6,seq_len=96
+    python benchmarks/accuracy.py --fit-model    # op times fitted to the GPT's own step
+
+`--config KEY:field=value,...` runs a GPT shape of its own (`gpt_config`): every saved run
+before the forty-first session was GPT small, the shape the calibration's reference
+transformer is closest to, so a held-out shape tells whether the model carries. With
+`--fit-model` each calibration's op times are rescaled to the GPT's plain step on one
+rank's share of the batch (`pxform check-profile --model`, `check_profile(hw, fn=,
+args=)`), as a user fits a profile to their own model; the rest of each calibration
+stays as measured.
 
 `--reprice` runs nothing: it prices the pinned cases of saved runs again with the current
 code, from each run's own calibrations (their representative, carrying them all), against

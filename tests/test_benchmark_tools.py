@@ -161,8 +161,8 @@ def test_the_accuracy_benchmark_takes_a_held_out_shape_and_says_what_is_wrong_wi
         accuracy.gpt_config("huge")
     with pytest.raises(SystemExit, match=r"'layers=3' is not field=integer over num_layers"):
         accuracy.gpt_config("small:layers=3")
-    with pytest.raises(SystemExit, match="d_model 100 is not a multiple of num_heads 4"):
-        accuracy.gpt_config("small:d_model=100")
+    with pytest.raises(SystemExit, match="d_model 130 is not a multiple of num_heads 4"):
+        accuracy.gpt_config("small:d_model=130")
 
 
 @pytest.fixture(scope="module")

@@ -35,6 +35,9 @@ def test_run_sh(tmp_path):
     assert (tmp_path / "gpt3-175b-1024xh100.json").exists()
     # 2: a measured profile of this machine
     assert "memory bandwidth" in out and (tmp_path / "cpu-profile.json").exists()
+    # the profile fitted to the GPT's own step, and trained with
+    assert "profile cpu-x2 on 2 ranks: loss_fn(" in out
+    assert "check-profile" in (tmp_path / "cpu-profile-gpt.json").read_text()
     # 3: training with a plan searched against that profile, predictions checked
     assert "devices (cpu-x2)" in out
     assert re.search(r"step\s+8\s+loss", out)
