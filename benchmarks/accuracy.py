@@ -49,6 +49,7 @@ thirtieth session; the goal is judged on "error").
     python benchmarks/accuracy.py --reprice benchmarks/results/accuracy-*.json
     python benchmarks/accuracy.py --config small:num_layers=3,d_model=192,num_heads=6,seq_len=96
     python benchmarks/accuracy.py --fit-model    # op times fitted to the GPT's own step
+    python benchmarks/accuracy.py --reprice FILE --unfitted  # a --fit-model run, fit taken out
 
 `--config KEY:field=value,...` runs a GPT shape of its own (`gpt_config`): every saved run
 before the forty-first session was GPT small, the shape the calibration's reference
@@ -477,12 +478,14 @@ def _priced_again(loss: Any, plan: Any, profile: Any, ranks: int, params: Any,
                        plan=pin_of(plan)).plan(params, batch)
 
 
-def reprice(paths: list[str], alone: bool = False) -> list[dict[str, Any]]:
+def reprice(paths: list[str], alone: bool = False, unfitted: bool = False
+            ) -> list[dict[str, Any]]:
     """Per saved run (a JSON result of this benchmark): its pinned cases priced again with
     the representative of its calibrations under the current code (each plan at the median
-    of its prices under the calibrations; `alone`: with the representative's own numbers),
-    against its measured steps; prints a line per run and returns {"path", "errors":
-    {case: error}}."""
+    of its prices under the calibrations; `alone`: with the representative's own numbers;
+    `unfitted`: a `--fit-model` run's calibrations with the fit to the model taken out, as
+    `pxform calibrate` measured them), against its measured steps; prints a line per run
+    and returns {"path", "errors": {case: error}}."""
     import json
 
     out = []
@@ -491,7 +494,7 @@ def reprice(paths: list[str], alone: bool = False) -> list[dict[str, Any]]:
             saved = json.load(f)
         name = os.path.basename(path)
         try:
-            errors, source = _repriced(saved, alone)
+            errors, source = _repriced(_unfitted(saved) if unfitted else saved, alone)
         except ValueError as e:  # (a profile field an experiment added, since removed)
             print(f"{name}: skipped, its profiles do not load here: {e}")
             continue
@@ -501,6 +504,22 @@ def reprice(paths: list[str], alone: bool = False) -> list[dict[str, Any]]:
               f"{statistics.median(abs(e) for e in errors.values()):.1%}); worst "
               + ", ".join(f"{k} {e:+.1%}" for k, e in worst) + f"; {source}")
         out.append({"path": path, "errors": errors})
+    return out
+
+
+def _unfitted(saved: dict[str, Any]) -> dict[str, Any]:
+    """`saved` with each calibration's op times divided by its fit to the model
+    (`model_fit_factors`, a `--fit-model` run's; none: unchanged)."""
+    import copy
+
+    factors = saved.get("model_fit_factors") or []
+    if not factors:
+        return saved
+    out = copy.deepcopy(saved)
+    for profile, factor in zip([out["first_hardware"], *out["profiles"]],
+                               [factors[0], *factors]):
+        profile["op_time_scale"] /= factor
+        profile["op_step_overhead_s"] /= factor
     return out
 
 
@@ -572,9 +591,12 @@ def main() -> None:
                    help="with --reprice: price with the representative calibration's own "
                         "numbers, not the median of the plan's prices under every "
                         "calibration")
+    p.add_argument("--unfitted", action="store_true",
+                   help="with --reprice: a --fit-model run's calibrations with the fit to "
+                        "the model taken out (what `pxform calibrate` alone measured)")
     args = p.parse_args()
     if args.reprice:
-        reprice(args.reprice, args.representative_alone)
+        reprice(args.reprice, args.representative_alone, args.unfitted)
         return
     if args.quick:
         args.steps, args.warmup, args.rounds = 2, 1, 1

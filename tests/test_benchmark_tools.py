@@ -149,6 +149,24 @@ def test_the_measured_steps_band_is_the_spread_of_its_median_over_resampled_roun
     assert low > 0.08  # the slow rank's steps (0.08-0.16 s), not the other's
 
 
+def test_reprice_takes_the_fit_to_the_model_out_of_a_fit_model_run(accuracy, capsys):
+    """A `--fit-model` run of the held-out shape (each calibration's op times rescaled to
+    the GPT's own step, factors 0.78-0.95): repriced as run, its plans sit within 10 %;
+    with the fit taken out (`unfitted`, the calibrations as measured) each plan is priced
+    higher, by its op times' share, and most leave 10 %. A run without a fit is unchanged."""
+    path = str(RESULTS / "accuracy-forty-first-b-heldout-fit-model-2026-12-02.json")
+    (fitted,), (unfitted,) = accuracy.reprice([path]), accuracy.reprice([path], unfitted=True)
+    assert fitted["errors"].keys() == unfitted["errors"].keys()
+    assert sum(abs(e) <= 0.10 for e in fitted["errors"].values()) >= 11
+    assert sum(abs(e) <= 0.10 for e in unfitted["errors"].values()) <= 4
+    for case, e in fitted["errors"].items():
+        assert unfitted["errors"][case] > e + 0.05, case
+    plain = str(RESULTS / "accuracy-forty-first-a-heldout-3x192-seq96-2026-12-02.json")
+    (a,), (b,) = accuracy.reprice([plain]), accuracy.reprice([plain], unfitted=True)
+    assert a["errors"] == b["errors"]
+    print(capsys.readouterr().out)
+
+
 def test_the_accuracy_benchmark_takes_a_held_out_shape_and_says_what_is_wrong_with_one(
         accuracy):
     """`--config key:field=value,...` plans a GPT shape the cost model was never checked
