@@ -48,12 +48,7 @@ import torch
 
 from pxform.cost.hardware import Hardware
 from pxform.runtime import world
-from pxform.tools.runtime_costs import (
-    program_price,
-    reference_price,
-    reference_program,
-    timed_call,
-)
+from pxform.tools.runtime_costs import program_price, reference_program, timed_call
 from pxform.transforms.grad import value_and_grad
 
 __all__ = ["DEFAULT_TOLERANCE", "CalibrationSpread", "ProfileCheck", "calibration_spread",
@@ -243,16 +238,18 @@ def calibration_spread(hw: Hardware, *, rows: int = 8,
         raise ValueError(f"{what}: rows={rows}; give at least 1 sequence")
     if not tolerance > 0:
         raise ValueError(f"{what}: tolerance={tolerance!r}; give a fraction > 0, e.g. 0.1")
-    _, params, tokens = reference_program(rows)
+    loss, params, tokens = reference_program(rows)
     return CalibrationSpread(hw.name, rows, int(tokens.shape[1]),
-                             _calibration_prices(hw, params, tokens), tolerance)
+                             _calibration_prices(hw, loss, params, tokens), tolerance)
 
 
-def _calibration_prices(hw: Hardware, params: dict, tokens: Any) -> tuple[float, ...]:
-    """Per calibration `hw` carries (`hw` alone without any), its price for one step of
-    the reference program on `tokens`: what plans are priced with, one by one."""
+def _calibration_prices(hw: Hardware, fn: Callable[..., Any], *args: Any
+                        ) -> tuple[float, ...]:
+    """Per calibration `hw` carries (`hw` alone without any), its price for one plain
+    step of `fn` on `args` (`program_price`; the reference program's is its
+    `reference_price`): what plans are priced with, one by one."""
     members: Sequence[Hardware] = hw.calibrations or (hw,)
-    return tuple(reference_price(c, params, tokens) for c in members)
+    return tuple(program_price(c, fn, *args) for c in members)
 
 
 def profile_ranks(hw: Hardware) -> int:
@@ -317,14 +314,13 @@ def check_profile(hw: Hardware, *, repeats: int = 30, rows: int = 8,
     if fn is None:
         loss, params, tokens = reference_program(rows)
         fn, args, tokens_per_row, program = loss, (params, tokens), int(tokens.shape[1]), ""
-        prices = _calibration_prices(hw, params, tokens)
     else:
         args = tuple(args)
         rows = tokens_per_row = 0
         program = _program_text(fn, args)
-        # priced before timing: a function the cost model cannot trace fails here, on
-        # every rank alike, before any collective
-        prices = tuple(program_price(c, fn, *args) for c in hw.calibrations or (hw,))
+    # priced before timing: a function the cost model cannot trace fails here, on every
+    # rank alike, before any collective
+    prices = _calibration_prices(hw, fn, *args)
     step = value_and_grad(fn)
     for _ in range(_WARMUP):
         step(*args)
