@@ -201,15 +201,25 @@ def sent_at_peak(schedule: Schedule) -> tuple[tuple[int, int], ...]:
     return tuple((f, b) for _, f, b in at_peak(schedule))
 
 
-def at_peak(schedule: Schedule) -> list[tuple[int, int, int]]:
+def at_peak(schedule: Schedule, weights: Sequence[float] | None = None
+            ) -> list[tuple[int, int, int]]:
     """Per stage: (microbatches held, boundary outputs kept, input gradients kept) at its
     rank's peak (`held` and `sent_at_peak` in one walk), walking each rank's actions with
     the transfers the executor adds (`communication.with_transfers`).
 
+    `weights`, per stage: the bytes one microbatch's activations hold there. A rank that
+    runs several stages peaks where the sum of its stages' held microbatches times their
+    weights is largest (default: every stage alike, the most microbatches). An
+    interleaved GPT pipeline's last rank holds 3 microbatches of a layer and none of the
+    head at one moment, 2 and 1 at another: counted alike, the second was taken and its
+    peak came out 8.5 % under (the forty-second session).
+
     Example:
-        >>> from pxform.schedules import one_f_one_b
+        >>> from pxform.schedules import interleaved, one_f_one_b
         >>> at_peak(one_f_one_b(2, 8))
         [(2, 2, 0), (1, 1, 1)]
+        >>> [h for h, _, _ in at_peak(interleaved(2, 8, 2), [1.0, 1.0, 1.0, 0.1])]
+        [4, 3, 1, 0]
     """
     shape = shape_of(schedule)
     comm = with_transfers(schedule, shape)
@@ -224,7 +234,7 @@ def at_peak(schedule: Schedule) -> list[tuple[int, int, int]]:
         sending: dict[int, set[int]] = {s: set() for s in mine}  # outputs
         freed: dict[int, set[int]] = {s: set() for s in mine}  # by the backward
         grads: dict[int, set[int]] = {s: set() for s in mine}  # input gradients sending
-        best = (-1, -1)
+        best: tuple[float, int] = (-1.0, -1)
         at = {s: (0, 0, 0) for s in mine}
         for a in acts:
             s, i = a.stage, a.microbatch
@@ -257,7 +267,7 @@ def at_peak(schedule: Schedule) -> list[tuple[int, int, int]]:
                 if i not in sending[s]:
                     outputs[s].discard(i)
             # the most activations; among those moments, the most transfers kept
-            total = (sum(count.values()),
+            total = (sum(count[t] * (1.0 if weights is None else weights[t]) for t in mine),
                      sum(len(outputs[t]) + len(grads[t]) for t in mine))
             if total >= best:
                 best = total

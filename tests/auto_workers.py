@@ -151,15 +151,18 @@ def run_training_api(the_pin: Pin) -> dict:
             "memory_errors": [r.memory_error for r in report.ranks]}
 
 
-def run_memory_accuracy(the_pin: Pin) -> list[float]:
-    """GPT "small" (float32, global batch 16), the pinned plan distributed, one AdamW step
-    so the optimizer's state exists, then `measure` and `plan.report`: each rank's signed
-    memory error, predicted over metered."""
+def run_memory_accuracy(the_pin: Pin, shape: dict | None = None) -> list[float]:
+    """GPT "small" (float32, global batch 16), or its config with the fields `shape`
+    gives, the pinned plan distributed, one AdamW step so the optimizer's state exists,
+    then `measure` and `plan.report`: each rank's signed memory error, predicted over
+    metered."""
+    import dataclasses
+
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
     torch.manual_seed(0)
-    cfg = gpt.GPT_CONFIGS["small"]
+    cfg = dataclasses.replace(gpt.GPT_CONFIGS["small"], **(shape or {}))
     params = gpt.init_params(cfg)
     batch = gpt.make_batch(cfg, 16)
     step = pxform.auto(gpt.loss_fn, mesh=dist.get_world_size(), memory_budget="40GiB",

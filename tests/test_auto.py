@@ -178,13 +178,22 @@ def test_what_training_loops_rely_on(world2, stages):
 # The memory model against the meter (`docs/benchmarks/accuracy.md`): GPT "small" on 2
 # ranks. Data parallel, ZeRO-3, recompute and a 2-stage pipeline are within the issue's 5 %
 # goal (the model before the meter check was off by +14 % to +32 % on the first three and
-# short on the pipeline's last stage, which holds the tied embedding too); tensor
-# parallelism still misses runtime buffers the model does not count (-9 %), so it is held
-# to 15 % here, to catch a change for the worse. Pipelines under every schedule are held to
+# short on the pipeline's last stage, which holds the tied embedding too); tensor and
+# sequence parallelism too (held to 15 % until the forty-second session; -9 % when the
+# model missed runtime buffers). Pipelines under every schedule are held to
 # 5 %: before the model counted the tensors the executor's sends keep to the end of the
 # step (each F's boundary outputs, each B's input gradients), the received output
 # gradient and, under zero-bubble, the weight ops' outputs kept from F to W that no op
 # saves, 1F1B with 8 microbatches was -5 %, zero-bubble -9 % and interleaved -11 %.
+# Two held-out shapes besides (the forty-second session): a wider GPT with 3 layers
+# (`WIDE`: its ZeRO-3 step was -4.2 % with one block's gathered parameters on top of the
+# op at work, its 2-microbatch pipeline's last stage +8.7 % and its interleaved
+# pipeline's last rank -8.5 %), and a narrow one with 6 layers and a large vocabulary
+# (`VOCAB`: 1F1B's and the shifted schedule's first stage +6 %, ZeRO-3 +3 %).
+WIDE = {"num_layers": 3, "d_model": 192, "num_heads": 6, "seq_len": 96}
+VOCAB = {"num_layers": 6, "d_model": 96, "num_heads": 4, "vocab_size": 4096}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name, the_pin, limit", [
     ("dp", W.pin(1, 2, 1, 1, (("outer", "dp"),), (False,) * 6), 0.05),
@@ -192,8 +201,8 @@ def test_what_training_loops_rely_on(world2, stages):
     ("zero3 kept", W.pin(1, 2, 1, 1, (("outer", "sdp"),), (False,) * 6,
                          reshard=(True,) + (False,) * 4 + (True,)), 0.05),
     ("dp+recompute", W.pin(1, 2, 1, 1, (("outer", "dp"),), (True,) * 6), 0.05),
-    ("tp", W.pin(1, 1, 2, 1, (("inner", "tp"),), (False,) * 6), 0.15),
-    ("sp", W.pin(1, 1, 2, 1, (("inner", "sp"),), (False,) * 6), 0.15),
+    ("tp", W.pin(1, 1, 2, 1, (("inner", "tp"),), (False,) * 6), 0.05),
+    ("sp", W.pin(1, 1, 2, 1, (("inner", "sp"),), (False,) * 6), 0.05),
     ("pp2 m2", W.pin(2, 1, 1, 2, None, schedule=ScheduleChoice()), 0.05),
     ("pp2 m8", W.pin(2, 1, 1, 8, None, schedule=ScheduleChoice()), 0.05),
     ("pp2 m4 zb", W.pin(2, 1, 1, 4, None, schedule=ScheduleChoice("zb")), 0.05),
@@ -209,3 +218,24 @@ def test_predicted_memory_matches_the_meter(world2, name, the_pin, limit):
     errors = world2.run(W.run_memory_accuracy, the_pin)
     worst = max((e for rank in errors for e in rank), key=abs)
     assert abs(worst) <= limit, (name, errors)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, shape, the_pin", [
+    ("wide zero3", WIDE, W.pin(1, 2, 1, 1, (("outer", "sdp"),), (False,) * 5)),
+    ("wide zero3 kept", WIDE, W.pin(1, 2, 1, 1, (("outer", "sdp"),), (False,) * 5,
+                                    reshard=(False,) * 5)),
+    ("wide tp", WIDE, W.pin(1, 1, 2, 1, (("inner", "tp"),), (False,) * 5)),
+    ("wide pp2 m2", WIDE, W.pin(2, 1, 1, 2, None, schedule=ScheduleChoice())),
+    ("wide pp2 m8 interleaved", WIDE, W.pin(2, 1, 1, 8, None,
+                                            schedule=ScheduleChoice("interleaved", 2))),
+    ("vocab zero3", VOCAB, W.pin(1, 2, 1, 1, (("outer", "sdp"),), (False,) * 8)),
+    ("vocab pp2 m8", VOCAB, W.pin(2, 1, 1, 8, None, schedule=ScheduleChoice())),
+    ("vocab pp2 m8 shifted", VOCAB, W.pin(2, 1, 1, 8, None,
+                                          schedule=ScheduleChoice("shifted"))),
+], ids=["wide-zero3", "wide-zero3-kept", "wide-tp", "wide-pp2-m2", "wide-pp2-m8-interleaved",
+        "vocab-zero3", "vocab-pp2-m8", "vocab-pp2-m8-shifted"])
+def test_predicted_memory_matches_the_meter_on_held_out_shapes(world2, name, shape, the_pin):
+    errors = world2.run(W.run_memory_accuracy, the_pin, shape)
+    worst = max((e for rank in errors for e in rank), key=abs)
+    assert abs(worst) <= 0.05, (name, errors)

@@ -664,13 +664,26 @@ def test_backward_extra_orders_workspaces_and_counts_the_packed_bucket():
     assert backward_extra([0.0], [1e12], [0.0], 1, 1, packed=1e12) == BUCKET_BYTES
     # a recomputed block's recompute (40) peaks before its own gradients: what they add
     # beyond its activations (30 - 10) is not on top, unless an earlier microbatch made
-    # them already (2 microbatches, 1 in flight); its backward ends at its transient (25)
+    # them already (2 microbatches, 1 in flight: then on everything but the 10 the block
+    # after it freed of the microbatch going back); its backward ends at its transient (25)
     assert backward_extra([10.0, 10.0], [30.0, 30.0], [40.0, 5.0], 1, 1, 0.0,
                           ends=[5.0, None]) == 20.0
     assert backward_extra([10.0, 10.0], [30.0, 30.0], [40.0, 5.0], 1, 1, 0.0,
                           ends=[25.0, None]) == 25.0
     assert backward_extra([10.0, 10.0], [30.0, 30.0], [40.0, 5.0], 1, 2, 0.0,
-                          ends=[5.0, None]) == 40.0
+                          ends=[5.0, None]) == 30.0
+    # fewer in flight than microbatches: the first block's workspace (50) comes after the
+    # blocks after it freed the microbatch's 2 x 10, unless a split backward (zero-bubble)
+    # keeps them for its W actions
+    assert backward_extra(acts, grads, [50.0, 5.0, 5.0], 1, 4, packed=0.0) == 30.0
+    assert backward_extra(acts, grads, [50.0, 5.0, 5.0], 1, 4, packed=0.0,
+                          frees=False) == 50.0
+    # summing a block's gradients over microbatches (60: its largest parameter's gradient
+    # and the sum replacing it) is a workspace of its own, after the first microbatch only
+    assert backward_extra(acts, grads, [5.0] * 3, 1, 4, packed=0.0,
+                          accumulating=[60.0, 0.0, 0.0]) == 40.0
+    assert backward_extra([30.0] * 3, [10.0] * 3, [5.0] * 3, 1, 1, packed=0.0,
+                          accumulating=[60.0, 0.0, 0.0]) == 5.0
     assert BUCKET_BYTES == DEFAULT_BUCKET_MB * 2**20
     # blocks keeping more activations (30) than they have gradients (10): the first
     # block's workspace (50) comes once the later blocks hold their gradients alone, 2 x 20

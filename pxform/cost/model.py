@@ -579,9 +579,25 @@ def weight_pool_bytes(grads: Sequence[float], largest: float) -> float:
     return float(min(sum(grads), BUCKET_BYTES) + largest)
 
 
+def accumulation_bytes(largest_grad: float, microbatches: int) -> float:
+    """Bytes summing one block's parameter gradients over `microbatches` holds beside the
+    gradients of the microbatches before, at most: a parameter's gradient as autograd
+    makes it, and at the second microbatch also the sum that replaces the first one
+    (`pxform.runtime.buckets.GradAccumulator` adds in place only into a sum of its own);
+    the block's largest parameter counts. Nothing with one microbatch.
+
+    Example:
+        >>> accumulation_bytes(1.5e6, 8), accumulation_bytes(1.5e6, 1)
+        (3000000.0, 0.0)
+    """
+    return 2.0 * largest_grad if microbatches > 1 else 0.0
+
+
 def backward_extra(activations: Sequence[float], grads: Sequence[float],
                    workspaces: Sequence[float], in_flight: int, microbatches: int,
-                   packed: float, ends: Sequence[float | None] | None = None) -> float:
+                   packed: float, ends: Sequence[float | None] | None = None,
+                   accumulating: Sequence[float] | None = None,
+                   frees: bool = True) -> float:
     """Bytes a stage needs on top of its blocks' summed `peak_bytes` while backward runs,
     per block (in forward order) its activations, parameter gradients and workspace.
 
@@ -602,6 +618,12 @@ def backward_extra(activations: Sequence[float], grads: Sequence[float],
     recompute's peak either. (Counted, they put a recomputed GPT's predicted peak 4-7 %
     above the measured one: `docs/benchmarks/accuracy.md`.)
 
+    `accumulating`, per block: what summing its parameter gradients over microbatches
+    holds beside the gradients while its backward runs (`accumulation_bytes`), a
+    workspace of its own. `frees`: a block's backward of one microbatch comes after the
+    blocks after it in the stage freed that microbatch's activations (False where a split
+    backward keeps every graph for its W actions, zero-bubble).
+
     Example:
         >>> # the last block's large workspace comes before the first block's gradients
         >>> backward_extra([10, 10], [30, 30], [5, 25], 1, 1, packed=0)
@@ -609,12 +631,29 @@ def backward_extra(activations: Sequence[float], grads: Sequence[float],
         >>> # a recomputed first block: its 40 bytes of recompute before its own gradients
         >>> backward_extra([10, 10], [30, 30], [40, 5], 1, 1, packed=0, ends=[5, None])
         20.0
+        >>> # 2 of 8 microbatches in flight: the first block's 25 bytes come after the
+        >>> # second freed its 10 of the microbatch going back
+        >>> backward_extra([10, 10], [30, 30], [25, 5], 2, 8, packed=0)
+        15.0
     """
     every = in_flight >= microbatches
+    # a backward after the first microbatch's also sums the gradients it makes
+    later = list(workspaces) if accumulating is None else \
+        [max(w, s) for w, s in zip(workspaces, accumulating)]
     if not every:
         # gradients exist from the first backward on, and each block's activations are
-        # counted beside them: each block's workspace comes on top of everything
-        extra = max([0.0, *workspaces])
+        # counted beside them for every microbatch in flight; block k's workspace comes
+        # on top of everything but the activations the blocks after it freed for the
+        # microbatch going back (charged whole, the embedding's workspace put a
+        # 2-stage GPT pipeline's first stage 6 % over, and the head's its last stage 9 %
+        # over, its logits freed before the last block's backward: the forty-second
+        # session, `docs/benchmarks/accuracy.md`)
+        after = sum(activations) if frees else 0.0
+        extra = 0.0
+        for act, work in zip(activations, later):
+            if frees:
+                after -= act
+            extra = max(extra, float(work - after))
         gone = sum(in_flight * a for a in activations)
         return max(extra, min(packed, BUCKET_BYTES) - gone)
     # every microbatch in flight: `peak_bytes` counted each block at max(activations,
@@ -638,7 +677,7 @@ def backward_extra(activations: Sequence[float], grads: Sequence[float],
         # a later microbatch's backward of block k: every gradient exists, the blocks
         # after k have freed this microbatch's activations, block k holds both
         after = sum(activations)
-        for act, work in zip(activations, workspaces):
+        for act, work in zip(activations, later):
             after -= act
             extra = max(extra, work - after - freed)
     gone = sum((in_flight - 1) * a + max(a, g) - g for a, g in zip(activations, grads))

@@ -156,6 +156,9 @@ class WalkCost:
     largest_grad_bytes: float = 0.0  # its largest parameter's local gradient: what a
                                      # pipeline's sum over microbatches allocates at once
                                      # (`pxform.runtime.buckets.GradAccumulator`)
+    gather_transient_bytes: float = 0.0  # of `transient_bytes`, what ZeRO-3's gathers
+                                         # in backward add (none where the option keeps
+                                         # what forward gathered)
 
 
 def _floating(v: Value) -> bool:
@@ -206,6 +209,12 @@ def walk(a: Analysis, block: BlockInfo, strats: list[Strategy], outside: Mapping
     layouts: dict[str, Layout] = {}
     done: set[tuple[str, Layout]] = set()
     fwd_compute = fwd_comm = bwd_comm = grad_comm = saved = transient = gathered = 0.0
+    # ZeRO-3: what its parameters' shards hold (the packed gather's send buffer); per op,
+    # its transient, and the last op that reads a gathered parameter (backward gathers
+    # them again when it gets there, `pxform.runtime.reshard`)
+    shards = 0.0
+    heres: list[float] = []
+    last_gathered = -1
     # the block's forward and backward in the order they run, as compute and the number of
     # activation collectives on the critical path (`sync_waits`): ranks meet at each
     fwd_seq: list[tuple[float, int]] = []  # per op: its inputs' collectives, then its compute
@@ -276,6 +285,7 @@ def walk(a: Analysis, block: BlockInfo, strats: list[Strategy], outside: Mapping
         # (the log-softmax's 2 MiB at the peak of GPT small's tensor-parallel step)
         here += kept_by.other * sc / ways
         transient = max(transient, here)
+        heres.append(here)
         # per input, its own copy if it has one (asked only where the op saves the input
         # or an output is a view of it: `SavedBytes.asks`)
         asks = kept_by.asks
@@ -305,6 +315,8 @@ def walk(a: Analysis, block: BlockInfo, strats: list[Strategy], outside: Mapping
                 fresh_saved.add(copy)
                 if not kept_by.inputs[i]:
                     saved += v.type.nbytes * sc * _local_fraction(v, s.inputs[i], cache)
+            if param and have != s.inputs[i] and _floating(v):
+                last_gathered = len(heres) - 1
             if param and first and have != s.inputs[i] and _floating(v):
                 # gathered at use (ZeRO-3): the runtime gathers a block's parameters in
                 # one packed collective per kind and axis (`pxform.runtime.prefetch`),
@@ -315,6 +327,7 @@ def walk(a: Analysis, block: BlockInfo, strats: list[Strategy], outside: Mapping
                     gathers[kind, axis] = gathers.get((kind, axis), 0.0) + sent
                 whole = v.type.nbytes * _local_fraction(v, s.inputs[i], cache)
                 gathered += whole
+                shards += v.type.nbytes * _local_fraction(v, have, cache)
                 if v.name in a.params:  # (a cast parameter's saved copy is in `saved`)
                     gathered_params[v.name] = whole
             else:
@@ -431,18 +444,28 @@ def walk(a: Analysis, block: BlockInfo, strats: list[Strategy], outside: Mapping
         pbytes += local * model.state_bytes_per_param(v.type.dtype)
         gbytes += local * v.type.dtype.itemsize
         largest_grad = max(largest_grad, local * v.type.dtype.itemsize)
-    # ZeRO-3's gathers run per block, one block ahead (`pxform.runtime.prefetch`): while a
-    # block runs, the next block's gather is in flight and the block's own gathered
-    # parameters are freed one by one after their use: about one block's worth on top of
-    # the op at work (metered within 5 %, tests/test_auto.py)
-    transient += gathered
+    # ZeRO-3's gathers run per block, one block ahead (`pxform.runtime.prefetch`,
+    # `pxform.runtime.reshard`). Backward gathers a block's parameters again at its last
+    # op that reads one (the first it reaches) and launches the gather of the block
+    # before it there: from that op on, the block's own gathered parameters and the next
+    # one's in flight (its whole buffer and the packed shards it sends, taken as this
+    # block's) are held beside the op at work; before it, the op alone (a GPT head's
+    # loss, its largest op, runs before its tied embedding is gathered again). Charged
+    # one block's worth on every op, the largest such block's step came out 4 % under,
+    # the largest head's 3 % over (the forty-second session: docs/benchmarks/accuracy.md)
+    plain = transient
+    if gathered:
+        before = max(heres[last_gathered + 1:], default=0.0)
+        since = max(heres[:last_gathered + 1], default=0.0)
+        transient = max(before, since + 2 * gathered + shards)
     stored = {n for k in range(block.start, block.stop) for n in a.op_saved[k].stored}
     gathered_saved = sum(b for n, b in gathered_params.items() if n in stored)
     return WalkCost(fwd_compute, fwd_comm, bwd_comm, grad_comm, saved, kept, pbytes, gbytes,
                     transient, packed, packed_sent.get("outer", 0.0),
                     packed_sent.get("inner", 0.0), redo + gathered, bwd_compute,
                     weight_compute, weight_out, gather_time, weight_ops, gathered_saved,
-                    weight_held, redo_until + gather_time, largest_grad)
+                    weight_held, redo_until + gather_time, largest_grad,
+                    transient - plain)
 
 
 def sync_waits(sequence: list[tuple[float, int]], wait: Callable[[float], float]) -> float:

@@ -132,7 +132,8 @@ def _fields(w: WalkCost) -> tuple[float, ...]:
             w.param_bytes, w.grad_bytes, w.transient_bytes, w.packed_bytes, w.packed_outer,
             w.packed_inner, w.redo_bytes, w.bwd_compute, w.weight_compute,
             w.weight_out_bytes, w.gather_s, w.weight_ops, w.gathered_saved_bytes,
-            w.weight_held_bytes, w.redo_fwd, w.largest_grad_bytes)
+            w.weight_held_bytes, w.redo_fwd, w.largest_grad_bytes,
+            w.gather_transient_bytes)
 
 
 def _walk_at(ctx: SearchContext, block: BlockInfo, config: Config, option: Option,
@@ -184,6 +185,9 @@ def option_cost(ctx: SearchContext, block: BlockInfo, config: Config, option: Op
         # saved (the runtime gathers per microbatch)
         bc -= w.gather_s
         saved += w.gathered_saved_bytes
+    transient = w.transient_bytes
+    if not option.reshard:
+        transient -= w.gather_transient_bytes  # (nothing gathered in backward)
     if option.sdp_axes:
         b = model.overlap(bc, w.grad_comm)
         extra = 0.0
@@ -195,7 +199,7 @@ def option_cost(ctx: SearchContext, block: BlockInfo, config: Config, option: Op
     extra += (ctx.packed_rate(config, OUTER) * w.packed_outer
               + ctx.packed_rate(config, INNER) * w.packed_inner)
     return OptionCost(f, b, extra, saved, w.kept_bytes, w.param_bytes, w.grad_bytes,
-                      w.transient_bytes, w.packed_bytes, w.redo_bytes, w.packed_outer,
+                      transient, w.packed_bytes, w.redo_bytes, w.packed_outer,
                       w.packed_inner, w.weight_compute, w.weight_out_bytes,
                       round(w.weight_ops), w.weight_held_bytes, w.largest_grad_bytes)
 

@@ -186,6 +186,12 @@ def _evaluate_schedule(ctx: SearchContext, config: Config, objective: str,
         if part in tried:
             continue
         tried.add(part)
+        if n > p:
+            # a rank runs several stages: its peak is where their activations held weigh
+            # most, which depends on the partition
+            weights = stage_weights(tables, part, n)
+            flights = list(in_flight(choice, p, m, weights))
+            sends = sent(choice, p, m, weights)
         stage_points = []
         used = list(tables)  # per block, its stage's table (`_without_recompute`)
         failed = None
@@ -243,6 +249,31 @@ def _evaluate_schedule(ctx: SearchContext, config: Config, objective: str,
                 partitions.append(moved)
                 moves += 1
     return best, extra
+
+
+def stage_weights(tables: Sequence[OptionTable], part: Sequence[int], n: int
+                  ) -> tuple[float, ...]:
+    """Per stage of `part` (each block's stage, `n` stages), one microbatch's activation
+    bytes under each block's fastest option, relative to the largest stage's and rounded
+    to a twentieth (the counts they weigh are cached per value:
+    `pipelines.in_flight`).
+
+    Example:
+        >>> from types import SimpleNamespace as NS
+        >>> t = lambda saved: NS(options=[NS(recompute=False)],
+        ...                      costs=[NS(saved=saved, kept=0.0, step_time=lambda m: 1.0)])
+        >>> stage_weights([t(4.0), t(4.0), t(1.0)], (0, 1, 1), 2)
+        (0.8, 1.0)
+    """
+    acts = [0.0] * n
+    for t, s in zip(tables, part):
+        k = min(range(len(t.costs)), key=lambda i: t.costs[i].step_time(1))
+        c = t.costs[k]
+        acts[s] += c.kept if t.options[k].recompute else c.saved
+    top = max(acts)
+    if top <= 0:
+        return (1.0,) * n
+    return tuple(round(20 * a / top) / 20 for a in acts)
 
 
 def _without_recompute(ctx: SearchContext, tables: Sequence[OptionTable]

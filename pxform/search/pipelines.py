@@ -130,10 +130,11 @@ def _timer(choice: ScheduleChoice, p: int, m: int) -> Timer | None:
 
 
 @functools.lru_cache(maxsize=256)
-def _counts(choice: ScheduleChoice, p: int, m: int
+def _counts(choice: ScheduleChoice, p: int, m: int,
+            weights: tuple[float, ...] | None = None
             ) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...],
                        tuple[tuple[int, int], ...]]:
-    """(`in_flight`, `awaiting`, `inputs_held`, `sent`)."""
+    """(`in_flight`, `awaiting`, `inputs_held`, `sent`); `weights` as `in_flight`'s."""
     if choice.name in COUNTED or not _timed_up_to(choice, p, m):
         # the counts do not depend on the costs: their closed forms, equal to the walk of
         # the schedule with its transfers for these schedules (tests/test_search.py),
@@ -147,7 +148,7 @@ def _counts(choice: ScheduleChoice, p: int, m: int
     # a recomputed stage keeps a microbatch's inputs from its F to its B
     inputs = tuple(n if choice.recomputes(s, p) else 0
                    for s, n in enumerate(most_between(schedule, "F", "B")))
-    peak = at_peak(schedule)
+    peak = at_peak(schedule, weights)
     return (tuple(h for h, _, _ in peak), awaiting_weights(schedule), inputs,
             tuple((f, b) for _, f, b in peak))
 
@@ -158,15 +159,22 @@ def _clear_caches() -> None:
         cached.cache_clear()
 
 
-def in_flight(choice: ScheduleChoice, p: int, m: int) -> tuple[int, ...]:
+def in_flight(choice: ScheduleChoice, p: int, m: int,
+              weights: tuple[float, ...] | None = None) -> tuple[int, ...]:
     """Per stage (virtual stages counted): the microbatches whose activations it holds at
-    its rank's peak (`pxform.schedules.held`).
+    its rank's peak (`pxform.schedules.held`). `weights`, per stage: one microbatch's
+    activation bytes there, where a rank runs several stages (interleaved): its peak is
+    where their weighted sum is largest (`pxform.schedules.at_peak`; the closed forms
+    past `TIMED_UP_TO` count every stage alike).
 
     Example:
         >>> in_flight(ScheduleChoice("zb"), 4, 8)
         (4, 4, 4, 4)
+        >>> chunks = ScheduleChoice("interleaved", 2)
+        >>> in_flight(chunks, 2, 8), in_flight(chunks, 2, 8, (1.0, 1.0, 1.0, 0.1))
+        ((4, 2, 1, 1), (4, 3, 1, 0))
     """
-    return _counts(choice, p, m)[0]
+    return _counts(choice, p, m, weights)[0]
 
 
 def awaiting(choice: ScheduleChoice, p: int, m: int) -> tuple[int, ...]:
@@ -192,7 +200,8 @@ def inputs_held(choice: ScheduleChoice, p: int, m: int) -> tuple[int, ...]:
     return _counts(choice, p, m)[2]
 
 
-def sent(choice: ScheduleChoice, p: int, m: int) -> tuple[tuple[int, int], ...]:
+def sent(choice: ScheduleChoice, p: int, m: int,
+         weights: tuple[float, ...] | None = None) -> tuple[tuple[int, int], ...]:
     """Per stage (virtual stages counted): how many microbatches' boundary outputs and
     boundary input gradients it keeps at its rank's peak (`pxform.schedules.
     sent_at_peak`): the outputs of those in flight, and what it sent that is not yet
@@ -203,7 +212,7 @@ def sent(choice: ScheduleChoice, p: int, m: int) -> tuple[tuple[int, int], ...]:
         >>> sent(ONE_F_ONE_B, 2, 8), sent(ScheduleChoice("zb"), 2, 8)
         (((2, 0), (1, 1)), ((2, 0), (2, 1)))
     """
-    return _counts(choice, p, m)[3]
+    return _counts(choice, p, m, weights)[3]
 
 
 def _sent_closed(choice: ScheduleChoice, p: int, m: int, flights: Sequence[int]

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from pxform.cost.hardware import Hardware
-from pxform.cost.model import BACKWARD_RATIO, backward_extra, weight_pool_bytes
+from pxform.cost.model import BACKWARD_RATIO, accumulation_bytes, backward_extra, weight_pool_bytes
 from pxform.search.analysis import BlockInfo
 from pxform.search.context import OptionCost, OptionTable, SearchContext, StagePoint
 from pxform.search.frontier import Point, chain_frontier
@@ -186,11 +186,15 @@ def _extra(tables: Sequence[OptionTable], idx: list[int], choices: Sequence[int]
     2026-11-30)."""
     costs = [tables[k].costs[c] for k, c in zip(idx, choices)]
     redo = [tables[k].options[c].recompute for k, c in zip(idx, choices)]
+    # (a zero-bubble stage sums its gradients in W actions, `weight_pool_bytes`, and its
+    # B keeps the graphs for them)
+    summing = None if waits else [accumulation_bytes(c.largest_grad, m) for c in costs]
     extra = backward_extra([c.kept if r else c.saved for c, r in zip(costs, redo)],
                            [c.grads for c in costs],
                            [c.workspace(r) for c, r in zip(costs, redo)], flight, m,
                            sum(c.packed for c in costs),
-                           [c.transient if r else None for c, r in zip(costs, redo)])
+                           [c.transient if r else None for c, r in zip(costs, redo)],
+                           summing, frees=not waits)
     if not waits:
         return extra
     return max(extra, weight_pool_bytes([c.grads for c in costs],
@@ -200,9 +204,9 @@ def _extra(tables: Sequence[OptionTable], idx: list[int], choices: Sequence[int]
 def _least_extra(tables: Sequence[OptionTable], idx: list[int], flight: int, m: int,
                  waits: int = 0) -> float:
     """A lower bound of `_extra` over every choice of options: each block's least
-    workspace, less the most the blocks before it may not yet hold and, with every
-    microbatch in flight, the most the blocks after it no longer hold (`backward_extra`;
-    the bound may be negative, as the extra may)."""
+    workspace, less the most the blocks before it may not yet hold (with every
+    microbatch in flight) and the most the blocks after it no longer hold
+    (`backward_extra`; the bound may be negative, as the extra may)."""
     def over(c: OptionCost, o: Option) -> tuple[float, float]:
         act = c.kept if o.recompute else c.saved
         return max(c.grads - act, 0.0), max(act - c.grads, 0.0)
@@ -216,7 +220,15 @@ def _least_extra(tables: Sequence[OptionTable], idx: list[int], flight: int, m: 
                               max(min(c.largest_grad for c, _ in p) for p in pairs))
             if waits and pairs else 0.0)
     if flight < m:
-        return max([0.0, pool, *least_work])
+        # each block's least workspace, less the most the blocks after it may have freed
+        # of the microbatch going back (none on a zero-bubble stage)
+        most_act = [0.0 if waits else max(c.kept if o.recompute else c.saved for c, o in p)
+                    for p in pairs]
+        least, after = 0.0, sum(most_act)
+        for work, act in zip(least_work, most_act):
+            after -= act
+            least = max(least, work - after)
+        return max(least, pool)
     ahead = [max(over(c, o)[0] for c, o in p) for p in pairs]
     behind = [max(over(c, o)[1] for c, o in p) for p in pairs]
     least, before, after = -math.inf, 0.0, sum(behind)
