@@ -50,6 +50,7 @@ thirtieth session; the goal is judged on "error").
     python benchmarks/accuracy.py --config small:num_layers=3,d_model=192,num_heads=6,seq_len=96
     python benchmarks/accuracy.py --fit-model    # op times fitted to the GPT's own step
     python benchmarks/accuracy.py --reprice FILE --unfitted  # a --fit-model run, fit taken out
+    python benchmarks/accuracy.py --memory-only --config small:num_layers=3,d_model=192
 
 `--config KEY:field=value,...` runs a GPT shape of its own (`gpt_config`): every saved run
 before the forty-first session was GPT small, the shape the calibration's reference
@@ -58,6 +59,12 @@ transformer is closest to, so a held-out shape tells whether the model carries. 
 rank's share of the batch (`pxform check-profile --model`, `check_profile(hw, fn=,
 args=)`), as a user fits a profile to their own model; the rest of each calibration
 stays as measured.
+
+`--memory-only` runs the pinned cases' memory alone: each plan (against the a100-40gb
+preset: a pinned plan's memory does not depend on the profile) metered once on the
+ranks against its predicted peak, in about 20 s. Memory is deterministic here (the
+runs' peak spread is 0 on every plan), so one call tells what a full run's memory
+columns would.
 
 `--reprice` runs nothing: it prices the pinned cases of saved runs again with the current
 code, from each run's own calibrations (their representative, carrying them all), against
@@ -323,6 +330,92 @@ def rank_main(config: str, batch_size: int, steps: int, warmup: int, quick: bool
             # per rank, the waits for gloo's worker thread that ran out over the run (after
             # three on a group the runtime stops waiting there: `let_go_timeouts`)
             "let_go_timeouts": timeouts}
+
+
+def memory_main(config: str, batch_size: int, quick: bool = False) -> list[dict[str, Any]]:
+    """On every rank (`--memory-only`): each pinned case planned against the a100-40gb
+    preset (a pinned plan's memory does not depend on the profile), laid out, one AdamW
+    step, then one metered call (`pxform.measure`): per case its plan and each rank's
+    predicted and metered peak. Deterministic: no calibration, no timing."""
+    harness.add_paths()
+    import torch
+    import torch.distributed as dist
+
+    import pxform
+
+    world = dist.get_world_size()
+    gpt_loss, params, batch = _gpt_case(config, batch_size)
+    hw = pxform.hardware.hardware("a100-40gb")
+    blocks = len(pxform.auto(gpt_loss, mesh=world, hardware=hw).plan(params, batch).blocks)
+    rows = []
+    chosen = cases(world, blocks)[1:]  # (the searched plan follows the profile)
+    for name, pin in chosen[:2] if quick else chosen:
+        step = pxform.auto(gpt_loss, mesh=world, hardware=hw, plan=pin)
+        plan = step.plan(params, batch)
+        dparams, _ = step.distribute(params, batch)
+        held = step.holds(dparams, batch)[0]
+        owned = [p for p, h in zip(_leaves(dparams), _leaves(held)) if h]
+        opt = torch.optim.AdamW(owned, lr=1e-3, foreach=False)
+        _, grads = pxform.value_and_grad(step)(dparams, batch)
+        for p, g, h in zip(_leaves(dparams), _leaves(grads, none=True), _leaves(held)):
+            if h:
+                p.grad = g
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        report = plan.report(pxform.measure(step, dparams, batch, optimizer=opt, steps=1,
+                                            warmup=0))
+        rows.append({"case": name, "config": plan.config_text(),
+                     "memory_error": report.memory_error,
+                     "ranks": [{"rank": r.rank, "stage": r.stage,
+                                "predicted_memory_bytes": r.predicted_memory_bytes,
+                                "measured_memory_bytes": r.measured_memory_bytes,
+                                "memory_error": r.memory_error} for r in report.ranks]})
+    return rows
+
+
+def _memory_only(args: Any) -> None:
+    """`--memory-only`: `memory_main` on the ranks, a table, and a result file."""
+    import accuracy  # this module by name, so that ranks can unpickle memory_main
+
+    from pxform.core.units import format_table
+    from pxform.tools.testing import World
+
+    cfg = gpt_config(args.config)
+    with World(args.ranks, timeout=300) as world:
+        rows = world.run(accuracy.memory_main, args.config, args.batch, args.quick)[0]
+    print(f"GPT {args.config} ({cfg.num_params() / 1e6:.2f} M params), global batch "
+          f"{args.batch} x {cfg.seq_len} tokens, float32, {args.ranks} gloo ranks: each "
+          f"pinned plan's predicted peak per rank against `pxform.MemoryMeter` plus Adam's "
+          f"state, one metered call")
+    table = [("case", "plan", *(f"rank {k} predicted / measured"
+                                  for k in range(args.ranks)), "error")]
+    for r in rows:
+        table.append((r["case"], r["config"].replace(" schedule=1f1b", ""),
+                      *(f"{k['predicted_memory_bytes'] / 2**20:.2f} / "
+                        f"{k['measured_memory_bytes'] / 2**20:.2f} MiB" for k in r["ranks"]),
+                      f"{r['memory_error']:+.1%}"))
+    print("\n".join(format_table(table, align="ll" + "r" * (args.ranks + 1), indent="  ")))
+    errors = [abs(r["memory_error"]) for r in rows]
+    met = sum(e <= GOAL_MEMORY for e in errors)
+    print(f"  goal |memory error| <= {GOAL_MEMORY:.0%}: {met}/{len(errors)} cases (worst "
+          f"{max(errors):.1%})")
+    if args.quick:
+        return
+    tag = re.sub(r"[^A-Za-z0-9.]+", "-", f"memory-only-{args.config}-batch{args.batch}"
+                 f"-ranks{args.ranks}")
+    path = harness.write_result("accuracy", {
+        "goal": {"abs_memory_error": GOAL_MEMORY},
+        "config": {"model": args.config, "params": cfg.num_params(),
+                   "global_batch": args.batch, "seq_len": cfg.seq_len,
+                   "num_layers": cfg.num_layers, "d_model": cfg.d_model,
+                   "num_heads": cfg.num_heads, "vocab_size": cfg.vocab_size,
+                   "dtype": "float32", "ranks": args.ranks, "backend": "gloo",
+                   "hardware": "a100-40gb (plans only)"},
+        "cases": rows,
+        "summary": {"memory_within_goal": met, "cases": len(errors),
+                    "worst_abs_memory_error": max(errors)},
+    }, out_dir=args.out, variant=tag)
+    print(f"wrote {path}")
 
 
 def _order(n: int, r: int) -> list[int]:
@@ -594,7 +687,14 @@ def main() -> None:
     p.add_argument("--unfitted", action="store_true",
                    help="with --reprice: a --fit-model run's calibrations with the fit to "
                         "the model taken out (what `pxform calibrate` alone measured)")
+    p.add_argument("--memory-only", action="store_true",
+                   help="memory alone: each pinned case metered once against its predicted "
+                        "peak, no calibration or timing (~20 s; `memory_main`)")
     args = p.parse_args()
+    if args.memory_only:
+        harness.add_paths()
+        _memory_only(args)
+        return
     if args.reprice:
         reprice(args.reprice, args.representative_alone, args.unfitted)
         return

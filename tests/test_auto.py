@@ -185,13 +185,18 @@ def test_what_training_loops_rely_on(world2, stages):
 # step (each F's boundary outputs, each B's input gradients), the received output
 # gradient and, under zero-bubble, the weight ops' outputs kept from F to W that no op
 # saves, 1F1B with 8 microbatches was -5 %, zero-bubble -9 % and interleaved -11 %.
-# Two held-out shapes besides (the forty-second session): a wider GPT with 3 layers
+# Held-out shapes besides (the forty-second session): a wider GPT with 3 layers
 # (`WIDE`: its ZeRO-3 step was -4.2 % with one block's gathered parameters on top of the
-# op at work, its 2-microbatch pipeline's last stage +8.7 % and its interleaved
-# pipeline's last rank -8.5 %), and a narrow one with 6 layers and a large vocabulary
-# (`VOCAB`: 1F1B's and the shifted schedule's first stage +6 %, ZeRO-3 +3 %).
+# op at work, its 2-microbatch pipeline's last stage +8.7 %, its interleaved
+# pipeline's last rank -8.5 % and its recomputed tensor-parallel step +5.6 %), and a
+# narrow one with 6 layers and a large vocabulary
+# (`VOCAB`: 1F1B's and the shifted schedule's first stage +6 %, ZeRO-3 +3 %); and a third
+# looked at only after those were fixed (`SHORT`: 2 layers of width 256 at 128 tokens,
+# its 2-microbatch pipeline's first stage +5.7 % with each op's transient on top of what
+# the ops after it saved and backward had freed).
 WIDE = {"num_layers": 3, "d_model": 192, "num_heads": 6, "seq_len": 96}
 VOCAB = {"num_layers": 6, "d_model": 96, "num_heads": 4, "vocab_size": 4096}
+SHORT = {"num_layers": 2, "d_model": 256, "num_heads": 8, "seq_len": 128}
 
 
 @pytest.mark.slow
@@ -226,6 +231,7 @@ def test_predicted_memory_matches_the_meter(world2, name, the_pin, limit):
     ("wide zero3 kept", WIDE, W.pin(1, 2, 1, 1, (("outer", "sdp"),), (False,) * 5,
                                     reshard=(False,) * 5)),
     ("wide tp", WIDE, W.pin(1, 1, 2, 1, (("inner", "tp"),), (False,) * 5)),
+    ("wide tp+recompute", WIDE, W.pin(1, 1, 2, 1, (("inner", "tp"),), (True,) * 5)),
     ("wide pp2 m2", WIDE, W.pin(2, 1, 1, 2, None, schedule=ScheduleChoice())),
     ("wide pp2 m8 interleaved", WIDE, W.pin(2, 1, 1, 8, None,
                                             schedule=ScheduleChoice("interleaved", 2))),
@@ -233,8 +239,11 @@ def test_predicted_memory_matches_the_meter(world2, name, the_pin, limit):
     ("vocab pp2 m8", VOCAB, W.pin(2, 1, 1, 8, None, schedule=ScheduleChoice())),
     ("vocab pp2 m8 shifted", VOCAB, W.pin(2, 1, 1, 8, None,
                                           schedule=ScheduleChoice("shifted"))),
-], ids=["wide-zero3", "wide-zero3-kept", "wide-tp", "wide-pp2-m2", "wide-pp2-m8-interleaved",
-        "vocab-zero3", "vocab-pp2-m8", "vocab-pp2-m8-shifted"])
+    ("short pp2 m2", SHORT, W.pin(2, 1, 1, 2, None, schedule=ScheduleChoice())),
+    ("short tp+recompute", SHORT, W.pin(1, 1, 2, 1, (("inner", "tp"),), (True,) * 4)),
+], ids=["wide-zero3", "wide-zero3-kept", "wide-tp", "wide-tp-recompute", "wide-pp2-m2",
+        "wide-pp2-m8-interleaved", "vocab-zero3", "vocab-pp2-m8", "vocab-pp2-m8-shifted",
+        "short-pp2-m2", "short-tp-recompute"])
 def test_predicted_memory_matches_the_meter_on_held_out_shapes(world2, name, shape, the_pin):
     errors = world2.run(W.run_memory_accuracy, the_pin, shape)
     worst = max((e for rank in errors for e in rank), key=abs)

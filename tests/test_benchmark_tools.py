@@ -1,7 +1,7 @@
 """The benchmarks' own tools that run in one process: `benchmarks/accuracy.py --reprice`
 prices a saved run's pinned cases again with the current code and the run's calibrations;
-`accuracy.median_band`, the measured step's bootstrap band; `benchmarks/pipeline.py`'s
-cost-model column.
+`accuracy.median_band`, the measured step's bootstrap band; `--memory-only` (its ranks in
+a subprocess); `benchmarks/pipeline.py`'s cost-model column.
 
 Run alone: `python -m pytest tests/test_benchmark_tools.py -q` (about 20 s on 2 cores).
 """
@@ -181,6 +181,28 @@ def test_the_accuracy_benchmark_takes_a_held_out_shape_and_says_what_is_wrong_wi
         accuracy.gpt_config("small:layers=3")
     with pytest.raises(SystemExit, match="d_model 130 is not a multiple of num_heads 4"):
         accuracy.gpt_config("small:d_model=130")
+
+
+def test_the_accuracy_benchmarks_memory_only_mode_meters_the_pinned_plans(tmp_path):
+    """`--memory-only` plans the pinned cases, meters each once on 2 gloo ranks and prints
+    each rank's predicted and measured peak (`--quick`: the first two cases, nothing
+    written). Its ranks are real processes: a subprocess with a time limit."""
+    import subprocess
+
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "accuracy.py"), "--memory-only",
+           "--quick", "--config", "tiny:num_layers=2", "--out", str(tmp_path)]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=ROOT)
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert "rank 0 predicted / measured" in out and "rank 1 predicted / measured" in out
+    rows = [line for line in out.splitlines() if re.match(r"\s+(dp|dp\+recompute)\s", line)]
+    assert len(rows) == 2, out
+    for row in rows:  # predicted / measured in MiB per rank, then the signed error
+        pairs = re.findall(r"([0-9.]+) / ([0-9.]+) MiB", row)
+        assert len(pairs) == 2 and all(float(m) > 0 for _, m in pairs), row
+        assert re.search(r"[+-][0-9.]+%$", row.strip()), row
+    assert re.search(r"goal \|memory error\| <= 5%: [0-2]/2 cases", out)
+    assert not list(tmp_path.iterdir())  # --quick writes nothing
 
 
 @pytest.fixture(scope="module")

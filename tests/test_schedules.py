@@ -571,3 +571,20 @@ def test_held_counts_what_the_executor_keeps():
     assert schedules.awaiting_weights(schedules.one_f_one_b(4, 8)) == (0, 0, 0, 0)
     got = schedules.held(schedules.interleaved(2, 4, virtual_stages=2))
     assert got[0] + got[2] == 5 and got[1] + got[3] == 3, got
+
+
+def test_a_rank_with_several_stages_peaks_where_their_activations_weigh_most():
+    """`at_peak(schedule, weights)`: interleaved's second rank holds 3 microbatches of its
+    first chunk and none of its last at one moment, 2 and 1 at another. Counted alike the
+    later of the tied moments is its peak; with the last chunk light (a GPT head beside a
+    layer) the moment with 3 of the heavy chunk is. The weights change nothing for a
+    rank with one stage."""
+    s = schedules.interleaved(2, 8, virtual_stages=2)
+    alike = [h for h, _, _ in schedules.at_peak(s)]
+    assert alike == [4, 2, 1, 1]
+    light_head = [h for h, _, _ in schedules.at_peak(s, [1.0, 1.0, 1.0, 0.1])]
+    assert light_head == [4, 3, 1, 0]
+    # the bytes held at the chosen moment are the most of any moment: 3 x 1.0 > 2 + 0.1
+    assert light_head[1] * 1.0 + light_head[3] * 0.1 > alike[1] * 1.0 + alike[3] * 0.1
+    one = schedules.one_f_one_b(4, 8)
+    assert schedules.at_peak(one, [1.0, 5.0, 0.2, 3.0]) == schedules.at_peak(one)

@@ -1735,3 +1735,27 @@ def test_a_small_microbatch_is_priced_by_its_own_walk_not_a_line_from_larger_one
                 assert lo * (1 - 1e-3) <= getattr(s, field) <= hi * (1 + 1e-3), (m, field)
             assert s.fwd_compute <= w.fwd_compute
             assert s.saved_bytes == pytest.approx(w.saved_bytes / m)
+
+
+def test_interleaved_stages_are_counted_at_their_ranks_heaviest_moment():
+    """`partition.stage_weights` weighs each stage by its blocks' activations under their
+    fastest options; `pipelines.in_flight` with them picks the rank's moment holding the
+    most bytes (`schedules.at_peak`), and caches per weights."""
+    from types import SimpleNamespace as NS
+
+    from pxform.search.partition import stage_weights
+    from pxform.search.pipelines import ScheduleChoice, in_flight
+
+    def table(saved: float, kept: float = 0.0) -> NS:
+        # two options: the faster keeps its activations, the slower recomputes
+        return NS(options=[NS(recompute=False), NS(recompute=True)],
+                  costs=[NS(saved=saved, kept=kept, step_time=lambda m: 1.0),
+                         NS(saved=saved, kept=kept, step_time=lambda m: 2.0)])
+
+    # 4 layers of 10 and a head of 1, cut into 4 stages (2 chunks on each of 2 ranks)
+    tables = [table(10.0)] * 4 + [table(1.0)]
+    assert stage_weights(tables, (0, 1, 2, 3, 3), 4) == (0.9, 0.9, 0.9, 1.0)
+    assert stage_weights(tables, (0, 1, 2, 3, 4), 5) == (1.0, 1.0, 1.0, 1.0, 0.1)
+    chunks = ScheduleChoice("interleaved", 2)
+    assert in_flight(chunks, 2, 8) == (4, 2, 1, 1)
+    assert in_flight(chunks, 2, 8, (1.0, 1.0, 1.0, 0.1)) == (4, 3, 1, 0)

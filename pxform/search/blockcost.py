@@ -159,6 +159,10 @@ class WalkCost:
     gather_transient_bytes: float = 0.0  # of `transient_bytes`, what ZeRO-3's gathers
                                          # in backward add (none where the option keeps
                                          # what forward gathered)
+    freed_bytes: float = 0.0  # of `transient_bytes`, what a backward that frees its
+                              # graph as it goes has freed by its largest op (what the
+                              # ops after it saved)
+    kept_freed_bytes: float = 0.0  # the same without the gathers (ZeRO-3 keeping them)
 
 
 def _floating(v: Value) -> bool:
@@ -215,6 +219,11 @@ def walk(a: Analysis, block: BlockInfo, strats: list[Strategy], outside: Mapping
     shards = 0.0
     heres: list[float] = []
     last_gathered = -1
+    # of `saved`, the block's own inputs from earlier blocks as they came: a recompute saves
+    # them again without a copy (they are its checkpoint's inputs, in `kept`)
+    inputs_saved = 0.0
+    reads = frozenset(block.reads)
+    saved_upto: list[float] = []  # per op, `saved` once it ran
     # the block's forward and backward in the order they run, as compute and the number of
     # activation collectives on the critical path (`sync_waits`): ranks meet at each
     fwd_seq: list[tuple[float, int]] = []  # per op: its inputs' collectives, then its compute
@@ -269,7 +278,10 @@ def walk(a: Analysis, block: BlockInfo, strats: list[Strategy], outside: Mapping
         kept_by = a.op_saved[k]
         for v, lay, nbytes in zip(op.inputs, s.inputs, kept_by.inputs):
             if nbytes:
-                saved += nbytes * sc * _local_fraction(v, lay, cache)
+                here_saved = nbytes * sc * _local_fraction(v, lay, cache)
+                saved += here_saved
+                if v.name in reads and outside.get(v.name) == lay:
+                    inputs_saved += here_saved
         for v, lay, nbytes in zip(op.outputs, s.outputs, kept_by.outputs):
             if nbytes:
                 saved += nbytes * sc * _local_fraction(v, lay, cache)
@@ -347,8 +359,12 @@ def walk(a: Analysis, block: BlockInfo, strats: list[Strategy], outside: Mapping
                     syncs_back += cache.collectives(v, consumer_gradient_layout(s, i),
                                                     gradient_layout(have))
         # a recomputed block's backward reaches this op holding what it and the ops before
-        # it saved: torch's checkpoint frees each recomputed tensor once backward used it
-        redo = max(redo, saved + here)
+        # it saved: torch's checkpoint frees each recomputed tensor once backward used it.
+        # Its inputs are not made again: `kept` counts them (counted here too, a recomputed
+        # tensor-parallel GPT 3 layers of width 192 came out 5.6 % over the meter, its
+        # replicated layer input twice: the forty-second session)
+        redo = max(redo, saved - inputs_saved + here)
+        saved_upto.append(saved)
         if copies:
             for out, src in zip(op.outputs, kept_by.outputs_alias):
                 base = copies[src] if src >= 0 else None
@@ -453,11 +469,25 @@ def walk(a: Analysis, block: BlockInfo, strats: list[Strategy], outside: Mapping
     # loss, its largest op, runs before its tied embedding is gathered again). Charged
     # one block's worth on every op, the largest such block's step came out 4 % under,
     # the largest head's 3 % over (the forty-second session: docs/benchmarks/accuracy.md)
+    #
+    # A backward that frees the graph as it goes (all but zero-bubble's B, which keeps it
+    # for its W) reaches an op after freeing what the ops after it saved: the op's
+    # transient less that is what it adds (a GPT layer's largest op, its GELU, comes after
+    # the projection freed the GELU's output; charged whole, a 2-stage pipeline's first
+    # stage came out 5.7 % over the meter on a held-out shape: the forty-second session).
+    freed_by = [h - (saved - upto) for h, upto in zip(heres, saved_upto)]
+
+    def largest(per_op: list[float], gathers: bool) -> float:
+        if not (gathers and gathered):
+            return max(per_op, default=0.0)
+        before = max(per_op[last_gathered + 1:], default=0.0)
+        since = max(per_op[:last_gathered + 1], default=0.0)
+        return max(before, since + 2 * gathered + shards)
+
     plain = transient
-    if gathered:
-        before = max(heres[last_gathered + 1:], default=0.0)
-        since = max(heres[:last_gathered + 1], default=0.0)
-        transient = max(before, since + 2 * gathered + shards)
+    transient = largest(heres, True)
+    freed = transient - largest(freed_by, True)
+    kept_freed = plain - largest(freed_by, False)
     stored = {n for k in range(block.start, block.stop) for n in a.op_saved[k].stored}
     gathered_saved = sum(b for n, b in gathered_params.items() if n in stored)
     return WalkCost(fwd_compute, fwd_comm, bwd_comm, grad_comm, saved, kept, pbytes, gbytes,
@@ -465,7 +495,7 @@ def walk(a: Analysis, block: BlockInfo, strats: list[Strategy], outside: Mapping
                     packed_sent.get("inner", 0.0), redo + gathered, bwd_compute,
                     weight_compute, weight_out, gather_time, weight_ops, gathered_saved,
                     weight_held, redo_until + gather_time, largest_grad,
-                    transient - plain)
+                    transient - plain, freed, kept_freed)
 
 
 def sync_waits(sequence: list[tuple[float, int]], wait: Callable[[float], float]) -> float:

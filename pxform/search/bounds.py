@@ -127,7 +127,7 @@ def _lower_hull(points: Iterable[tuple[float, float]]) -> list[tuple[float, floa
 
 def _least_workspace(tables: Sequence[OptionTable]) -> float:
     """The least workspace any block option has (a stage has at least one block)."""
-    return min(c.transient for t in tables for c in t.costs)
+    return min(c.transient - c.freed for t in tables for c in t.costs)
 
 
 def memory_lower_bound(ctx: SearchContext, config: Config) -> float:

@@ -67,6 +67,8 @@ class OptionCost:
     weight_held: float = 0.0  # outputs of those ops no op saves: zero-bubble keeps them
                               # from F to W, per microbatch held (`WalkCost`)
     largest_grad: float = 0.0  # its largest parameter's gradient (`WalkCost`)
+    freed: float = 0.0  # of `transient`, what a backward that frees its graph as it goes
+                        # has freed by then (`WalkCost.freed_bytes`; not zero-bubble's B)
 
     def step_time(self, m: int) -> float:
         return m * (self.forward + self.backward) + self.step_extra
@@ -86,10 +88,12 @@ class OptionCost:
             return 0.0
         return waits * self.weight_out + in_flight * self.weight_held
 
-    def workspace(self, recompute: bool) -> float:
+    def workspace(self, recompute: bool, frees: bool = True) -> float:
         """Bytes alive only while this block's backward runs
-        (`pxform.cost.model.workspace_bytes`)."""
-        return workspace_bytes(self.transient, self.saved, recompute, self.redo)
+        (`pxform.cost.model.workspace_bytes`); `frees`: its backward frees the graph as
+        it goes (False for zero-bubble's B, which keeps it for W)."""
+        transient = self.transient - (self.freed if frees else 0.0)
+        return workspace_bytes(transient, self.saved, recompute, self.redo)
 
 
 

@@ -133,7 +133,7 @@ def _fields(w: WalkCost) -> tuple[float, ...]:
             w.packed_inner, w.redo_bytes, w.bwd_compute, w.weight_compute,
             w.weight_out_bytes, w.gather_s, w.weight_ops, w.gathered_saved_bytes,
             w.weight_held_bytes, w.redo_fwd, w.largest_grad_bytes,
-            w.gather_transient_bytes)
+            w.gather_transient_bytes, w.freed_bytes, w.kept_freed_bytes)
 
 
 def _walk_at(ctx: SearchContext, block: BlockInfo, config: Config, option: Option,
@@ -185,9 +185,9 @@ def option_cost(ctx: SearchContext, block: BlockInfo, config: Config, option: Op
         # saved (the runtime gathers per microbatch)
         bc -= w.gather_s
         saved += w.gathered_saved_bytes
-    transient = w.transient_bytes
-    if not option.reshard:
-        transient -= w.gather_transient_bytes  # (nothing gathered in backward)
+    transient, freed = w.transient_bytes, w.freed_bytes
+    if not option.reshard:  # (nothing gathered in backward)
+        transient, freed = transient - w.gather_transient_bytes, w.kept_freed_bytes
     if option.sdp_axes:
         b = model.overlap(bc, w.grad_comm)
         extra = 0.0
@@ -201,7 +201,8 @@ def option_cost(ctx: SearchContext, block: BlockInfo, config: Config, option: Op
     return OptionCost(f, b, extra, saved, w.kept_bytes, w.param_bytes, w.grad_bytes,
                       transient, w.packed_bytes, w.redo_bytes, w.packed_outer,
                       w.packed_inner, w.weight_compute, w.weight_out_bytes,
-                      round(w.weight_ops), w.weight_held_bytes, w.largest_grad_bytes)
+                      round(w.weight_ops), w.weight_held_bytes, w.largest_grad_bytes,
+                      freed)
 
 
 

@@ -191,7 +191,8 @@ def _extra(tables: Sequence[OptionTable], idx: list[int], choices: Sequence[int]
     summing = None if waits else [accumulation_bytes(c.largest_grad, m) for c in costs]
     extra = backward_extra([c.kept if r else c.saved for c, r in zip(costs, redo)],
                            [c.grads for c in costs],
-                           [c.workspace(r) for c, r in zip(costs, redo)], flight, m,
+                           [c.workspace(r, not waits) for c, r in zip(costs, redo)],
+                           flight, m,
                            sum(c.packed for c in costs),
                            [c.transient if r else None for c, r in zip(costs, redo)],
                            summing, frees=not waits)
@@ -214,7 +215,8 @@ def _least_extra(tables: Sequence[OptionTable], idx: list[int], flight: int, m: 
     pairs = [list(zip(tables[k].costs, tables[k].options)) for k in idx]
     # (a recomputed block's recompute may come before its gradients: its transient is
     # what `backward_extra` charges it at least)
-    least_work = [min(c.transient for c, _ in p) for p in pairs]
+    least_work = [min(c.transient - (0.0 if waits else c.freed) for c, _ in p)
+                  for p in pairs]
     # a zero-bubble stage's W actions: what they hold with the fewest gradients
     pool = (weight_pool_bytes([min(c.grads for c, _ in p) for p in pairs],
                               max(min(c.largest_grad for c, _ in p) for p in pairs))
