@@ -623,14 +623,18 @@ def _repriced(saved: dict[str, Any], alone: bool = False) -> tuple[dict[str, flo
     harness.add_paths()
     import pxform
     from pxform.cost.hardware import Hardware
-    from pxform.tools.runtime_costs import representative_profile
+    from pxform.tools.runtime_costs import representative_profile, with_relayout_gap
 
     conf = saved["config"]
     gpt_loss, params, batch = _gpt_case(conf["model"], conf["global_batch"])
-    hw = representative_profile([Hardware.from_json(h) for h in saved["profiles"]])
+    # (a profile from before the forty-second session: the mean compute before a run of
+    # conversions its calibration would now record, `with_relayout_gap`)
+    ranks = conf["ranks"]
+    hw = representative_profile([with_relayout_gap(Hardware.from_json(h), ranks)
+                                 for h in saved["profiles"]])
     if alone:
         hw = dataclasses.replace(hw, calibrations=())
-    first = Hardware.from_json(saved["first_hardware"])
+    first = with_relayout_gap(Hardware.from_json(saved["first_hardware"]), ranks)
     mesh = pxform.Mesh.abstract(conf["ranks"])
     blocks = len(pxform.auto(gpt_loss, mesh=mesh, hardware=hw).plan(params, batch).blocks)
 

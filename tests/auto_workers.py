@@ -182,8 +182,9 @@ def run_memory_accuracy(the_pin: Pin, shape: dict | None = None) -> list[float]:
     return [r.memory_error for r in plan.report(measured).ranks]
 
 
-def relayout_costs() -> tuple[float, float]:
-    """`runtime_costs`'s (`relayout_wait_share`, `all_to_all_share`) on this world (tensor
+def relayout_costs() -> tuple[float, float, float]:
+    """`runtime_costs`'s (`relayout_wait_share`, `all_to_all_share`, `relayout_gap_s`) on
+    this world (tensor
     and sequence parallel pairs, data parallel across them), on a preset with 2 devices
     per node (as this machine's profile, `cpu-x2`) whose ops take 10,000 times as long
     (so that the model counts runs of collectives after compute and the programs run)."""
@@ -195,6 +196,6 @@ def relayout_costs() -> tuple[float, float]:
     slow = dataclasses.replace(hardware("a100-80gb"), op_time_scale=1e4, devices_per_node=2)
     # as `runtime_costs` does: the tables' share first, the share per second with it
     a2a = all_to_all_share(slow, torch.distributed.get_world_size())
-    wait = _relayout_costs(dataclasses.replace(slow, all_to_all_share=a2a),
-                           torch.Generator().manual_seed(0), 1)
-    return wait, a2a
+    wait, gap = _relayout_costs(dataclasses.replace(slow, all_to_all_share=a2a),
+                                torch.Generator().manual_seed(0), 1)
+    return wait, a2a, gap

@@ -105,10 +105,13 @@ def test_the_conversion_costs_are_measured_on_4_ranks(world4):
     world: the reference transformer tensor and sequence parallel over pairs of ranks,
     data parallel across the pairs. With 2 devices per node, tensor parallelism over all
     4 ranks has no plan (the inner axis stays within a node), and calibrating failed.
-    The all-to-alls' share is the preset's latencies: 3 against a ring all-reduce's 6."""
+    The all-to-alls' share is the preset's latencies: 3 against a ring all-reduce's 6.
+    The mean compute before a run of conversions (`relayout_gap_s`) is the model's, the
+    same on every rank, and positive (its ops 10,000 times slower than the preset's)."""
     got = world4.run(W.relayout_costs)
     assert all(isinstance(x, float) and x >= 0.0 for pair in got for x in pair), got
     assert got[0][1] == pytest.approx(0.5, abs=0.01), got
+    assert got[0][2] > 0 and all(r[2] == got[0][2] for r in got), got
 
 
 def test_pipeline_of_tensor_parallel_stages_on_4_ranks(world4):

@@ -42,7 +42,7 @@ def measured(**kw) -> Hardware:
                 param_action_overhead_s=1e-5, op_time_scale=1.2, forward_scale=1.15,
                 backward_scale=0.9, op_step_overhead_s=5e-6, op_action_overhead_s=7e-6,
                 recompute_overhead_s=2e-4, relayout_overhead_s=6e-4,
-                relayout_wait_share=0.3, all_to_all_share=0.5,
+                relayout_wait_share=0.3, relayout_gap_s=1.5e-3, all_to_all_share=0.5,
                 autograd_op_overhead_s=3e-6, autograd_share=0.07, transfer_overhead_s=9e-4,
                 send_overhead_s=2e-4, receive_overhead_s=3e-4,
                 sync_wait=((3e-4, 0.0), (2e-3, 5e-4), (8e-3, 1e-3)))
@@ -1435,3 +1435,46 @@ def test_a_pass_on_an_overlapping_device_takes_the_longer_of_host_and_device():
         assert st.backward_s == pytest.approx(max(bare.backward_s, host_b))
         assert over.step_time_s < added.step_time_s
     assert host_f > bare.forward_s  # the second case is host-bound
+
+
+def test_a_run_of_conversions_costs_in_proportion_to_its_compute_up_to_the_fitted_gap():
+    """`Hardware.relayout_wait_s`: `relayout_wait_share` per second of the compute before a
+    run up to `relayout_gap_s` (what the share was fitted at), then as the square root of
+    the gap over it; in proportion everywhere without a gap (older profiles). A profile
+    keeps its gap through JSON; a preset has none."""
+    from dataclasses import replace
+
+    hw = measured()
+    assert hw.relayout_wait_s(1e-3) == pytest.approx(0.3e-3)
+    assert hw.relayout_wait_s(1.5e-3) == pytest.approx(0.45e-3)
+    assert hw.relayout_wait_s(6e-3) == pytest.approx(0.45e-3 * 2)  # 4 x the gap: twice
+    assert replace(hw, relayout_gap_s=0.0).relayout_wait_s(6e-3) == pytest.approx(1.8e-3)
+    assert Hardware.from_json(hw.to_json()).relayout_gap_s == 1.5e-3
+    assert hardware("a100-80gb").relayout_gap_s == 0.0
+    with pytest.raises(ValueError, match="relayout_gap_s must be a number >= 0"):
+        replace(hw, relayout_gap_s=-1.0)
+
+
+def test_an_older_profile_gets_the_gap_its_calibration_would_record():
+    """`runtime_costs.with_relayout_gap`: a profile whose share was fitted in proportion
+    (no gap) gets the model's mean compute before a run in the reference's
+    tensor- and sequence-parallel pair steps, and a share that keeps those steps' prices;
+    one with a gap, or without a share, is returned as it is."""
+    import dataclasses
+    from dataclasses import replace
+
+    from pxform.tools.runtime_costs import _relayout_setup, with_relayout_gap
+
+    slow = dataclasses.replace(hardware("a100-80gb"), op_time_scale=1e4, devices_per_node=2,
+                               relayout_wait_share=0.5)
+    new = with_relayout_gap(slow, 2)
+    assert new.relayout_gap_s > 0 and new.relayout_wait_share >= 0.5
+    # the two steps' prices together (the pricers replace the conversion costs: each
+    # profile's own given)
+    pricers = _relayout_setup(slow, 2, torch.Generator())[1]
+    before = sum(p(relayout_wait_share=0.5) for p in pricers)
+    after = sum(p(relayout_wait_share=new.relayout_wait_share,
+                  relayout_gap_s=new.relayout_gap_s) for p in pricers)
+    assert after == pytest.approx(before, rel=1e-9)
+    assert with_relayout_gap(new, 2) is new
+    assert with_relayout_gap(replace(slow, relayout_wait_share=0.0), 2).relayout_gap_s == 0

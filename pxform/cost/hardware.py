@@ -200,7 +200,7 @@ _FIXED_COSTS = ("step_overhead_s", "param_overhead_s", "action_overhead_s",
                 "collective_overhead_s", "param_action_overhead_s", "weight_op_overhead_s",
                 "op_step_overhead_s", "op_action_overhead_s", "recompute_overhead_s",
                 "relayout_overhead_s", "autograd_op_overhead_s", "transfer_overhead_s",
-                "send_overhead_s", "receive_overhead_s", "receive_stall_s")
+                "send_overhead_s", "receive_overhead_s", "receive_stall_s", "relayout_gap_s")
 """The runtime's own fixed costs a profile may carry (`Hardware`)."""
 
 OP_CLASSES = ("matmul", "attention", "gelu", "gelu_tanh", "silu", "softmax",
@@ -417,6 +417,10 @@ class Hardware:
             (sequence parallelism's against tensor parallelism's). `pxform.tools.
             runtime_costs` measures it on the reference transformer under tensor and
             sequence parallelism; 0: not measured.
+        relayout_gap_s: the mean compute before a run of those collectives in the steps
+            `relayout_wait_share` was fitted on; beyond it a run's cost grows as the
+            square root of its compute (`relayout_wait_s`); 0: in proportion to any
+            compute (profiles before the forty-second session).
         all_to_all_share: an all-to-all's cost per collective as a share of
             `collective_overhead_s` (1: not measured): in a sequence-parallel GPT step
             on 2 gloo ranks the all-to-alls cost 0.5-0.6 ms beyond the comm table against
@@ -526,6 +530,7 @@ class Hardware:
     recompute_overhead_s: float = 0.0
     relayout_overhead_s: float = 0.0
     relayout_wait_share: float = 0.0
+    relayout_gap_s: float = 0.0
     all_to_all_share: float = 1.0
     autograd_op_overhead_s: float = 0.0
     autograd_share: float = 0.0
@@ -789,6 +794,34 @@ class Hardware:
         i = bisect.bisect_right([g for g, _ in points], gap_s) - 1
         (g0, w0), (g1, w1) = points[i], points[i + 1]
         return w0 + (w1 - w0) * (gap_s - g0) / (g1 - g0)
+
+    def relayout_wait_s(self, gap_s: float) -> float:
+        """Seconds a run of a conversion's collectives costs for the `gap_s` seconds of
+        compute before it, beyond `sync_wait` and `relayout_overhead_s`:
+        `relayout_wait_share` per second of it up to `relayout_gap_s` (the compute the
+        share was fitted at), and beyond, that times the square root of the gap over it
+        (all in proportion where `relayout_gap_s` is 0).
+
+        The share is fitted on the reference transformer, whose runs follow 1-2 ms of
+        compute on this project's 2-core machine; a GPT's follow 5-20. There the cost per
+        run grew far less than in proportion: fitted on a held-out GPT's own
+        tensor-parallel steps (2 layers of width 256, 128 tokens) at 4, 8 and 16
+        sequences, the share came out 0.51, 0.68 and 0.20 (0.44, 0.43 and 0.31 with
+        sequence parallelism) where the reference's was 0.65, and in proportion the
+        tensor-parallel plans of five accuracy runs on four GPT shapes came out 9-24 %
+        over, the conversions' cost about twice what the steps left for it (the
+        forty-second session, `docs/benchmarks/accuracy.md`).
+
+        Example:
+            >>> hw = dataclasses.replace(hardware("a100-80gb"), relayout_wait_share=0.5,
+            ...                          relayout_gap_s=2e-3)
+            >>> round(hw.relayout_wait_s(1e-3), 6), round(hw.relayout_wait_s(8e-3), 6)
+            (0.0005, 0.002)
+        """
+        share, anchor = self.relayout_wait_share, self.relayout_gap_s
+        if anchor <= 0 or gap_s <= anchor:
+            return share * gap_s
+        return share * anchor * math.sqrt(gap_s / anchor)
 
     def axis_cost(self, level: int) -> AxisCost:
         """The re-layout planner's cost of a mesh axis on link `level`: the link's latency
@@ -1165,6 +1198,7 @@ _MEDIAN_FIELDS = ("efficiency", "memory_bandwidth", "op_overhead_s", "overlap_sl
                   "split_backward_share", "op_time_scale", "forward_scale", "backward_scale",
                   "op_step_overhead_s", "op_action_overhead_s",
                   "recompute_overhead_s", "relayout_overhead_s", "relayout_wait_share",
+                  "relayout_gap_s",
                   "all_to_all_share", "autograd_op_overhead_s", "autograd_share",
                   "transfer_overhead_s", "send_overhead_s", "receive_overhead_s",
                   "receive_stall_s")

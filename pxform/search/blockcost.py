@@ -437,7 +437,7 @@ def walk(a: Analysis, block: BlockInfo, strats: list[Strategy], outside: Mapping
         # (and more the longer that compute: `Hardware.relayout_wait_share`)
         if gap <= RELAYOUT_GAP_S:
             return hw.sync_wait_s(gap)
-        return hw.sync_wait_s(gap) + hw.relayout_overhead_s + hw.relayout_wait_share * gap
+        return hw.sync_wait_s(gap) + hw.relayout_overhead_s + hw.relayout_wait_s(gap)
 
     fwd_comm += sync_waits(fwd_seq, meet)
     bwd_comm += sync_waits(bwd_seq[::-1], meet)

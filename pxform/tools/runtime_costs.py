@@ -309,15 +309,15 @@ def runtime_costs(hw: Hardware, repeats: int = 9) -> Hardware:
     # an all-to-all's share of the per-collective cost: the comm tables' ratio, not a
     # timing (`all_to_all_share`); the share per second of compute is fitted with it
     a2a_share = all_to_all_share(hw, n)
-    wait_share = 0.0
+    wait_share = wait_gap = 0.0
     if n >= 2:
-        wait_share = _relayout_costs(dataclasses.replace(
+        wait_share, wait_gap = _relayout_costs(dataclasses.replace(
             hw, param_overhead_s=per_param, step_overhead_s=per_step,
             collective_overhead_s=per_collective, all_to_all_share=a2a_share), gen, repeats)
 
     mine = (per_param, per_step, per_action, per_collective, per_param_action, per_weight_op,
             per_op_action, per_region, wait_share, per_stall, per_send, per_receive,
-            a2a_share, per_delay)
+            a2a_share, per_delay, wait_gap)
     kept = world.gather_objects(mine)[0] if n > 1 else mine
     return dataclasses.replace(hw, param_overhead_s=kept[0], step_overhead_s=kept[1],
                                action_overhead_s=kept[2], collective_overhead_s=kept[3],
@@ -326,6 +326,7 @@ def runtime_costs(hw: Hardware, repeats: int = 9) -> Hardware:
                                split_backward_share=kept[5][1],
                                op_action_overhead_s=kept[6], recompute_overhead_s=kept[7],
                                relayout_overhead_s=0.0, relayout_wait_share=kept[8],
+                               relayout_gap_s=kept[14],
                                all_to_all_share=kept[12], receive_stall_s=kept[9],
                                send_overhead_s=kept[10], receive_overhead_s=kept[11],
                                transfer_overhead_s=kept[13])
@@ -1513,9 +1514,83 @@ def _recompute_region(hw: Hardware, gen: torch.Generator, repeats: int) -> float
 _RELAYOUT_SIZE = (16, 64)
 
 
-def _relayout_costs(hw: Hardware, gen: torch.Generator, repeats: int) -> float:
-    """`relayout_wait_share` (module doc), with the all-to-alls at `hw`'s share of the
-    per-collective cost (`runtime_costs` sets it from the comm tables first,
+def with_relayout_gap(hw: Hardware, n: int) -> Hardware:
+    """`hw` (a profile measured on `n` ranks before the forty-second session, its
+    `relayout_wait_share` fitted in proportion to any compute) with the
+    `relayout_gap_s` its calibration would now record: the mean compute before a run of
+    a conversion's collectives in the steps the share is fitted on (the reference
+    transformer at `_RELAYOUT_SIZE` per pair of ranks, tensor and sequence parallel over
+    pairs), as the cost model prices them (their total, the price's derivative in the
+    share, over their count, its derivative in `relayout_overhead_s`), and its share
+    moved so that those steps keep their prices (`_relayout_costs` fits both on new
+    profiles). Unchanged where it has a gap, no share, an odd world or no plan.
+    `benchmarks/accuracy.py --reprice` prices saved runs with it.
+
+    Example:
+        >>> round(with_relayout_gap(profile, 2).relayout_gap_s * 1e3, 2)  # ms
+        1.41
+    """
+    if hw.relayout_gap_s > 0 or hw.relayout_wait_share <= 0:
+        return hw
+    setup = _relayout_setup(hw, n, torch.Generator().manual_seed(0))
+    if setup is None:
+        return hw
+    gaps = runs = 0.0
+    bases = []
+    for priced in setup[1]:
+        try:
+            bases.append(priced())
+            gaps += (priced(relayout_wait_share=1e-3) - bases[-1]) / 1e-3
+            runs += (priced(relayout_overhead_s=1e-3) - bases[-1]) / 1e-3
+        except SearchError:
+            return hw
+    if runs <= 0 or gaps <= 0:
+        return hw
+    anchor = round(gaps / runs, 12)
+    weighed = sum((priced(relayout_wait_share=1e-3, relayout_gap_s=anchor) - base) / 1e-3
+                  for priced, base in zip(setup[1], bases))
+    share = hw.relayout_wait_share * gaps / weighed if weighed > 0 else hw.relayout_wait_share
+    return dataclasses.replace(hw, relayout_gap_s=anchor, relayout_wait_share=round(share, 12))
+
+
+def _relayout_setup(hw: Hardware, n: int, gen: torch.Generator
+                    ) -> tuple[list[Pin], list[Callable[..., float]], Any, Any] | None:
+    """For `_relayout_costs` and `with_relayout_gap` on `n` ranks: (the pins, tensor then
+    sequence parallel over pairs; per pin a function pricing the reference's step under
+    it with `hw`'s conversion costs replaced by those given; the parameters; the
+    tokens); None on an odd world or without a plan."""
+    if n % 2:
+        return None  # (tensor parallel pairs need an even world)
+    device = default_device()
+    _, _, vocab, _ = _reference_shape(device)
+    rows, seq = _RELAYOUT_SIZE
+    params = _reference_params(gen, device)
+    # tensor parallel over pairs of ranks (the reference's 4 heads split no further),
+    # data parallel across the pairs: each pair runs `rows` sequences, as 2 ranks do
+    tokens = _on(torch.randint(0, vocab, (rows * n // 2, seq), generator=gen), device)
+    mesh = abstract_mesh(n)
+    bare = dataclasses.replace(hw, relayout_overhead_s=0.0, relayout_wait_share=0.0,
+                               relayout_gap_s=0.0)
+    try:
+        blocks = len(auto(_reference, mesh=mesh, hardware=bare).plan(params, tokens).blocks)
+    except SearchError:  # (every rank alike: planning is deterministic)
+        return None
+    pins = [_pairs_pin(n, blocks, role) for role in ("tp", "sp")]
+    pricers = []
+    for pin in pins:
+
+        def priced(pin: Pin = pin, **costs: Any) -> float:
+            return auto(_reference, mesh=mesh, hardware=dataclasses.replace(bare, **costs),
+                        memory_margin=0.0, plan=pin).plan(params, tokens).step_time_s
+
+        pricers.append(priced)
+    return pins, pricers, params, tokens
+
+
+def _relayout_costs(hw: Hardware, gen: torch.Generator, repeats: int
+                    ) -> tuple[float, float]:
+    """(`relayout_wait_share`, `relayout_gap_s`) (module doc), with the all-to-alls at
+    `hw`'s share of the per-collective cost (`runtime_costs` sets it from the comm tables first,
     `all_to_all_share`): the reference transformer at `_RELAYOUT_SIZE` per pair of
     ranks, every block tensor parallel over pairs (data parallel across them), and the
     same with sequence parallelism between blocks, each paired with a pair's sequences on
@@ -1523,7 +1598,10 @@ def _relayout_costs(hw: Hardware, gen: torch.Generator, repeats: int) -> float:
     device's price over its measured time, less the cost model's price without the share
     (the all-to-alls at theirs) is the share times the compute before its runs of
     collectives after compute (the derivative of the prediction in the share), fitted
-    over both steps (`fit_wait_share`). (0 on an odd world or without a plan.)
+    over both steps (`fit_wait_share`); beyond the steps' mean compute before a run
+    (`Hardware.relayout_gap_s`) a run's cost grows as the square root of its compute
+    (`Hardware.relayout_wait_s`), and the share is fitted with that mean in place. (0 and
+    0 on an odd world or without a plan.)
 
     Until 2026-11-29 this was `relayout_overhead_s`, one cost per run, timed on the tensor
     parallel step alone; it is now left at 0. The reference's cost per run grew with the
@@ -1539,38 +1617,27 @@ def _relayout_costs(hw: Hardware, gen: torch.Generator, repeats: int) -> float:
     and until the twenty-fifth this function passed the tables' share through beside
     its own."""
     n = world.size()
-    if n % 2:
-        return 0.0  # (tensor parallel pairs need an even world)
-    device = default_device()
-    _, _, vocab, _ = _reference_shape(device)
-    rows, seq = _RELAYOUT_SIZE
-    params = _reference_params(gen, device)
-    # tensor parallel over pairs of ranks (the reference's 4 heads split no further),
-    # data parallel across the pairs: each pair runs `rows` sequences, as 2 ranks do
-    tokens = _on(torch.randint(0, vocab, (rows * n // 2, seq), generator=gen), device)
-    mesh = abstract_mesh(n)
-    bare = dataclasses.replace(hw, relayout_overhead_s=0.0, relayout_wait_share=0.0)
-    try:
-        blocks = len(auto(_reference, mesh=mesh, hardware=bare).plan(params, tokens).blocks)
-    except SearchError:  # (every rank alike: planning is deterministic)
-        return 0.0
+    setup = _relayout_setup(hw, n, gen)
+    if setup is None:
+        return 0.0, 0.0
+    pins, pricers, params, tokens = setup
+    rows = _RELAYOUT_SIZE[0]
+    bare = dataclasses.replace(hw, relayout_overhead_s=0.0, relayout_wait_share=0.0,
+                               relayout_gap_s=0.0)
     # the same work on one device per rank: a pair's sequences
     alone = auto(_reference, mesh=abstract_mesh(1), hardware=bare,
                  memory_margin=0.0).plan(params, tokens[:rows]).step_time_s
     one_device = functools.partial(value_and_grad(_reference), params, tokens[:rows])
     got = []
-    for role in ("tp", "sp"):
-        pin = _pairs_pin(n, blocks, role)
-
-        def priced(pin: Pin = pin, **costs: Any) -> float:
-            return auto(_reference, mesh=mesh, hardware=dataclasses.replace(bare, **costs),
-                        memory_margin=0.0, plan=pin).plan(params, tokens).step_time_s
-
+    total = runs = 0.0
+    for pin, priced in zip(pins, pricers):
         try:
             base = priced()
             gaps = (priced(relayout_wait_share=1e-3) - base) / 1e-3
+            runs += (priced(relayout_overhead_s=1e-3) - base) / 1e-3
         except SearchError:
-            return 0.0
+            return 0.0, 0.0
+        total += gaps
         step = auto(_reference, mesh=n, hardware=bare, memory_margin=0.0, plan=pin)
         sharded = functools.partial(value_and_grad(step), *step.distribute(params, tokens))
         # a run costs about a millisecond, noisy from one pair to the next: thrice the
@@ -1584,8 +1651,13 @@ def _relayout_costs(hw: Hardware, gen: torch.Generator, repeats: int) -> float:
         # price; scaled, all six were 0
         scaled = (measured_alone + longer) * alone / measured_alone if measured_alone > 0 \
             else measured_alone + longer
-        got.append((scaled - base, gaps))
-    return fit_wait_share(got)
+        got.append((scaled - base, priced))
+    # the mean compute before a run, and each step's compute as the share weighs it with
+    # that mean in place (`Hardware.relayout_wait_s`)
+    anchor = round(total / runs, 12) if runs > 0 and total > 0 else 0.0
+    weighed = [(residue, (priced(relayout_wait_share=1e-3, relayout_gap_s=anchor)
+                          - priced()) / 1e-3) for residue, priced in got]
+    return fit_wait_share(weighed), anchor
 
 
 def all_to_all_share(hw: Hardware, n: int) -> float:
