@@ -327,9 +327,10 @@ def walk(a: Analysis, block: BlockInfo, strats: list[Strategy], outside: Mapping
                 fresh_saved.add(copy)
                 if not kept_by.inputs[i]:
                     saved += v.type.nbytes * sc * _local_fraction(v, s.inputs[i], cache)
-            if param and have != s.inputs[i] and _floating(v):
+            gathered_here = param and have != s.inputs[i] and _floating(v)
+            if gathered_here:
                 last_gathered = len(heres) - 1
-            if param and first and have != s.inputs[i] and _floating(v):
+            if gathered_here and first:
                 # gathered at use (ZeRO-3): the runtime gathers a block's parameters in
                 # one packed collective per kind and axis (`pxform.runtime.prefetch`),
                 # priced below; it frees the gathered copy after its forward use and
