@@ -188,16 +188,7 @@ def rank_main(config: str, batch_size: int, steps: int, warmup: int, quick: bool
         step = pxform.auto(gpt_loss, mesh=world, hardware=hw, plan=pin)
         plan = step.plan(params, batch)
         plan_unsynced = _priced_again(gpt_loss, plan, unsynced, world, params, batch)
-        dparams, _ = step.distribute(params, batch)
-        held = step.holds(dparams, batch)[0]
-        owned = [p for p, h in zip(_leaves(dparams), _leaves(held)) if h]
-        opt = torch.optim.AdamW(owned, lr=1e-3, foreach=False)
-        _, grads = pxform.value_and_grad(step)(dparams, batch)
-        for p, g, h in zip(_leaves(dparams), _leaves(grads, none=True), _leaves(held)):
-            if h:
-                p.grad = g
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        dparams, opt = _laid_out(step, params, batch)
         prepared.append((name, step, plan, dparams, opt, plan_unsynced.step_time_s))
     # the program the op time scale is fitted on, measured among the cases: its error is
     # the machine's drift between the calibrations and the rounds, not the model's
@@ -332,13 +323,33 @@ def rank_main(config: str, batch_size: int, steps: int, warmup: int, quick: bool
             "let_go_timeouts": timeouts}
 
 
+def _laid_out(step: Any, params: Any, batch: Any) -> tuple[Any, Any]:
+    """`step`'s parameters laid out per its plan, and an AdamW over the leaves this rank
+    holds after one step, so that Adam's state exists (a case as `rank_main` and
+    `memory_main` measure it)."""
+    import torch
+
+    import pxform
+
+    dparams, _ = step.distribute(params, batch)
+    held = step.holds(dparams, batch)[0]
+    owned = [p for p, h in zip(_leaves(dparams), _leaves(held)) if h]
+    opt = torch.optim.AdamW(owned, lr=1e-3, foreach=False)
+    _, grads = pxform.value_and_grad(step)(dparams, batch)
+    for p, g, h in zip(_leaves(dparams), _leaves(grads, none=True), _leaves(held)):
+        if h:
+            p.grad = g
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return dparams, opt
+
+
 def memory_main(config: str, batch_size: int, quick: bool = False) -> list[dict[str, Any]]:
     """On every rank (`--memory-only`): each pinned case planned against the a100-40gb
     preset (a pinned plan's memory does not depend on the profile), laid out, one AdamW
     step, then one metered call (`pxform.measure`): per case its plan and each rank's
     predicted and metered peak. Deterministic: no calibration, no timing."""
     harness.add_paths()
-    import torch
     import torch.distributed as dist
 
     import pxform
@@ -352,16 +363,7 @@ def memory_main(config: str, batch_size: int, quick: bool = False) -> list[dict[
     for name, pin in chosen[:2] if quick else chosen:
         step = pxform.auto(gpt_loss, mesh=world, hardware=hw, plan=pin)
         plan = step.plan(params, batch)
-        dparams, _ = step.distribute(params, batch)
-        held = step.holds(dparams, batch)[0]
-        owned = [p for p, h in zip(_leaves(dparams), _leaves(held)) if h]
-        opt = torch.optim.AdamW(owned, lr=1e-3, foreach=False)
-        _, grads = pxform.value_and_grad(step)(dparams, batch)
-        for p, g, h in zip(_leaves(dparams), _leaves(grads, none=True), _leaves(held)):
-            if h:
-                p.grad = g
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        dparams, opt = _laid_out(step, params, batch)
         report = plan.report(pxform.measure(step, dparams, batch, optimizer=opt, steps=1,
                                             warmup=0))
         rows.append({"case": name, "config": plan.config_text(),

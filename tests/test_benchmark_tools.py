@@ -99,7 +99,10 @@ def test_reprice_prices_each_plan_at_the_median_of_the_runs_calibrations(accurac
     dropouts, priced as views since the thirty-first session: by tenths of a point; and
     for the plans whose ranks meet after more compute than the sync curve's last point,
     data parallelism's and sequence parallelism's, by the wait growing beyond it since the
-    fortieth session: 1.3-2.0 points.)"""
+    fortieth session: 1.3-2.0 points; and tensor and sequence parallelism's, whose runs of
+    conversions follow more compute than the reference's runs the share was fitted at,
+    by that cost growing as the square root beyond them since the forty-second session:
+    2.6-4.8 points down.)"""
     import statistics
 
     path = RESULTS / "accuracy-twenty-eighth-a-2026-11-30.json"
@@ -110,9 +113,13 @@ def test_reprice_prices_each_plan_at_the_median_of_the_runs_calibrations(accurac
     for case, error in got["errors"].items():
         each = saved[case]["time_error_each_calibration"]
         assert len(each) == 5
-        if case in ("dp", "dp+recompute", "sp"):
+        if case in ("dp", "dp+recompute"):
             assert (statistics.median(each) + 0.005 < error
                     < statistics.median(each) + 0.03), case
+            continue
+        if case in ("tp", "tp+recompute", "sp"):
+            assert (statistics.median(each) - 0.06 < error
+                    < statistics.median(each) - 0.02), case
             continue
         assert error == pytest.approx(statistics.median(each), abs=0.005), case
         drift.append(error - statistics.median(each))

@@ -1460,18 +1460,19 @@ def test_an_older_profile_gets_the_gap_its_calibration_would_record():
     (no gap) gets the model's mean compute before a run in the reference's
     tensor- and sequence-parallel pair steps, and a share that keeps those steps' prices;
     one with a gap, or without a share, is returned as it is."""
-    import dataclasses
     from dataclasses import replace
 
-    from pxform.tools.runtime_costs import _relayout_setup, with_relayout_gap
+    from pxform.tools.runtime_costs import _relayout_steps, with_relayout_gap
 
-    slow = dataclasses.replace(hardware("a100-80gb"), op_time_scale=1e4, devices_per_node=2,
-                               relayout_wait_share=0.5)
+    slow = replace(hardware("a100-80gb"), op_time_scale=1e4, devices_per_node=2,
+                   relayout_wait_share=0.5)
     new = with_relayout_gap(slow, 2)
     assert new.relayout_gap_s > 0 and new.relayout_wait_share >= 0.5
     # the two steps' prices together (the pricers replace the conversion costs: each
     # profile's own given)
-    pricers = _relayout_setup(slow, 2, torch.Generator())[1]
+    steps = _relayout_steps(slow, 2, torch.Generator())
+    assert steps is not None and new.relayout_gap_s == steps.gap
+    pricers = steps.priced
     before = sum(p(relayout_wait_share=0.5) for p in pricers)
     after = sum(p(relayout_wait_share=new.relayout_wait_share,
                   relayout_gap_s=new.relayout_gap_s) for p in pricers)

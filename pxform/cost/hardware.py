@@ -809,7 +809,7 @@ class Hardware:
         sequences, the share came out 0.51, 0.68 and 0.20 (0.44, 0.43 and 0.31 with
         sequence parallelism) where the reference's was 0.65, and in proportion the
         tensor-parallel plans of five accuracy runs on four GPT shapes came out 9-24 %
-        over, the conversions' cost about twice what the steps left for it (the
+        over, the conversions' cost 1.5-4.5 times what the steps left for it (the
         forty-second session, `docs/benchmarks/accuracy.md`).
 
         Example:

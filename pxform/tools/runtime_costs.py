@@ -1530,35 +1530,48 @@ def with_relayout_gap(hw: Hardware, n: int) -> Hardware:
         >>> round(with_relayout_gap(profile, 2).relayout_gap_s * 1e3, 2)  # ms
         1.41
     """
-    if hw.relayout_gap_s > 0 or hw.relayout_wait_share <= 0:
+    if hw.relayout_wait_share <= 0 or hw.relayout_gap_s > 0:
         return hw
-    setup = _relayout_setup(hw, n, torch.Generator().manual_seed(0))
-    if setup is None:
+    steps = _relayout_steps(hw, n, torch.Generator().manual_seed(0))
+    if steps is None or steps.gap <= 0:
         return hw
-    gaps = runs = 0.0
-    bases = []
-    for priced in setup[1]:
-        try:
-            bases.append(priced())
-            gaps += (priced(relayout_wait_share=1e-3) - bases[-1]) / 1e-3
-            runs += (priced(relayout_overhead_s=1e-3) - bases[-1]) / 1e-3
-        except SearchError:
-            return hw
-    if runs <= 0 or gaps <= 0:
-        return hw
-    anchor = round(gaps / runs, 12)
-    weighed = sum((priced(relayout_wait_share=1e-3, relayout_gap_s=anchor) - base) / 1e-3
-                  for priced, base in zip(setup[1], bases))
+    gaps = sum(steps.gaps)
+    weighed = sum(steps.weighed(steps.gap))
     share = hw.relayout_wait_share * gaps / weighed if weighed > 0 else hw.relayout_wait_share
-    return dataclasses.replace(hw, relayout_gap_s=anchor, relayout_wait_share=round(share, 12))
+    return dataclasses.replace(hw, relayout_gap_s=steps.gap,
+                               relayout_wait_share=round(share, 12))
 
 
-def _relayout_setup(hw: Hardware, n: int, gen: torch.Generator
-                    ) -> tuple[list[Pin], list[Callable[..., float]], Any, Any] | None:
-    """For `_relayout_costs` and `with_relayout_gap` on `n` ranks: (the pins, tensor then
-    sequence parallel over pairs; per pin a function pricing the reference's step under
-    it with `hw`'s conversion costs replaced by those given; the parameters; the
-    tokens); None on an odd world or without a plan."""
+@dataclasses.dataclass(frozen=True)
+class _RelayoutSteps:
+    """The reference transformer's steps `relayout_wait_share` is fitted on, on `n` ranks
+    (`_relayout_steps`): per step its pin (tensor, then sequence parallel over pairs) and
+    a function pricing it with `bare`'s conversion costs replaced by those given; per
+    step the model's price without them (`bases`), its compute before runs of
+    conversions (`gaps`: the price's derivative in the share) and their count (its
+    derivative in a cost per run); and their mean compute before a run (`gap`, 0 with
+    none)."""
+
+    pins: tuple[Pin, ...]
+    priced: tuple[Callable[..., float], ...]
+    params: Any
+    tokens: torch.Tensor
+    bare: Hardware
+    bases: tuple[float, ...]
+    gaps: tuple[float, ...]
+    gap: float
+
+    def weighed(self, gap: float) -> list[float]:
+        """Per step, its compute before runs as the share weighs it with `gap` as
+        `Hardware.relayout_gap_s` (`Hardware.relayout_wait_s`)."""
+        return [(priced(relayout_wait_share=1e-3, relayout_gap_s=gap) - base) / 1e-3
+                for priced, base in zip(self.priced, self.bases)]
+
+
+def _relayout_steps(hw: Hardware, n: int, gen: torch.Generator) -> _RelayoutSteps | None:
+    """`_RelayoutSteps` for `_relayout_costs` and `with_relayout_gap` on `n` ranks, with
+    `hw`'s numbers but for its conversion costs; None on an odd world or without a
+    plan."""
     if n % 2:
         return None  # (tensor parallel pairs need an even world)
     device = default_device()
@@ -1575,7 +1588,7 @@ def _relayout_setup(hw: Hardware, n: int, gen: torch.Generator
         blocks = len(auto(_reference, mesh=mesh, hardware=bare).plan(params, tokens).blocks)
     except SearchError:  # (every rank alike: planning is deterministic)
         return None
-    pins = [_pairs_pin(n, blocks, role) for role in ("tp", "sp")]
+    pins = tuple(_pairs_pin(n, blocks, role) for role in ("tp", "sp"))
     pricers = []
     for pin in pins:
 
@@ -1584,7 +1597,17 @@ def _relayout_setup(hw: Hardware, n: int, gen: torch.Generator
                         memory_margin=0.0, plan=pin).plan(params, tokens).step_time_s
 
         pricers.append(priced)
-    return pins, pricers, params, tokens
+    try:
+        bases = [priced() for priced in pricers]
+        gaps = [(priced(relayout_wait_share=1e-3) - base) / 1e-3
+                for priced, base in zip(pricers, bases)]
+        runs = sum((priced(relayout_overhead_s=1e-3) - base) / 1e-3
+                   for priced, base in zip(pricers, bases))
+    except SearchError:
+        return None
+    gap = round(sum(gaps) / runs, 12) if runs > 0 and sum(gaps) > 0 else 0.0
+    return _RelayoutSteps(pins, tuple(pricers), params, tokens, bare, tuple(bases),
+                          tuple(gaps), gap)
 
 
 def _relayout_costs(hw: Hardware, gen: torch.Generator, repeats: int
@@ -1617,27 +1640,17 @@ def _relayout_costs(hw: Hardware, gen: torch.Generator, repeats: int
     and until the twenty-fifth this function passed the tables' share through beside
     its own."""
     n = world.size()
-    setup = _relayout_setup(hw, n, gen)
-    if setup is None:
+    steps = _relayout_steps(hw, n, gen)
+    if steps is None:
         return 0.0, 0.0
-    pins, pricers, params, tokens = setup
+    params, tokens, bare = steps.params, steps.tokens, steps.bare
     rows = _RELAYOUT_SIZE[0]
-    bare = dataclasses.replace(hw, relayout_overhead_s=0.0, relayout_wait_share=0.0,
-                               relayout_gap_s=0.0)
     # the same work on one device per rank: a pair's sequences
     alone = auto(_reference, mesh=abstract_mesh(1), hardware=bare,
                  memory_margin=0.0).plan(params, tokens[:rows]).step_time_s
     one_device = functools.partial(value_and_grad(_reference), params, tokens[:rows])
-    got = []
-    total = runs = 0.0
-    for pin, priced in zip(pins, pricers):
-        try:
-            base = priced()
-            gaps = (priced(relayout_wait_share=1e-3) - base) / 1e-3
-            runs += (priced(relayout_overhead_s=1e-3) - base) / 1e-3
-        except SearchError:
-            return 0.0, 0.0
-        total += gaps
+    residues = []
+    for pin, base in zip(steps.pins, steps.bases):
         step = auto(_reference, mesh=n, hardware=bare, memory_margin=0.0, plan=pin)
         sharded = functools.partial(value_and_grad(step), *step.distribute(params, tokens))
         # a run costs about a millisecond, noisy from one pair to the next: thrice the
@@ -1651,13 +1664,10 @@ def _relayout_costs(hw: Hardware, gen: torch.Generator, repeats: int
         # price; scaled, all six were 0
         scaled = (measured_alone + longer) * alone / measured_alone if measured_alone > 0 \
             else measured_alone + longer
-        got.append((scaled - base, priced))
-    # the mean compute before a run, and each step's compute as the share weighs it with
-    # that mean in place (`Hardware.relayout_wait_s`)
-    anchor = round(total / runs, 12) if runs > 0 and total > 0 else 0.0
-    weighed = [(residue, (priced(relayout_wait_share=1e-3, relayout_gap_s=anchor)
-                          - priced()) / 1e-3) for residue, priced in got]
-    return fit_wait_share(weighed), anchor
+        residues.append(scaled - base)
+    # each step's compute as the share weighs it with the steps' mean compute before a
+    # run in place (`Hardware.relayout_wait_s`)
+    return fit_wait_share(list(zip(residues, steps.weighed(steps.gap)))), steps.gap
 
 
 def all_to_all_share(hw: Hardware, n: int) -> float:
