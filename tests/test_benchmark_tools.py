@@ -72,6 +72,11 @@ def test_reprice_gives_a_saved_runs_errors_back_and_moves_them_with_the_profile(
                     # the wait grows as the square root of the gap since the fortieth
                     # session (flat before): 1.6-1.9 points higher
                     assert saved[case] + 0.01 < error < saved[case] + 0.03, case
+                elif case.startswith("zero3"):
+                    # as data parallelism's wait, and each packed gather's copies on the
+                    # rank's own thread (the shards packed, each parameter cut out of the
+                    # gathered buffer) since the forty-third session: 1.9-2.5 points
+                    assert saved[case] + 0.01 < error < saved[case] + 0.035, case
                 else:
                     # the run's own errors, but for GPT small's 9 dropouts that drop
                     # nothing: priced as the views they are since the thirty-first
@@ -102,7 +107,8 @@ def test_reprice_prices_each_plan_at_the_median_of_the_runs_calibrations(accurac
     fortieth session: 1.3-2.0 points; and tensor and sequence parallelism's, whose runs of
     conversions follow more compute than the reference's runs the share was fitted at,
     by that cost growing as the square root beyond them since the forty-second session:
-    2.6-4.8 points down.)"""
+    2.6-4.8 points down; and ZeRO-3's, by its packed gathers' copies since the
+    forty-third session: 0.5-1 point up.)"""
     import statistics
 
     path = RESULTS / "accuracy-twenty-eighth-a-2026-11-30.json"
@@ -120,6 +126,10 @@ def test_reprice_prices_each_plan_at_the_median_of_the_runs_calibrations(accurac
         if case in ("tp", "tp+recompute", "sp"):
             assert (statistics.median(each) - 0.06 < error
                     < statistics.median(each) - 0.02), case
+            continue
+        if case in ("zero3", "zero3 kept"):
+            assert (statistics.median(each) + 0.002 < error
+                    < statistics.median(each) + 0.03), case
             continue
         assert error == pytest.approx(statistics.median(each), abs=0.005), case
         drift.append(error - statistics.median(each))

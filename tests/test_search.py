@@ -742,6 +742,38 @@ def test_zero3_gathers_are_priced_per_block_not_per_parameter():
     assert 2 * 6 * 0.05 * 0.95 <= added <= 2 * 7 * 0.05 * 1.05, added
 
 
+def test_zero3_gathers_pay_their_packing_copies(monkeypatch: pytest.MonkeyPatch):
+    """A packed gather copies on the rank's own thread: the block's shards into one
+    buffer, and each parameter out of the gathered one (`pxform.runtime.buckets`). With
+    every copy priced at 1 ms per MB (against free), reshard after forward (a second gather per block,
+    in backward) adds those copies once more than keeping the gathered parameters does:
+    half the parameters' bytes packed and all of them cut out, the tied embedding twice
+    (the head gathers it again), on GPT small's ZeRO-3 step on 2 ranks."""
+    import gpt
+
+    from pxform.cost.model import CostModel
+
+    base = pxform.hardware.hardware("a100-80gb")
+    cfg = gpt.GPT_CONFIGS["small"]
+    params, batch = gpt.init_params(cfg), gpt.make_batch(cfg, 16)
+
+    def step_time(reshard: bool) -> float:
+        pin = Pin(stages=1, outer=2, inner=1, microbatches=1,
+                  block_options=(Option((("outer", "sdp"),), False, reshard),) * 6)
+        return pxform.auto(gpt.loss_fn, mesh=2, hardware=base, plan=pin).plan(
+            params, batch, cfg).step_time_s
+
+    def regathered(per_byte: float) -> float:
+        monkeypatch.setattr(CostModel, "pack_time", lambda self, nbytes: nbytes * per_byte)
+        return step_time(True) - step_time(False)
+
+    plain, copied = regathered(0.0), regathered(1e-9)
+    total = sum(t.numel() * t.element_size() for t in optree.tree_leaves(params))
+    wte = params["wte"].numel() * params["wte"].element_size()
+    assert copied - plain == pytest.approx(1.5 * (total + wte) * 1e-9, rel=0.02), \
+        (copied - plain, total, wte)
+
+
 def test_zero3_reduce_scatters_meet_the_peers_per_block():
     """A collective launched after compute waits for the ranks to meet
     (`Hardware.sync_wait`): data parallelism's gradients go in one bucket, waited for

@@ -216,7 +216,7 @@ def walk(a: Analysis, block: BlockInfo, strats: list[Strategy], outside: Mapping
     # ZeRO-3: what its parameters' shards hold (the packed gather's send buffer); per op,
     # its transient, and the last op that reads a gathered parameter (backward gathers
     # them again when it gets there, `pxform.runtime.reshard`)
-    shards = 0.0
+    shards = unpack = 0.0
     heres: list[float] = []
     last_gathered = -1
     # of `saved`, the block's own inputs from earlier blocks as they came: a recompute saves
@@ -341,6 +341,9 @@ def walk(a: Analysis, block: BlockInfo, strats: list[Strategy], outside: Mapping
                 whole = v.type.nbytes * _local_fraction(v, s.inputs[i], cache)
                 gathered += whole
                 shards += v.type.nbytes * _local_fraction(v, have, cache)
+                # its piece cut out of the packed buffer: one concatenation of the ranks'
+                # chunks per parameter (`pxform.runtime.buckets.finish_gather`)
+                unpack += model.pack_time(whole)
                 if v.name in a.params:  # (a cast parameter's saved copy is in `saved`)
                     gathered_params[v.name] = whole
             else:
@@ -380,8 +383,13 @@ def walk(a: Analysis, block: BlockInfo, strats: list[Strategy], outside: Mapping
         ran = fwd_compute + fwd_comm
         if kept_by.packs:
             redo_until, redo_runs = ran, len(fwd_seq)
+    # each gather's collective, and on the rank's own thread the copies around it: the
+    # shards packed into one buffer and each parameter cut out of the gathered one
+    # (`pxform.runtime.buckets`), as the gradients' buckets are priced below
     gather_time = sum(model.step_time(kind, axis, sent, axes)
                       for (kind, axis), sent in gathers.items())
+    if gathers:
+        gather_time += model.pack_time(shards) + unpack
     fwd_comm += gather_time
     bwd_comm += gather_time
     # all-reduces are packed across blocks into the step's buckets (`bucketed_all_reduce`,
