@@ -745,10 +745,10 @@ def test_zero3_gathers_are_priced_per_block_not_per_parameter():
 def test_zero3_gathers_pay_their_packing_copies(monkeypatch: pytest.MonkeyPatch):
     """A packed gather copies on the rank's own thread: the block's shards into one
     buffer, and each parameter out of the gathered one (`pxform.runtime.buckets`). With
-    every copy priced at 1 ms per MB (against free), reshard after forward (a second gather per block,
-    in backward) adds those copies once more than keeping the gathered parameters does:
-    half the parameters' bytes packed and all of them cut out, the tied embedding twice
-    (the head gathers it again), on GPT small's ZeRO-3 step on 2 ranks."""
+    every copy priced at 1 ms per MB (against free), reshard after forward (a second
+    gather per block, in backward) adds those copies once more than keeping the gathered
+    parameters does: half the parameters' bytes packed and all of them cut out, the tied
+    embedding twice (the head gathers it again), on GPT small's ZeRO-3 step on 2 ranks."""
     import gpt
 
     from pxform.cost.model import CostModel
