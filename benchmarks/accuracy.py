@@ -200,7 +200,6 @@ def rank_main(config: str, batch_size: int, steps: int, warmup: int, quick: bool
         prepared.append((name, step, plan, dparams, opt, plan_unsynced.step_time_s))
     # the program the op time scale is fitted on, measured among the cases: its error is
     # the machine's drift between the calibrations and the rounds, not the model's
-    # (`reference_program`)
     # (`reference_program`); under `fit_model` the op times were fitted to the GPT's own
     # plain step on one rank's share instead, so that step is the one whose error is the
     # drift (the reference transformer's would carry the fit's factor as an error)
