@@ -253,7 +253,7 @@ def rank_main(config: str, batch_size: int, steps: int, warmup: int, quick: bool
     # calibration's prices and the median of every number (which mixed calibrations'
     # numbers, each measured against its own calibration's scale)
     from pxform.cost.hardware import median_profile
-    from pxform.tools.runtime_costs import representative_profile
+    from pxform.tools.runtime_costs import WAIT_SHARE_CARRIED, representative_profile
     over_run = representative_profile(profiles)
     # its own numbers alone, as the benchmark priced until the twenty-ninth session (the
     # median of the calibrations' prices since)
@@ -334,6 +334,7 @@ def rank_main(config: str, batch_size: int, steps: int, warmup: int, quick: bool
             "first_hardware": hw.to_json(), "calibrations_over_run": len(profiles),
             "op_time_scales": [h.op_time_scale for h in profiles],
             "model_fit_factors": fit_factors,
+            "wait_share_carried": WAIT_SHARE_CARRIED,
             "threads": torch.get_num_threads(),
             # per rank, the waits for gloo's worker thread that ran out over the run (after
             # three on a group the runtime stops waiting there: `let_go_timeouts`)
@@ -606,7 +607,8 @@ def reprice(paths: list[str], alone: bool = False, unfitted: bool = False
             saved = json.load(f)
         name = os.path.basename(path)
         try:
-            errors, source = _repriced(_unfitted(saved) if unfitted else saved, alone)
+            errors, source = _repriced(_carried(_unfitted(saved) if unfitted else saved),
+                                       alone)
         except ValueError as e:  # (a profile field an experiment added, since removed)
             print(f"{name}: skipped, its profiles do not load here: {e}")
             continue
@@ -632,6 +634,23 @@ def _unfitted(saved: dict[str, Any]) -> dict[str, Any]:
                                [factors[0], *factors]):
         profile["op_time_scale"] /= factor
         profile["op_step_overhead_s"] /= factor
+    return out
+
+
+def _carried(saved: dict[str, Any]) -> dict[str, Any]:
+    """`saved` with its calibrations' wait shares as `pxform calibrate` now keeps them
+    (`runtime_costs.carried_wait_share`): a run from before the forty-fourth session
+    recorded the whole share fitted on the reference's pairs."""
+    import copy
+
+    from pxform.tools.runtime_costs import WAIT_SHARE_CARRIED
+
+    if "wait_share_carried" in saved:
+        return saved
+    out = copy.deepcopy(saved)
+    for profile in [out["first_hardware"], *out["profiles"]]:
+        if "relayout_wait_share" in profile:
+            profile["relayout_wait_share"] *= WAIT_SHARE_CARRIED
     return out
 
 
@@ -856,6 +875,9 @@ def main() -> None:
         "calibrate_s": r0["calibrate_s"], "hardware": r0["hardware"],
         "first_hardware": r0["first_hardware"], "op_time_scales": r0["op_time_scales"],
         "model_fit_factors": r0["model_fit_factors"],
+        # (the part of the reference's wait share its profiles keep: `--reprice` carries
+        # that of older runs, which kept all of it)
+        "wait_share_carried": r0["wait_share_carried"],
         "profiles": r0["profiles"], "representative": r0["representative"],
         "cases": r0["rows"], "reference": r0["reference"],
         "let_go_timeouts": r0["let_go_timeouts"],

@@ -182,20 +182,32 @@ def run_memory_accuracy(the_pin: Pin, shape: dict | None = None) -> list[float]:
     return [r.memory_error for r in plan.report(measured).ranks]
 
 
-def relayout_costs() -> tuple[float, float, float]:
+def relayout_costs() -> tuple[float, float, float, float]:
     """`runtime_costs`'s (`relayout_wait_share`, `all_to_all_share`, `relayout_gap_s`) on
-    this world (tensor
+    this world, and the share `fit_wait_share` fitted on the reference's pairs (tensor
     and sequence parallel pairs, data parallel across them), on a preset with 2 devices
     per node (as this machine's profile, `cpu-x2`) whose ops take 10,000 times as long
     (so that the model counts runs of collectives after compute and the programs run)."""
     import dataclasses
 
     from pxform.cost.hardware import hardware
+    from pxform.tools import runtime_costs
     from pxform.tools.runtime_costs import _relayout_costs, all_to_all_share
 
     slow = dataclasses.replace(hardware("a100-80gb"), op_time_scale=1e4, devices_per_node=2)
     # as `runtime_costs` does: the tables' share first, the share per second with it
     a2a = all_to_all_share(slow, torch.distributed.get_world_size())
-    wait, gap = _relayout_costs(dataclasses.replace(slow, all_to_all_share=a2a),
-                                torch.Generator().manual_seed(0), 1)
-    return wait, a2a, gap
+    fitted: list[float] = []
+    fit = runtime_costs.fit_wait_share
+
+    def recorded(steps: list[tuple[float, float]]) -> float:
+        fitted.append(fit(steps))
+        return fitted[-1]
+
+    runtime_costs.fit_wait_share = recorded
+    try:
+        wait, gap = _relayout_costs(dataclasses.replace(slow, all_to_all_share=a2a),
+                                    torch.Generator().manual_seed(0), 1)
+    finally:
+        runtime_costs.fit_wait_share = fit
+    return wait, a2a, gap, fitted[0]

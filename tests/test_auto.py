@@ -107,9 +107,14 @@ def test_the_conversion_costs_are_measured_on_4_ranks(world4):
     4 ranks has no plan (the inner axis stays within a node), and calibrating failed.
     The all-to-alls' share is the preset's latencies: 3 against a ring all-reduce's 6.
     The mean compute before a run of conversions (`relayout_gap_s`) is the model's, the
-    same on every rank, and positive (its ops 10,000 times slower than the preset's)."""
+    same on every rank, and positive (its ops 10,000 times slower than the preset's).
+    The profile keeps `WAIT_SHARE_CARRIED` of the share fitted on the reference's pairs
+    (`carried_wait_share`)."""
+    from pxform.tools.runtime_costs import WAIT_SHARE_CARRIED
+
     got = world4.run(W.relayout_costs)
     assert all(isinstance(x, float) and x >= 0.0 for pair in got for x in pair), got
+    assert all(r[0] == pytest.approx(WAIT_SHARE_CARRIED * r[3], abs=1e-12) for r in got), got
     assert got[0][1] == pytest.approx(0.5, abs=0.01), got
     assert got[0][2] > 0 and all(r[2] == got[0][2] for r in got), got
 

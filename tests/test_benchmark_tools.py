@@ -107,8 +107,9 @@ def test_reprice_prices_each_plan_at_the_median_of_the_runs_calibrations(accurac
     fortieth session: 1.3-2.0 points; and tensor and sequence parallelism's, whose runs of
     conversions follow more compute than the reference's runs the share was fitted at,
     by that cost growing as the square root beyond them since the forty-second session:
-    2.6-4.8 points down; and ZeRO-3's, by its packed gathers' copies since the
-    forty-third session: 0.5-1 point up.)"""
+    2.6-4.8 points down, and by the profile keeping 0.6 of the share fitted on the
+    reference since the forty-fourth session: 10.8-14.0 points down with both; and ZeRO-3's,
+    by its packed gathers' copies since the forty-third session: 0.5-1 point up.)"""
     import statistics
 
     path = RESULTS / "accuracy-twenty-eighth-a-2026-11-30.json"
@@ -124,8 +125,8 @@ def test_reprice_prices_each_plan_at_the_median_of_the_runs_calibrations(accurac
                     < statistics.median(each) + 0.03), case
             continue
         if case in ("tp", "tp+recompute", "sp"):
-            assert (statistics.median(each) - 0.06 < error
-                    < statistics.median(each) - 0.02), case
+            assert (statistics.median(each) - 0.16 < error
+                    < statistics.median(each) - 0.09), case
             continue
         if case in ("zero3", "zero3 kept"):
             assert (statistics.median(each) + 0.002 < error
