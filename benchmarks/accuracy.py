@@ -64,7 +64,9 @@ args=)`), as a user fits a profile to their own model; the rest of each calibrat
 stays as measured.
 
 `--memory-only` runs the pinned cases' memory alone: each plan (against the a100-40gb
-preset: a pinned plan's memory does not depend on the profile) metered once on the
+preset, or `--profile FILE`: a pin leaves the tensor axis's per-op choices to the search,
+which follows the profile's prices, so a tensor-parallel plan can be laid out, and hold,
+differently under a CPU profile) metered once on the
 ranks against its predicted peak, in about 20 s. Memory is deterministic here (the
 runs' peak spread is 0 on every plan), so one call tells what a full run's memory
 columns would.
@@ -362,19 +364,25 @@ def _laid_out(step: Any, params: Any, batch: Any) -> tuple[Any, Any]:
     return dparams, opt
 
 
-def memory_main(config: str, batch_size: int, quick: bool = False) -> list[dict[str, Any]]:
-    """On every rank (`--memory-only`): each pinned case planned against the a100-40gb
-    preset (a pinned plan's memory does not depend on the profile), laid out, one AdamW
-    step, then one metered call (`pxform.measure`): per case its plan and each rank's
-    predicted and metered peak. Deterministic: no calibration, no timing."""
+def memory_main(config: str, batch_size: int, quick: bool = False,
+                profile: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    """On every rank (`--memory-only`): each pinned case planned against `profile` (a
+    saved profile's JSON; None: the a100-40gb preset), laid out, one AdamW step, then one
+    metered call (`pxform.measure`): per case its plan and each rank's predicted and
+    metered peak. Deterministic: no calibration, no timing. A pin leaves the tensor
+    axis's per-op choices to the search, and those follow the profile's prices: a
+    tensor-parallel plan's memory can differ between profiles (`--profile`)."""
     harness.add_paths()
     import torch.distributed as dist
 
     import pxform
+    from pxform.cost.hardware import Hardware
+    from pxform.tools.runtime_costs import with_relayout_gap
 
     world = dist.get_world_size()
     gpt_loss, params, batch = _gpt_case(config, batch_size)
-    hw = pxform.hardware.hardware("a100-40gb")
+    hw = pxform.hardware.hardware("a100-40gb") if profile is None else \
+        with_relayout_gap(Hardware.from_json(profile), world)
     blocks = len(pxform.auto(gpt_loss, mesh=world, hardware=hw).plan(params, batch).blocks)
     rows = []
     chosen = cases(world, blocks)[1:]  # (the searched plan follows the profile)
@@ -393,6 +401,25 @@ def memory_main(config: str, batch_size: int, quick: bool = False) -> list[dict[
     return rows
 
 
+def _memory_profile(path: str | None) -> tuple[dict[str, Any] | None, str]:
+    """`--profile`'s profile JSON and a few words on it: a saved profile (`pxform
+    calibrate --out`) or this benchmark's result, whose first calibration its pins were
+    planned with (None: the a100-40gb preset)."""
+    import json
+
+    if path is None:
+        return None, "the a100-40gb preset"
+    with open(path) as f:
+        saved = json.load(f)
+    if "first_hardware" in saved:
+        return saved["first_hardware"], f"the first calibration of {os.path.basename(path)}"
+    if "benchmark" in saved:
+        raise SystemExit(f"accuracy.py: --profile {path}: a result without the profile its "
+                         f"plans were made with (`first_hardware`, since the twenty-ninth "
+                         f"session). Fix: pass a newer result or a profile JSON")
+    return saved, f"the profile {os.path.basename(path)}"
+
+
 def _memory_only(args: Any) -> None:
     """`--memory-only`: `memory_main` on the ranks, a table, and a result file."""
     import accuracy  # this module by name, so that ranks can unpickle memory_main
@@ -401,12 +428,14 @@ def _memory_only(args: Any) -> None:
     from pxform.tools.testing import World
 
     cfg = gpt_config(args.config)
+    profile, source = _memory_profile(args.profile)
     with World(args.ranks, timeout=300) as world:
-        rows = world.run(accuracy.memory_main, args.config, args.batch, args.quick)[0]
+        rows = world.run(accuracy.memory_main, args.config, args.batch, args.quick,
+                         profile)[0]
     print(f"GPT {args.config} ({cfg.num_params() / 1e6:.2f} M params), global batch "
           f"{args.batch} x {cfg.seq_len} tokens, float32, {args.ranks} gloo ranks: each "
           f"pinned plan's predicted peak per rank against `pxform.MemoryMeter` plus Adam's "
-          f"state, one metered call")
+          f"state, one metered call; planned against {source}")
     table = [("case", "plan", *(f"rank {k} predicted / measured"
                                   for k in range(args.ranks)), "error")]
     for r in rows:
@@ -422,7 +451,7 @@ def _memory_only(args: Any) -> None:
     if args.quick:
         return
     tag = re.sub(r"[^A-Za-z0-9.]+", "-", f"memory-only-{args.config}-batch{args.batch}"
-                 f"-ranks{args.ranks}")
+                 f"-ranks{args.ranks}" + ("-profile" if args.profile else ""))
     path = harness.write_result("accuracy", {
         "goal": {"abs_memory_error": GOAL_MEMORY},
         "config": {"model": args.config, "params": cfg.num_params(),
@@ -430,7 +459,7 @@ def _memory_only(args: Any) -> None:
                    "num_layers": cfg.num_layers, "d_model": cfg.d_model,
                    "num_heads": cfg.num_heads, "vocab_size": cfg.vocab_size,
                    "dtype": "float32", "ranks": args.ranks, "backend": "gloo",
-                   "hardware": "a100-40gb (plans only)"},
+                   "hardware": f"{source} (plans only)"},
         "cases": rows,
         "summary": {"memory_within_goal": met, "cases": len(errors),
                     "worst_abs_memory_error": max(errors)},
@@ -732,6 +761,9 @@ def main() -> None:
     p.add_argument("--memory-only", action="store_true",
                    help="memory alone: each pinned case metered once against its predicted "
                         "peak, no calibration or timing (~20 s; `memory_main`)")
+    p.add_argument("--profile", metavar="FILE",
+                   help="with --memory-only: plan against this saved profile, or a saved "
+                        "result's first calibration (default: the a100-40gb preset)")
     args = p.parse_args()
     if args.memory_only:
         harness.add_paths()

@@ -151,22 +151,32 @@ def run_training_api(the_pin: Pin) -> dict:
             "memory_errors": [r.memory_error for r in report.ranks]}
 
 
-def run_memory_accuracy(the_pin: Pin, shape: dict | None = None) -> list[float]:
+def run_memory_accuracy(the_pin: Pin, shape: dict | None = None,
+                        profile: str | None = None) -> list[float]:
     """GPT "small" (float32, global batch 16), or its config with the fields `shape`
-    gives, the pinned plan distributed, one AdamW step so the optimizer's state exists,
-    then `measure` and `plan.report`: each rank's signed memory error, predicted over
+    gives, the pinned plan (planned against the a100-40gb preset, or the saved profile
+    at path `profile`) distributed, one AdamW step so the optimizer's state exists, then
+    `measure` and `plan.report`: each rank's signed memory error, predicted over
     metered."""
     import dataclasses
+    import json
 
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
+
+    from pxform.cost.hardware import Hardware
 
     torch.manual_seed(0)
     cfg = dataclasses.replace(gpt.GPT_CONFIGS["small"], **(shape or {}))
     params = gpt.init_params(cfg)
     batch = gpt.make_batch(cfg, 16)
+    if profile is None:
+        hw: object = "a100-40gb"
+    else:
+        with open(profile) as f:
+            hw = Hardware.from_json(json.load(f))
     step = pxform.auto(gpt.loss_fn, mesh=dist.get_world_size(), memory_budget="40GiB",
-                       hardware="a100-40gb", plan=the_pin)
+                       hardware=hw, plan=the_pin)
     plan = step.plan(params, batch, cfg)
     dparams = step.distribute(params, batch, cfg)[0]
     held = optree.tree_leaves(step.holds(dparams, batch, cfg)[0])

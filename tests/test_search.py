@@ -599,6 +599,30 @@ def test_a_storage_saved_twice_is_named_by_each_saver_and_views_name_their_input
     assert saved[matmul].inputs_saved[0] and saved[matmul].inputs[0] == 0
 
 
+def test_a_reshape_that_is_a_view_only_by_its_inputs_strides_is_marked():
+    """`SavedBytes.restrides`: a reshape that is a view of a transposed view (here of a
+    transposed view: strides a kernel's output may have) is marked, since a sharded rank
+    whose kernel returns its own layout copies there; a reshape of a value as its op made
+    it is not, nor one that copies already."""
+    from pxform.cost.model import saved_bytes_per_op
+
+    def fn(x):
+        a = torch.tanh(x)
+        back = a.transpose(1, 2).transpose(1, 2).reshape(4, 48)  # a view: marked
+        plain = a.reshape(4, 48)  # a view of tanh's own output: not marked
+        copied = a.transpose(1, 2).reshape(4, 48)  # a copy already: not marked
+        return (back * plain * copied).sum()
+
+    x = torch.randn(4, 6, 8)
+    graph = pxform.trace(fn, x).graph
+    saved = saved_bytes_per_op(graph, 0, len(graph.ops), set())
+    names = [str(op.target).split(".")[1] for op in graph.ops]
+    reshapes = [k for k, n in enumerate(names) if n == "reshape"]
+    assert len(reshapes) == 3
+    assert [saved[k].restrides for k in reshapes] == [True, False, False]
+    assert [saved[k].outputs_alias for k in reshapes] == [(0,), (0,), (-1,)]
+
+
 def test_a_relayout_copies_storage_unless_it_is_a_slice_of_one_contiguous_run():
     """`relayout_copies_storage`: a collective's output is new; a slice along dim 0 (one
     contiguous run) is a view of its input, a slice along a later dim a copy; steps over

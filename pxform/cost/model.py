@@ -423,6 +423,11 @@ class SavedBytes:
     # per op output, the input whose storage it is (a view, an alias), or -1: a view of a
     # re-laid-out copy is that copy (empty: not known)
     outputs_alias: tuple[int, ...] = ()
+    # a reshape (or flatten) that is a view here of a transposed view of another op's
+    # output: a view only because of that op's output strides. A sharded rank may run
+    # that op on re-laid-out copies, whose output comes out in the kernel's own layout,
+    # and the reshape then copies (`blockcost.walk`)
+    restrides: bool = False
 
     @property
     def total(self) -> int:
@@ -438,6 +443,13 @@ class SavedBytes:
             if 0 <= i < len(asks):
                 asks[i] = True
         return tuple(asks) if any(asks) else None
+
+
+RESHAPES = (torch.ops.aten.reshape.default, torch.ops.aten.flatten.using_ints)
+"""Ops that return a view where their input's strides allow, a copy elsewhere."""
+PERMUTES = (torch.ops.aten.transpose.int, torch.ops.aten.permute.default,
+            torch.ops.aten.t.default)
+"""Views that reorder their input's dims (`SavedBytes.restrides`)."""
 
 
 def saved_bytes_per_op(graph: Graph, start: int, stop: int, skip: set[str]
@@ -484,6 +496,7 @@ def saved_bytes_per_op(graph: Graph, start: int, stop: int, skip: set[str]
     made: list[tuple[object | None, ...]] = []  # per op its outputs' storages (kept alive)
 
     packed_now: set[int] = set()  # storages the running op saved, counted or not
+    permuted: set[str] = set()  # values that are transposed views (`SavedBytes.restrides`)
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         storage = t.untyped_storage()
@@ -514,13 +527,20 @@ def saved_bytes_per_op(graph: Graph, start: int, stop: int, skip: set[str]
                 by_out[outs.index(key)] += nbytes
             else:
                 other += nbytes
+        alias = tuple(ins.index(key) if key is not None and key in ins else -1
+                      for key in outs)
+        # a transposed view, and views of one, until an op makes a storage of its own
+        turned = op.target in PERMUTES or any(
+            src >= 0 and op.inputs[src].name in permuted for src in alias)
+        if turned:
+            permuted.update(v.name for v, src in zip(op.outputs, alias) if src >= 0)
+        restrides = (op.target in RESHAPES and alias[:1] == (0,)
+                     and op.inputs[0].name in permuted)
         saved.append(SavedBytes(tuple(by_in), tuple(by_out), other, tuple(stored),
                                 packs=packs[0] > 0,
                                 inputs_saved=tuple(key is not None and key in packed_now
                                                    for key in ins),
-                                outputs_alias=tuple(ins.index(key) if key is not None
-                                                    and key in ins else -1
-                                                    for key in outs)))
+                                outputs_alias=alias, restrides=restrides))
         packs[0] = 0
         packed_now.clear()
         made.append(tuple(r.untyped_storage() if isinstance(r, torch.Tensor) else None
