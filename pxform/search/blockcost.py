@@ -378,13 +378,15 @@ def walk(a: Analysis, block: BlockInfo, strats: list[Strategy], outside: Mapping
         # projection's whole output besides, a 3-layer GPT of width 192 came out 5.9 %
         # over the meter: the forty-fifth session)
         shared = [root.get(v.name, v.name) for v in op.inputs]
-        asked = kept_by.inputs_saved or tuple(bool(b) for b in storages)  # (empty: not known)
-        for i, v in enumerate(op.inputs):
-            if not asked[i]:
+        # (`inputs_saved` empty: not known; an op that saves nothing skips this)
+        asked = (kept_by.inputs_saved or tuple(bool(b) for b in storages)) \
+            if kept_by.packs else ()
+        for i, (v, ask) in enumerate(zip(op.inputs, asked)):
+            if not ask:
                 continue
             if storages[i]:
-                if copies and all(copies[j] is not None for j, r in enumerate(shared)
-                                  if r == shared[i] and asked[j]):
+                if copies and all(copies[j] is not None for j, (r, other) in
+                                  enumerate(zip(shared, asked)) if r == shared[i] and other):
                     uncounted[shared[i]] = storages[i]
                     continue
                 saved += storages[i]
