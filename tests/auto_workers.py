@@ -159,24 +159,16 @@ def run_memory_accuracy(the_pin: Pin, shape: dict | None = None,
     `measure` and `plan.report`: each rank's signed memory error, predicted over
     metered."""
     import dataclasses
-    import json
 
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
-
-    from pxform.cost.hardware import Hardware
 
     torch.manual_seed(0)
     cfg = dataclasses.replace(gpt.GPT_CONFIGS["small"], **(shape or {}))
     params = gpt.init_params(cfg)
     batch = gpt.make_batch(cfg, 16)
-    if profile is None:
-        hw: object = "a100-40gb"
-    else:
-        with open(profile) as f:
-            hw = Hardware.from_json(json.load(f))
     step = pxform.auto(gpt.loss_fn, mesh=dist.get_world_size(), memory_budget="40GiB",
-                       hardware=hw, plan=the_pin)
+                       hardware=profile or "a100-40gb", plan=the_pin)
     plan = step.plan(params, batch, cfg)
     dparams = step.distribute(params, batch, cfg)[0]
     held = optree.tree_leaves(step.holds(dparams, batch, cfg)[0])
