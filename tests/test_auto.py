@@ -260,6 +260,20 @@ def test_predicted_memory_matches_the_meter_on_held_out_shapes(world2, name, sha
     assert abs(worst) <= 0.05, (name, errors)
 
 
+# Zero-bubble's W asks autograd from every weight op's outputs for its weight inputs, and
+# the runtime counts an embedding's lookup of the token ids as a weight op
+# (`pxform.lower.mpmd._weight_ops`, and the sum with the positions' lookup as another):
+# the first stage keeps both lookups of every microbatch in flight to its W. The model
+# had taken the lookups for weights (made from parameters alone, the ids being integers),
+# and that stage came out 2.3 % under the meter on `SHORT`, 1.0-1.3 % on the others.
+@pytest.mark.slow
+def test_a_zero_bubble_first_stage_is_metered_with_its_embedding_lookups_kept(world2):
+    zb = W.pin(2, 1, 1, 8, None, schedule=ScheduleChoice("zb"))
+    errors = world2.run(W.run_memory_accuracy, zb, SHORT)
+    first = errors[0][0]  # rank 0 runs stage 0
+    assert abs(first) <= 0.01, errors
+
+
 # A profile of this kind of machine (2 gloo ranks; the forty-fifth session's accuracy run
 # c) makes the tensor axis split attention's heads, its query, key and value re-laid out
 # into copies of their own, where the a100-40gb preset keeps attention whole. The model

@@ -64,8 +64,11 @@ def test_reprice_gives_a_saved_runs_errors_back_and_moves_them_with_the_profile(
                 elif case.startswith("pp"):
                     # the per-step costs once, after the schedule, not through both
                     # ranks' backwards (`pxform.search.stages.after_schedule`), and the
-                    # no-op dropouts below
-                    assert saved[case] - 0.05 < error < saved[case] + 0.005, case
+                    # no-op dropouts below; zero-bubble's W also runs the embeddings'
+                    # weight gradients since the forty-sixth session (their lookups are
+                    # weight ops, as the runtime finds them): 0.6 points more
+                    over = 0.01 if case.endswith("zb") else 0.005
+                    assert saved[case] - 0.05 < error < saved[case] + over, case
                 elif case.startswith("dp"):
                     # data parallelism meets its peer once, at its last gradient bucket
                     # after the whole backward: past the sync curve's last point, where
@@ -109,7 +112,9 @@ def test_reprice_prices_each_plan_at_the_median_of_the_runs_calibrations(accurac
     by that cost growing as the square root beyond them since the forty-second session:
     2.6-4.8 points down, and by the profile keeping 0.6 of the share fitted on the
     reference since the forty-fourth session: 10.8-14.0 points down with both; and ZeRO-3's,
-    by its packed gathers' copies since the forty-third session: 0.5-1 point up.)"""
+    by its packed gathers' copies since the forty-third session: 0.5-1 point up; and
+    zero-bubble's, whose W runs the embeddings' weight gradients since the forty-sixth
+    session: about half a point up.)"""
     import statistics
 
     path = RESULTS / "accuracy-twenty-eighth-a-2026-11-30.json"
@@ -131,6 +136,11 @@ def test_reprice_prices_each_plan_at_the_median_of_the_runs_calibrations(accurac
         if case in ("zero3", "zero3 kept"):
             assert (statistics.median(each) + 0.002 < error
                     < statistics.median(each) + 0.03), case
+            continue
+        if case.endswith("zb"):
+            assert (statistics.median(each) + 0.002 < error
+                    < statistics.median(each) + 0.01), case
+            moved += abs(error - saved[case]["time_error"]) > 1e-3
             continue
         assert error == pytest.approx(statistics.median(each), abs=0.005), case
         drift.append(error - statistics.median(each))

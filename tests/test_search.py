@@ -599,6 +599,42 @@ def test_a_storage_saved_twice_is_named_by_each_saver_and_views_name_their_input
     assert saved[matmul].inputs_saved[0] and saved[matmul].inputs[0] == 0
 
 
+def test_an_embedding_lookup_of_the_token_ids_is_a_weight_op_as_the_runtime_finds_it():
+    """A zero-bubble W asks autograd from every op that reads a weight and a value made
+    from the batch (`pxform.lower.mpmd._weight_ops`): integer token ids count, so the
+    token embedding's lookup, the sum with the positions' lookup and the matmul after
+    are weight ops (the walk had taken the lookups for weights, made from parameters
+    alone, and everything after them too: no weight op here at all). The stage keeps, from
+    F to W, the outputs no op saves (the token lookup, the matmul's) and the position
+    lookup its sum reads as a weight; B keeps each weight op's output gradient, the token
+    lookup's being the sum's as the add hands it on (`GRAD_PASSTHROUGH`)."""
+    from pxform.cost.model import CostModel
+    from pxform.search.analysis import analyse
+    from pxform.search.context import SearchContext
+    from pxform.search.options import walk_cost
+    from pxform.search.space import Config, options
+
+    def lm(params, ids):
+        wte, wpe, w = params
+        x = F.embedding(ids, wte) + F.embedding(torch.arange(ids.shape[1]), wpe)
+        return torch.tanh(x @ w).square().mean()
+
+    b, s, d, v = 8, 16, 32, 64
+    params = [torch.randn(v, d), torch.randn(s, d), torch.randn(d, d)]
+    hw = pxform.hardware.hardware("a100-80gb")
+    graph, names, _ = pxform.auto(lm, mesh=1, hardware=hw)._graph(
+        (params, torch.randint(0, v, (b, s))))
+    a = analyse(graph, names)
+    config = Config(1, 1, 1, 1)
+    (block,) = a.blocks
+    w = walk_cost(SearchContext(a, CostModel(hw), math.inf, b), block, config,
+                  options(config)[0])
+    act, pos = b * s * d * 4, s * d * 4
+    assert w.weight_ops == 3
+    assert w.weight_out_bytes == 2 * act  # the sum's and the matmul's output gradients
+    assert w.weight_held_bytes == act + pos + act  # token lookup, position lookup, matmul
+
+
 def test_a_reshape_that_is_a_view_only_by_its_inputs_strides_is_marked():
     """`SavedBytes.restrides`: a reshape that is a view of a transposed view (here of a
     transposed view: strides a kernel's output may have) is marked, since a sharded rank

@@ -451,6 +451,10 @@ PERMUTES = (torch.ops.aten.transpose.int, torch.ops.aten.permute.default,
             torch.ops.aten.t.default)
 """Views that reorder their input's dims (`SavedBytes.restrides`)."""
 
+GRAD_PASSTHROUGH = (torch.ops.aten.add.Tensor,)
+"""Ops whose backward hands their output's gradient to an input of the output's shape and
+dtype as it is, the same tensor (autograd's `AddBackward` with alpha 1)."""
+
 
 def saved_bytes_per_op(graph: Graph, start: int, stop: int, skip: set[str]
                        ) -> list[SavedBytes]:

@@ -37,7 +37,7 @@ from typing import Any
 from pxform.core.ir import Value
 from pxform.core.layout import Layout, Relayout, plan_relayout
 from pxform.core.mesh import AbstractMesh
-from pxform.cost.model import CostModel, relayout_copies_storage, relayout_steps
+from pxform.cost.model import GRAD_PASSTHROUGH, CostModel, relayout_copies_storage, relayout_steps
 from pxform.ops.strategy import REPLICATE, Strategy, strategies, strategy_for
 from pxform.passes.propagate import consumer_gradient_layout, gradient_layout
 from pxform.search.analysis import DATA, Analysis, BlockInfo
@@ -201,6 +201,27 @@ def input_times(v: Value, i: int, s: Strategy, have: Layout, cache: RelayoutCach
     return fwd, bwd
 
 
+def _unsaved_weight(a: Analysis, block: BlockInfo, v: Value, layouts: Mapping[str, Layout],
+                    cache: RelayoutCache, held: set[str]) -> float:
+    """Bytes zero-bubble keeps of weight `v`, a weight op's input, from its F to its W
+    beyond the saved bytes (`walk`): those of a storage the block makes of weights each
+    microbatch (a position embedding's lookup) that no op of the block saves, once
+    (`held` collects them); nothing for a parameter, a view or a saved tensor."""
+    if v.name in held or v.name in a.params or v.name in a.param_casts:
+        return 0.0
+    k = a.defined_at.get(v.name)
+    if k is None or not block.start <= k < block.stop:
+        return 0.0
+    op, kept_by = a.graph.ops[k], a.op_saved[k]
+    i = next(j for j, o in enumerate(op.outputs) if o.name == v.name)
+    if (kept_by.outputs_alias and kept_by.outputs_alias[i] >= 0) or \
+            (kept_by.outputs_saved[i] if kept_by.outputs_saved else True):
+        return 0.0
+    held.add(v.name)
+    lay = layouts.get(v.name)
+    return v.type.nbytes * (_local_fraction(v, lay, cache) if lay is not None else 1.0)
+
+
 def walk(a: Analysis, block: BlockInfo, strats: list[Strategy], outside: Mapping[str, Layout],
          params: Mapping[str, Layout], cache: RelayoutCache, scale: float,
          batch_values: frozenset[str], outputs: Mapping[str, Layout]) -> WalkCost:
@@ -234,6 +255,13 @@ def walk(a: Analysis, block: BlockInfo, strats: list[Strategy], outside: Mapping
     redo_runs = 0  # the forward's `fwd_seq` up to there: its collectives meet again
     # values made from parameters alone (a transposed or cast weight): weights too
     weights = set(a.params) | set(a.param_casts)
+    held_weights: set[str] = set()  # weights made in the block that a W keeps (`walk`)
+    held_outputs: list[tuple[str, float]] = []  # weight ops' outputs no op saves, bytes
+    # weight ops' outputs -> their bytes in `weight_out`, how many ops read each, and
+    # those an add hands its own output's gradient to as it is (`GRAD_PASSTHROUGH`)
+    weight_outs: dict[str, float] = {}
+    read_count: dict[str, int] = {}
+    passed: set[str] = set()
     classes = a.op_classes or ("elementwise",) * len(a.graph.ops)
     graph = a.graph
     values = {}
@@ -267,22 +295,42 @@ def walk(a: Analysis, block: BlockInfo, strats: list[Strategy], outside: Mapping
         syncs_in = syncs_back = 0
         fwd_compute += f
         bwd_compute += b
-        floats = [v for v in op.inputs if _floating(v)]
-        reads_weight = [v.name in weights for v in floats]
-        if floats and all(reads_weight):
+        # a weight op as `pxform.lower.mpmd._weight_ops` finds a zero-bubble W's: one
+        # that reads a floating weight (a value made without the batch: a parameter, a
+        # constant, what is made from them alone) and a value made from the batch, of
+        # any dtype: an embedding's lookup of the token ids is one (counted as making a
+        # weight, its output went uncounted where zero-bubble keeps it for the W, 0.37
+        # MiB a microbatch of GPT small's first stage at width 256 x 128 tokens: the
+        # forty-sixth session)
+        weight_in = [v for v in op.inputs if _floating(v) and v.name not in batch_values]
+        for v in op.inputs:
+            if v.name in weight_outs:
+                read_count[v.name] = read_count.get(v.name, 0) + 1
+        if not a.op_batch[k]:
             weights.update(v.name for v in op.outputs)
-        elif any(reads_weight):
+        elif weight_in and op.grad and any(_floating(v) for v in op.outputs):
             # its weight gradient costs about its forward (x^T dy for a matmul)
             weight_compute += min(f, b)
             weight_ops += 1
-            weight_out += sum(v.type.nbytes * sc * _local_fraction(v, lay, cache)
-                              for v, lay in zip(op.outputs, s.outputs) if _floating(v))
-            # zero-bubble's W asks autograd from the op's outputs: the stage keeps them
-            # from F to W, also those no op saves
+            for v, lay in zip(op.outputs, s.outputs):
+                if _floating(v):
+                    weight_outs[v.name] = v.type.nbytes * sc * _local_fraction(v, lay, cache)
+                    weight_out += weight_outs[v.name]
+            if op.target in GRAD_PASSTHROUGH:
+                # (an embedding's lookup summed with the positions': the gradient B
+                # keeps for the lookup is the one it keeps for the sum)
+                passed.update(v.name for v in op.inputs if v.name in weight_outs
+                              and v.type == op.outputs[0].type)
+            # zero-bubble's W asks autograd from the op's outputs for its weight inputs:
+            # the stage keeps both from F to W, also those no op saves. (An output read
+            # after the block, or a view of it, is held there anyway: saved by its
+            # reader, or sent on; counted at the end, once the views are known.)
             kept_anyway = a.op_saved[k].outputs_saved or (True,) * len(op.outputs)
-            weight_held += sum(v.type.nbytes * sc * _local_fraction(v, lay, cache)
-                               for v, lay, kept in zip(op.outputs, s.outputs, kept_anyway)
-                               if _floating(v) and not kept)
+            held_outputs += [(v.name, v.type.nbytes * sc * _local_fraction(v, lay, cache))
+                             for v, lay, kept in zip(op.outputs, s.outputs, kept_anyway)
+                             if _floating(v) and not kept]
+            weight_held += sum(_unsaved_weight(a, block, v, layouts, cache, held_weights)
+                               for v in weight_in)
         # each saved tensor at its own layout's local size; the op's intermediates as its
         # split (`ways`)
         kept_by = a.op_saved[k]
@@ -552,6 +600,9 @@ def walk(a: Analysis, block: BlockInfo, strats: list[Strategy], outside: Mapping
     freed = transient - largest(freed_by, True)
     kept_freed = plain - largest(freed_by, False)
     stored = {n for k in range(block.start, block.stop) for n in a.op_saved[k].stored}
+    crossing = {root.get(n, n) for n in outputs}
+    weight_out -= sum(weight_outs[n] for n in passed if read_count.get(n) == 1)
+    weight_held += sum(b for n, b in held_outputs if root.get(n, n) not in crossing)
     gathered_saved = sum(b for n, b in gathered_params.items() if n in stored)
     return WalkCost(fwd_compute, fwd_comm, bwd_comm, grad_comm, saved, kept, pbytes, gbytes,
                     transient, packed, packed_sent.get("outer", 0.0),
