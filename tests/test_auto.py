@@ -264,14 +264,22 @@ def test_predicted_memory_matches_the_meter_on_held_out_shapes(world2, name, sha
 # the runtime counts an embedding's lookup of the token ids as a weight op
 # (`pxform.lower.mpmd._weight_ops`, and the sum with the positions' lookup as another):
 # the first stage keeps both lookups of every microbatch in flight to its W. The model
-# had taken the lookups for weights (made from parameters alone, the ids being integers),
-# and that stage came out 2.3 % under the meter on `SHORT`, 1.0-1.3 % on the others.
+# had taken the lookups for weights (made from parameters alone, the ids being integers):
+# that stage came out 2.3 % under the meter on `SHORT`. And the last stage's W makes the
+# tied embedding's gradient too, in its pool beside the stage's own: left out, that stage
+# came out 2.8 % under on `VOCAB1K` (5 layers of width 160 at 48 tokens, vocabulary 1,024;
+# the forty-sixth session's held-out shape).
+VOCAB1K = {"num_layers": 5, "d_model": 160, "num_heads": 8, "seq_len": 48,
+           "vocab_size": 1024}
+
+
 @pytest.mark.slow
-def test_a_zero_bubble_first_stage_is_metered_with_its_embedding_lookups_kept(world2):
+@pytest.mark.parametrize("name, shape", [("short", SHORT), ("vocab1k", VOCAB1K)])
+def test_a_zero_bubble_pipeline_is_metered_with_what_its_w_actions_keep(world2, name, shape):
     zb = W.pin(2, 1, 1, 8, None, schedule=ScheduleChoice("zb"))
-    errors = world2.run(W.run_memory_accuracy, zb, SHORT)
-    first = errors[0][0]  # rank 0 runs stage 0
-    assert abs(first) <= 0.01, errors
+    errors = world2.run(W.run_memory_accuracy, zb, shape)
+    worst = max((e for rank in errors for e in rank), key=abs)
+    assert abs(worst) <= 0.015, (name, errors)
 
 
 # A profile of this kind of machine (2 gloo ranks; the forty-fifth session's accuracy run
