@@ -268,7 +268,9 @@ def test_predicted_memory_matches_the_meter_on_held_out_shapes(world2, name, sha
 # that stage came out 2.3 % under the meter on `SHORT`. And the last stage's W makes the
 # tied embedding's gradient too, in its pool beside the stage's own: left out, that stage
 # came out 2.8 % under on `VOCAB1K` (5 layers of width 160 at 48 tokens, vocabulary 1,024;
-# the forty-sixth session's held-out shape).
+# the forty-sixth session's held-out shape). And that stage peaks in the W after its last
+# B, with the input gradients of its last two B's still sending (`schedules.at_peak`):
+# counted as one, it came out 1.3 % under on `SHORT`.
 VOCAB1K = {"num_layers": 5, "d_model": 160, "num_heads": 8, "seq_len": 48,
            "vocab_size": 1024}
 
@@ -279,7 +281,7 @@ def test_a_zero_bubble_pipeline_is_metered_with_what_its_w_actions_keep(world2, 
     zb = W.pin(2, 1, 1, 8, None, schedule=ScheduleChoice("zb"))
     errors = world2.run(W.run_memory_accuracy, zb, shape)
     worst = max((e for rank in errors for e in rank), key=abs)
-    assert abs(worst) <= 0.015, (name, errors)
+    assert abs(worst) <= 0.01, (name, errors)
 
 
 # A profile of this kind of machine (2 gloo ranks; the forty-fifth session's accuracy run

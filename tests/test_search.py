@@ -1548,6 +1548,19 @@ def test_a_transfer_delay_is_charged_only_where_an_action_waits_for_it():
     assert delayed > plain
 
 
+def test_zero_bubble_later_stages_peak_with_their_last_two_input_gradients_sending():
+    """A zero-bubble stage after the first sends its last two B's input gradients, which
+    no later receive shows arrived, with both graphs still held for their W: that moment,
+    a send's, is its peak (`schedules.at_peak` had looked only after compute actions and
+    counted one gradient there)."""
+    from pxform import schedules
+    from pxform.search import pipelines
+
+    assert schedules.at_peak(schedules.zero_bubble(2, 8)) == [(2, 2, 0), (2, 2, 2)]
+    assert pipelines.sent(ScheduleChoice("zb"), 4, 8) == ((4, 0), (4, 2), (4, 2), (4, 2))
+    assert pipelines.sent(ScheduleChoice(), 4, 8) == ((4, 0), (3, 1), (2, 1), (1, 1))
+
+
 @pytest.mark.parametrize("name", ["1f1b", "zb", "shifted"])
 def test_closed_form_counts_equal_the_walk_of_the_schedule(name):
     """The counts the search takes from closed forms (`pipelines.COUNTED`) are what the

@@ -210,7 +210,7 @@ def sent(choice: ScheduleChoice, p: int, m: int,
 
     Example:
         >>> sent(ONE_F_ONE_B, 2, 8), sent(ScheduleChoice("zb"), 2, 8)
-        (((2, 0), (1, 1)), ((2, 0), (2, 1)))
+        (((2, 0), (1, 1)), ((2, 0), (2, 2)))
     """
     return _counts(choice, p, m, weights)[3]
 
@@ -224,7 +224,9 @@ def _sent_closed(choice: ScheduleChoice, p: int, m: int, flights: Sequence[int]
     if choice.name == "shifted":
         return tuple((min(max(p, 3), m), 0) if s == 0 else (1, min(max(p - s, 2), m - 1))
                      for s in range(p))
-    grads = 2 if choice.virtual_stages > 1 else 1
+    # (zero-bubble's later stages send their last two B's input gradients with both
+    # graphs still held for their W: `schedules.at_peak`)
+    grads = 2 if choice.virtual_stages > 1 else min(2, m) if choice.split else 1
     return tuple((f, 0 if s == 0 else grads) for s, f in enumerate(flights))
 
 
