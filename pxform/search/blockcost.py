@@ -146,9 +146,11 @@ class WalkCost:
     gathered_saved_bytes: float = 0.0  # of the parameters they make whole, those the
                                        # block's ops save for backward: what a microbatch
                                        # keeps without reshard after forward
-    weight_held_bytes: float = 0.0  # of `weight_out_bytes`' outputs, those no op saves:
-                                    # a zero-bubble stage keeps them from F to W (the
-                                    # roots its W asks autograd from), beyond the saved
+    weight_held_bytes: float = 0.0  # of `weight_out_bytes`' outputs, those no op saves,
+                                    # and the weights those ops read that the block makes
+                                    # and no op saves: a zero-bubble stage keeps them from
+                                    # F to W (the roots and the weights its W asks
+                                    # autograd about), beyond the saved
     redo_fwd: float = 0.0  # what recomputing the block runs again: its forward up to and
                            # with the last op that saves a tensor for backward (torch's
                            # checkpoint stops once that op saved it: autograd saves an
@@ -601,7 +603,9 @@ def walk(a: Analysis, block: BlockInfo, strats: list[Strategy], outside: Mapping
     kept_freed = plain - largest(freed_by, False)
     stored = {n for k in range(block.start, block.stop) for n in a.op_saved[k].stored}
     crossing = {root.get(n, n) for n in outputs}
-    weight_out -= sum(weight_outs[n] for n in passed if read_count.get(n) == 1)
+    # (read once, by the add: a second reader, in the block or after it, sums gradients)
+    weight_out -= sum(weight_outs[n] for n in passed
+                      if read_count.get(n) == 1 and n not in outputs)
     weight_held += sum(b for n, b in held_outputs if root.get(n, n) not in crossing)
     gathered_saved = sum(b for n, b in gathered_params.items() if n in stored)
     return WalkCost(fwd_compute, fwd_comm, bwd_comm, grad_comm, saved, kept, pbytes, gbytes,
