@@ -314,10 +314,10 @@ def walk(a: Analysis, block: BlockInfo, strats: list[Strategy], outside: Mapping
             # its weight gradient costs about its forward (x^T dy for a matmul)
             weight_compute += min(f, b)
             weight_ops += 1
-            for v, lay in zip(op.outputs, s.outputs):
-                if _floating(v):
-                    weight_outs[v.name] = v.type.nbytes * sc * _local_fraction(v, lay, cache)
-                    weight_out += weight_outs[v.name]
+            made = {v.name: v.type.nbytes * sc * _local_fraction(v, lay, cache)
+                    for v, lay in zip(op.outputs, s.outputs) if _floating(v)}
+            weight_outs.update(made)
+            weight_out += sum(made.values())
             if op.target in GRAD_PASSTHROUGH:
                 # (an embedding's lookup summed with the positions': the gradient B
                 # keeps for the lookup is the one it keeps for the sum)
@@ -328,9 +328,8 @@ def walk(a: Analysis, block: BlockInfo, strats: list[Strategy], outside: Mapping
             # after the block, or a view of it, is held there anyway: saved by its
             # reader, or sent on; counted at the end, once the views are known.)
             kept_anyway = a.op_saved[k].outputs_saved or (True,) * len(op.outputs)
-            held_outputs += [(v.name, v.type.nbytes * sc * _local_fraction(v, lay, cache))
-                             for v, lay, kept in zip(op.outputs, s.outputs, kept_anyway)
-                             if _floating(v) and not kept]
+            held_outputs += [(v.name, made[v.name]) for v, kept in zip(op.outputs, kept_anyway)
+                             if v.name in made and not kept]
             weight_held += sum(_unsaved_weight(a, block, v, layouts, cache, held_weights)
                                for v in weight_in)
         # each saved tensor at its own layout's local size; the op's intermediates as its
