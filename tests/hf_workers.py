@@ -136,3 +136,49 @@ def run_train_mode(name: str) -> dict:
     torch.manual_seed(0)
     eager = float(loss(params, inputs).detach())
     return {"parallel": parallel, "one_rank": one_rank, "eager": eager}
+
+
+def run_hf_memory(pins: dict[str, Pin]) -> dict[str, list[float]]:
+    """An HF Llama of width 256 (4 layers, 8 heads, 4 of keys and values, 64 tokens,
+    vocabulary 1,024, float32, global batch 16): per pinned plan (planned against the
+    a100-40gb preset) distributed, one AdamW step so the optimizer's state exists, then
+    `measure` and `plan.report`: each rank's signed memory error, predicted over
+    metered."""
+    import optree
+    import torch
+    import torch.distributed as dist
+    import transformers
+    from torch.distributed.tensor import DTensor
+
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=1024, max_position_embeddings=64,
+                                      hidden_size=256, num_attention_heads=8,
+                                      num_key_value_heads=4, intermediate_size=512,
+                                      num_hidden_layers=4)
+    fn, params = pxform.module_fn(transformers.LlamaForCausalLM(config).eval())
+    params = {k: v.detach() for k, v in params.items()}
+    ids = torch.randint(1, 1024, (16, 64), generator=torch.Generator().manual_seed(0))
+    inputs = {"input_ids": ids, "labels": ids.clone()}
+
+    def loss(params, inputs):
+        return fn(params, **inputs).loss
+
+    out = {}
+    for name, pin in pins.items():
+        step = pxform.auto(loss, mesh=dist.get_world_size(), memory_budget="40GiB",
+                           hardware="a100-40gb", plan=pin)
+        plan = step.plan(params, inputs)
+        dparams = step.distribute(params, inputs)[0]
+        held = optree.tree_leaves(step.holds(dparams, inputs)[0])
+        is_leaf = lambda x: isinstance(x, DTensor)  # noqa: E731
+        owned = [p for p, h in zip(optree.tree_leaves(dparams, is_leaf=is_leaf), held) if h]
+        opt = torch.optim.AdamW(owned, lr=1e-3)
+        for p in owned:
+            p.grad = torch.zeros_like(p)
+        opt.step()
+        for p in owned:
+            p.grad = None
+        measured = pxform.measure(step, dparams, inputs, optimizer=opt, steps=1, warmup=0)
+        out[name] = [r.memory_error for r in plan.report(measured).ranks]
+    return out

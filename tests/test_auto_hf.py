@@ -63,3 +63,27 @@ def test_searched_plan_on_4_ranks(world4, name):
 def test_zero3_by_tensor_on_4_ranks(world4):
     r = _check(world4.run(H.run_hf, "llama", Pin(stages=1, outer=2, inner=2, microbatches=1)))
     assert r["config"].startswith("pp=1 outer=2 inner=2")
+
+
+def test_llamas_predicted_peak_is_its_metered_one(world2):
+    """HF Llama's rotary cosines come from a buffer and do not require grad, so its
+    layers save no query or key for them: counted as if they did, every plan's predicted
+    peak was 8-16 % over the meter (data parallel +8 %, tensor parallel +15 %, sequence
+    parallel +16 %; the forty-seventh session). Within 3 % now, on the real meter."""
+    from pxform.search.pipelines import ScheduleChoice
+    from pxform.search.space import Option
+
+    def every(roles: tuple) -> tuple:
+        return (Option(roles, False),) * 6  # (the embedding, 4 layers, the head)
+
+    pins = {"dp": Pin(stages=1, outer=2, inner=1, microbatches=1,
+                      block_options=every((("outer", "dp"),))),
+            "tp": Pin(stages=1, outer=1, inner=2, microbatches=1,
+                      block_options=every((("inner", "tp"),))),
+            "sp": Pin(stages=1, outer=1, inner=2, microbatches=1,
+                      block_options=every((("inner", "sp"),))),
+            "pp2 zb": Pin(stages=2, microbatches=8, schedule=ScheduleChoice("zb"))}
+    errors = world2.run(H.run_hf_memory, pins)[0]
+    worst = {name: max(e, key=abs) for name, e in errors.items()}
+    assert all(abs(e) <= 0.03 for e in worst.values()), worst
+

@@ -109,6 +109,21 @@ def test_a_cnn_whose_stages_differ_gets_a_block_per_layer(world2):
     assert not missing
 
 
+@pytest.mark.parametrize("name", ["gemma", "gemma2"])
+def test_gemmas_rmsnorm_cast_does_not_keep_it_from_a_pipeline(world2, name):
+    """Gemma's RMSNorm ends `out.type_as(x)`, x the layer's input: a cast that reads x for
+    its dtype alone. Its rule had x gathered whole, so `auto` refused every pipeline for
+    Gemma ("needs the whole batch at once") and the zoo's plans for it never had stages;
+    pinned to 2 stages it now plans them, runs, and matches one process."""
+    results = world2.run(H.run_zoo, name, "pipeline")
+    for r in results:
+        assert r["ok"], r.get("error")
+        assert r["config"].startswith("pp=2 "), r["config"]
+        assert r["loss_err"] < 1e-5 and r["grad_err"] < 1e-5, r
+    missing = set(results[0]["need"]) - {k for r in results for k in r["have"]}
+    assert not missing
+
+
 def test_stochastic_depth_follows_pxforms_stream(world2):
     """Issue 20's "one vision transformer matches to 2e-3 only under data parallel": Swin
     (and BEiT) in training mode drop residual branches at random (stochastic depth, 0.1 by

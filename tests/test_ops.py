@@ -329,6 +329,19 @@ def test_pinned_signatures():
         "a b ^c ^e, a b ^d ^e, a b ^d f -> a b ^c f"
 
 
+def test_a_cast_like_another_tensor_takes_that_tensors_leading_dims_as_its_own():
+    """`x.type_as(other)` reads only other's dtype: other's leading dims of x's sizes share
+    x's labels, so a batch split of both needs no gather (all `^` before, other was
+    gathered whole, and a pipeline refused Gemma's RMSNorm, `out.type_as(x)`, for reading
+    the whole batch); dims past the shared ones stay `^`."""
+    x3 = torch.randn(2, 4, 6)
+    assert sig_text(lambda x, o: x.type_as(o), x3, x3.double()) == "a b c, a b c -> a b c"
+    assert sig_text(lambda m, o: m.type_as(o), torch.randn(2, 4), x3.double()) == \
+        "a b, a b ^c -> a b"
+    assert sig_text(lambda x, o: x.type_as(o), x3, torch.randn(3).double()) == \
+        "a b c, ^d -> a b c"
+
+
 def test_megatron_patterns_fall_out_of_the_linear_signature():
     """Splitting n shards the output (column parallel); splitting k makes it partial (row
     parallel). The signature says so without any Megatron-specific code."""

@@ -35,7 +35,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -456,16 +456,17 @@ GRAD_PASSTHROUGH = (torch.ops.aten.add.Tensor,)
 dtype as it is, the same tensor (autograd's `AddBackward` with alpha 1)."""
 
 
-def saved_bytes_per_op(graph: Graph, start: int, stop: int, skip: set[str]
-                       ) -> list[SavedBytes]:
+def saved_bytes_per_op(graph: Graph, start: int, stop: int, skip: set[str],
+                       grads: Collection[str] | None = None) -> list[SavedBytes]:
     """Bytes each op of `graph.ops[start:stop]` saves for backward, by input and output,
     measured by running those ops on fake tensors under saved-tensor hooks (no memory, no
     device).
 
-    Values read from outside the range are fake inputs that require grad when floating.
-    A storage is counted once, for the first op that saves it; storages of values named in
-    `skip` (parameters, batch inputs: stored anyway) are not counted, but named in
-    `SavedBytes.stored` of every op saving them.
+    Values read from outside the range are fake inputs that require grad where named in
+    `grads` (None: `requiring_grad(graph)`, made with autograd from a floating graph
+    input). A storage is counted once, for the first op that
+    saves it; storages of values named in `skip` (parameters, batch inputs: stored anyway)
+    are not counted, but named in `SavedBytes.stored` of every op saving them.
 
     Example:
         >>> [s.total for s in saved_bytes_per_op(traced.graph, 0, 3, {"params.w"})]
@@ -479,14 +480,15 @@ def saved_bytes_per_op(graph: Graph, start: int, stop: int, skip: set[str]
     sub = Graph(tuple(inputs), ops, (), tuple(c for c in graph.constants
                                               if c.value.name in outside),
                 f"{graph.name}[{start}:{stop}]")
-    # a value made without autograd (under no_grad, or detached: a module buffer read by
-    # `module_fn`) does not require grad, or an op refusing gradients for it (BatchNorm's
-    # running statistics) fails here
-    no_grad = {o.name for op in graph.ops if not op.grad or op.name == "detach"
-               for o in op.outputs}
+    # a value made without autograd (under no_grad, from a module buffer, from nothing)
+    # does not require grad: an op refusing gradients for it (BatchNorm's running
+    # statistics) fails here, and an op reading it beside an activation saves only
+    # what the activation's gradient needs
+    if grads is None:
+        grads = requiring_grad(graph)
     with mode:
         tensors = [torch.empty(v.type.shape, dtype=v.type.dtype).requires_grad_(
-                   v.type.dtype.is_floating_point and v.name not in no_grad) for v in inputs]
+                   v.name in grads) for v in inputs]
     skipped = {id(t.untyped_storage()): v.name for v, t in zip(inputs, tensors)
                if v.name in skip}
     # our own value -> tensor map (run_graph drops dead values; fake tensors cost nothing)
@@ -558,6 +560,28 @@ def saved_bytes_per_op(graph: Graph, start: int, stop: int, skip: set[str]
     return [dataclasses.replace(s, outputs_saved=tuple(st is not None and id(st) in packed
                                                        for st in outs))
             for s, outs in zip(saved, made)]
+
+
+def requiring_grad(graph: Graph, trainable: Collection[str] | None = None) -> set[str]:
+    """The values of `graph` that require grad when the step runs: the `trainable` graph
+    inputs (None: every floating one), and each floating output of an op run with
+    autograd (`Op.grad`, not a `detach`) that reads one of them. What autograd decides
+    in eager: a rotary embedding's cosines, made from a module buffer and positions, do
+    not require grad, so a layer's `q * cos` saves the cosines alone, not `q`. (Taken
+    to require grad as every floating value read from outside a block, HF Llama's
+    layers were counted 1.5 MiB each over at 512 tokens of width 256, its plans' peaks
+    8-16 % over the meter: the forty-seventh session.)
+
+    Example:
+        >>> sorted(requiring_grad(traced.graph, {"params.w"}))  # w, x @ w; not the mask
+        ['1', 'params.w']
+    """
+    needs = {v.name for v in graph.inputs if v.type.dtype.is_floating_point
+             and (trainable is None or v.name in trainable)}
+    for op in graph.ops:
+        if op.grad and op.name != "detach" and any(v.name in needs for v in op.inputs):
+            needs.update(v.name for v in op.outputs if v.type.dtype.is_floating_point)
+    return needs
 
 
 def peak_bytes(state: float, grads: float, activations: float, in_flight: int,

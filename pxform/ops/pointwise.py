@@ -181,14 +181,24 @@ def _glu(op: Op) -> OpInfo:
 
 @register_rule(*overloads("to.other", "type_as"))
 def _cast_like(op: Op) -> OpInfo:
-    """`x.to(other)`: only `other`'s dtype matters; its dims are unrelated and kept `^`."""
+    """`x.to(other)`: only `other`'s dtype matters, so any layout of it would do. Its
+    leading dims of x's sizes take x's labels (RMSNorm's `out.type_as(x)`, x the
+    layer's input; a padding mask cast `type_as` the embeddings): other comes split as x
+    is, over the batch where x is; the rest are unrelated and kept `^`. (All kept `^`,
+    other was gathered whole, and a pipeline refused Gemma and Funnel for reading the
+    whole batch at once.)"""
     x, other = op.inputs
     lm = LabelMaker()
-    labels, other_labels = lm.many(x.type.rank), lm.many(other.type.rank)
+    labels = lm.many(x.type.rank)
+    shared = 0
+    while shared < min(x.type.rank, other.type.rank) and \
+            x.type.shape[shared] == other.type.shape[shared]:
+        shared += 1
+    other_labels = labels[:shared] + lm.many(other.type.rank - shared)
     sizes = dict(zip(labels, x.type.shape)) | dict(zip(other_labels, other.type.shape))
     sig = Signature.make([[(lb,) for lb in labels], [(lb,) for lb in other_labels]],
-                         [[(lb,) for lb in labels]], sizes, fixed=set(other_labels),
-                         linear=[{0}])
+                         [[(lb,) for lb in labels]], sizes,
+                         fixed=set(other_labels) - set(labels), linear=[{0}])
     info = OpInfo(sig, x.type.numel)
     return _as_view(info) if returns_its_input(op) else info
 

@@ -27,7 +27,7 @@ from pxform.core.ir import Graph, Value, read_from_outside
 from pxform.core.layout import LOCAL_STEPS, Layout, plan_relayout
 from pxform.core.mesh import AbstractMesh
 from pxform.core.spec import P
-from pxform.cost.model import SavedBytes, op_class, saved_bytes_per_op
+from pxform.cost.model import SavedBytes, op_class, requiring_grad, saved_bytes_per_op
 from pxform.frontend.precision import INPUT_CAST
 from pxform.frontend.trace import last_uses
 from pxform.ops import rule_info
@@ -132,10 +132,20 @@ def analyse(graph: Graph, batch_inputs: set[str], batch_dim: int = 0,
     # per kind, at each position of the values its blocks read from outside, whether
     # every block reads a stored value there (a parameter, a batch input such as a mask)
     stored_at: dict[int, list[bool]] = {}
+    # and whether some block reads a value there that requires grad when the step runs
+    # (the step differentiates the parameters): an op reading it saves what its
+    # gradient needs. The first of a stack of layers reads the batch where the others
+    # read an activation, and its first matmul saves no weight for the batch's gradient
+    grads = requiring_grad(graph, params)
+    grad_at: dict[int, list[bool]] = {}
     for (a, b, _), k in zip(blocks, kind_of):
-        here = [v.name in skip for v in read_from_outside(graph.ops[a:b])]
+        outside = read_from_outside(graph.ops[a:b])
+        here = [v.name in skip for v in outside]
         before = stored_at.get(k)
         stored_at[k] = here if before is None else [x and y for x, y in zip(before, here)]
+        needs = [v.name in grads for v in outside]
+        before = grad_at.get(k)
+        grad_at[k] = needs if before is None else [x or y for x, y in zip(before, needs)]
     done: dict[int, list[SavedBytes]] = {}
     for (a, b, _), k in zip(blocks, kind_of):
         # (a kind's blocks share the first one's: its `stored` names that block's
@@ -146,7 +156,8 @@ def analyse(graph: Graph, batch_inputs: set[str], batch_dim: int = 0,
         if k not in done:
             outside = read_from_outside(graph.ops[a:b])
             own = {v.name for v, kept in zip(outside, stored_at[k]) if not kept}
-            done[k] = saved_bytes_per_op(graph, a, b, (skip - own) | set(params))
+            needing = grads | {v.name for v, need in zip(outside, grad_at[k]) if need}
+            done[k] = saved_bytes_per_op(graph, a, b, (skip - own) | set(params), needing)
         saved[a:b] = done[k]
     # the reference data axis: the smallest split of the batch there is (2 for even
     # batches), so the propagation can split it; which dims carry the batch is all it

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pxform.core.errors import PipelineError
 from pxform.core.ir import Graph, Value
 from pxform.core.units import format_bytes, format_table
-from pxform.cost.model import peak_bytes, saved_bytes_per_op, workspace_bytes
+from pxform.cost.model import peak_bytes, requiring_grad, saved_bytes_per_op, workspace_bytes
 from pxform.passes.cuts import Block
 from pxform.schedules.timing import most_between
 
@@ -105,7 +105,11 @@ def block_memory(graph: Graph, blocks: Sequence[Block], batch_inputs: set[str],
     # the search's meter (`pxform.cost.model.saved_bytes_per_op`), block by block as the
     # search measures: parameters and batch inputs are stored anyway, so not counted
     stored = {v.name for v in graph.inputs}
-    saved = [sum(s.total for s in saved_bytes_per_op(graph, b.start, b.stop, stored))
+    # (what the step differentiates: the floating arguments that are not the batch)
+    trainable = {v.name for v in graph.inputs
+                 if v.name not in batch_inputs and v.type.dtype.is_floating_point}
+    grads = requiring_grad(graph, trainable)
+    saved = [sum(s.total for s in saved_bytes_per_op(graph, b.start, b.stop, stored, grads))
              for b in blocks]
     out = []
     defined_in: dict[str, int] = {v.name: op_block[k] for k, op in enumerate(graph.ops)
