@@ -54,6 +54,7 @@ carried the fit's factor as well as the drift).
     python benchmarks/accuracy.py --fit-model    # op times fitted to the GPT's own step
     python benchmarks/accuracy.py --reprice FILE --unfitted  # a --fit-model run, fit taken out
     python benchmarks/accuracy.py --memory-only --config small:num_layers=3,d_model=192
+    python benchmarks/accuracy.py --memory-only --hf llama   # a Hugging Face model's plans
 
 `--config KEY:field=value,...` runs a GPT shape of its own (`gpt_config`): every saved run
 before the forty-first session was GPT small, the shape the calibration's reference
@@ -69,7 +70,9 @@ which follows the profile's prices, so a tensor-parallel plan can be laid out, a
 differently under a CPU profile) metered once on the
 ranks against its predicted peak, in about 20 s. Memory is deterministic here (the
 runs' peak spread is 0 on every plan), so one call tells what a full run's memory
-columns would.
+columns would. With `--hf NAME` the model is a random-init Hugging Face model of
+`HF_MODELS` (width 256, 4 layers, 8 heads, 64 tokens, vocabulary 1,024: models the memory
+model was never fitted on; since the forty-seventh session), through `pxform.module_fn`.
 
 `--reprice` runs nothing: it prices the pinned cases of saved runs again with the current
 code, from each run's own calibrations (their representative, carrying them all), against
@@ -365,13 +368,15 @@ def _laid_out(step: Any, params: Any, batch: Any) -> tuple[Any, Any]:
 
 
 def memory_main(config: str, batch_size: int, quick: bool = False,
-                profile: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+                profile: dict[str, Any] | None = None, hf: str | None = None
+                ) -> list[dict[str, Any]]:
     """On every rank (`--memory-only`): each pinned case planned against `profile` (a
     saved profile's JSON; None: the a100-40gb preset), laid out, one AdamW step, then one
     metered call (`pxform.measure`): per case its plan and each rank's predicted and
     metered peak. Deterministic: no calibration, no timing. A pin leaves the tensor
     axis's per-op choices to the search, and those follow the profile's prices: a
-    tensor-parallel plan's memory can differ between profiles (`--profile`)."""
+    tensor-parallel plan's memory can differ between profiles (`--profile`). With `hf`,
+    the Hugging Face model of that name (`_hf_case`) instead of the GPT."""
     harness.add_paths()
     import torch.distributed as dist
 
@@ -380,7 +385,8 @@ def memory_main(config: str, batch_size: int, quick: bool = False,
     from pxform.tools.runtime_costs import with_relayout_gap
 
     world = dist.get_world_size()
-    gpt_loss, params, batch = _gpt_case(config, batch_size)
+    gpt_loss, params, batch = _hf_case(hf, batch_size) if hf else \
+        _gpt_case(config, batch_size)
     hw = pxform.hardware.hardware("a100-40gb") if profile is None else \
         with_relayout_gap(Hardware.from_json(profile), world)
     blocks = len(pxform.auto(gpt_loss, mesh=world, hardware=hw).plan(params, batch).blocks)
@@ -388,7 +394,11 @@ def memory_main(config: str, batch_size: int, quick: bool = False,
     chosen = cases(world, blocks)[1:]  # (the searched plan follows the profile)
     for name, pin in chosen[:2] if quick else chosen:
         step = pxform.auto(gpt_loss, mesh=world, hardware=hw, plan=pin)
-        plan = step.plan(params, batch)
+        try:
+            plan = step.plan(params, batch)
+        except pxform.PxformError as exc:  # (a plan refused: its message, the others run)
+            rows.append({"case": name, "error": str(exc).splitlines()[0]})
+            continue
         dparams, opt = _laid_out(step, params, batch)
         report = plan.report(pxform.measure(step, dparams, batch, optimizer=opt, steps=1,
                                             warmup=0))
@@ -427,42 +437,57 @@ def _memory_only(args: Any) -> None:
     from pxform.core.units import format_table
     from pxform.tools.testing import World
 
-    cfg = gpt_config(args.config)
     profile, source = _memory_profile(args.profile)
     with World(args.ranks, timeout=300) as world:
         rows = world.run(accuracy.memory_main, args.config, args.batch, args.quick,
-                         profile)[0]
-    print(f"GPT {args.config} ({cfg.num_params() / 1e6:.2f} M params), global batch "
-          f"{args.batch} x {cfg.seq_len} tokens, float32, {args.ranks} gloo ranks: each "
-          f"pinned plan's predicted peak per rank against `pxform.MemoryMeter` plus Adam's "
-          f"state, one metered call; planned against {source}")
+                         profile, args.hf)[0]
+    if args.hf:
+        model = args.hf
+        config: dict[str, Any] = {"model": f"hf:{args.hf}", "global_batch": args.batch,
+                                  "seq_len": 64, "num_layers": 4, "d_model": 256,
+                                  "num_heads": 8, "vocab_size": 1024}
+        print(f"Hugging Face {args.hf} (random init: width 256, 4 layers, 8 heads), global "
+              f"batch {args.batch} x 64 tokens", end="")
+    else:
+        cfg = gpt_config(args.config)
+        model = args.config
+        config = {"model": args.config, "params": cfg.num_params(),
+                  "global_batch": args.batch, "seq_len": cfg.seq_len,
+                  "num_layers": cfg.num_layers, "d_model": cfg.d_model,
+                  "num_heads": cfg.num_heads, "vocab_size": cfg.vocab_size}
+        print(f"GPT {args.config} ({cfg.num_params() / 1e6:.2f} M params), global batch "
+              f"{args.batch} x {cfg.seq_len} tokens", end="")
+    print(f", float32, {args.ranks} gloo ranks: each pinned plan's predicted peak per rank "
+          f"against `pxform.MemoryMeter` plus Adam's state, one metered call; planned "
+          f"against {source}")
     table = [("case", "plan", *(f"rank {k} predicted / measured"
                                   for k in range(args.ranks)), "error")]
     for r in rows:
+        if "error" in r:
+            table.append((r["case"], f"refused: {r['error'][:100]}", *("",) * args.ranks, ""))
+            continue
         table.append((r["case"], r["config"].replace(" schedule=1f1b", ""),
                       *(f"{k['predicted_memory_bytes'] / 2**20:.2f} / "
                         f"{k['measured_memory_bytes'] / 2**20:.2f} MiB" for k in r["ranks"]),
                       f"{r['memory_error']:+.1%}"))
     print("\n".join(format_table(table, align="ll" + "r" * (args.ranks + 1), indent="  ")))
-    errors = [abs(r["memory_error"]) for r in rows]
+    errors = [abs(r["memory_error"]) for r in rows if "error" not in r]
     met = sum(e <= GOAL_MEMORY for e in errors)
-    print(f"  goal |memory error| <= {GOAL_MEMORY:.0%}: {met}/{len(errors)} cases (worst "
-          f"{max(errors):.1%})")
+    refused = len(rows) - len(errors)
+    print(f"  goal |memory error| <= {GOAL_MEMORY:.0%}: {met}/{len(rows)} cases (worst "
+          f"{max(errors, default=0.0):.1%}" + (f"; {refused} refused" if refused else "")
+          + ")")
     if args.quick:
         return
-    tag = re.sub(r"[^A-Za-z0-9.]+", "-", f"memory-only-{args.config}-batch{args.batch}"
+    tag = re.sub(r"[^A-Za-z0-9.]+", "-", f"memory-only-{model}-batch{args.batch}"
                  f"-ranks{args.ranks}" + ("-profile" if args.profile else ""))
     path = harness.write_result("accuracy", {
         "goal": {"abs_memory_error": GOAL_MEMORY},
-        "config": {"model": args.config, "params": cfg.num_params(),
-                   "global_batch": args.batch, "seq_len": cfg.seq_len,
-                   "num_layers": cfg.num_layers, "d_model": cfg.d_model,
-                   "num_heads": cfg.num_heads, "vocab_size": cfg.vocab_size,
-                   "dtype": "float32", "ranks": args.ranks, "backend": "gloo",
+        "config": {**config, "dtype": "float32", "ranks": args.ranks, "backend": "gloo",
                    "hardware": f"{source} (plans only)"},
         "cases": rows,
-        "summary": {"memory_within_goal": met, "cases": len(errors),
-                    "worst_abs_memory_error": max(errors)},
+        "summary": {"memory_within_goal": met, "cases": len(rows), "refused": refused,
+                    "worst_abs_memory_error": max(errors, default=0.0)},
     }, out_dir=args.out, variant=tag)
     print(f"wrote {path}")
 
@@ -593,6 +618,61 @@ def gpt_config(spec: str) -> Any:
         raise SystemExit(f"accuracy.py: --config {spec!r}: d_model {cfg.d_model} is not "
                          f"a multiple of num_heads {cfg.num_heads}")
     return cfg
+
+
+HF_MODELS = ("bert", "gemma", "gpt2", "gpt_neox", "llama", "mistral", "opt", "phi3", "qwen2")
+"""The Hugging Face models `--memory-only --hf` meters (`_hf_case`)."""
+
+
+def _hf_case(name: str, batch_size: int) -> tuple[Any, Any, Any]:
+    """(loss function, parameters, batch) of the random-init Hugging Face model `name`
+    (`HF_MODELS`: width 256, 4 layers, 8 heads, 4 of keys and values where the model has
+    fewer, intermediate 512, 64 tokens, vocabulary 1,024; float32, eval mode) at
+    `batch_size` sequences, through `pxform.module_fn`. BERT's batch has a padding mask
+    that differs from row to row; the causal models' none (their mask is causal)."""
+    import torch
+    import transformers
+
+    import pxform
+
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    vocab, seq = 1024, 64
+    small = dict(vocab_size=vocab, max_position_embeddings=seq, hidden_size=256,
+                 num_attention_heads=8, intermediate_size=512, num_hidden_layers=4)
+    grouped = dict(small, num_key_value_heads=4)
+    configs: dict[str, tuple[str, str, dict[str, Any]]] = {
+        "bert": ("BertForMaskedLM", "BertConfig", small),
+        "gemma": ("GemmaForCausalLM", "GemmaConfig", dict(grouped, head_dim=32)),
+        "gpt2": ("GPT2LMHeadModel", "GPT2Config",
+                 dict(n_layer=4, n_embd=256, n_head=8, vocab_size=vocab, n_positions=seq)),
+        "gpt_neox": ("GPTNeoXForCausalLM", "GPTNeoXConfig", small),
+        "llama": ("LlamaForCausalLM", "LlamaConfig", grouped),
+        "mistral": ("MistralForCausalLM", "MistralConfig", grouped),
+        "opt": ("OPTForCausalLM", "OPTConfig",
+                dict(vocab_size=vocab, max_position_embeddings=seq, hidden_size=256,
+                     num_attention_heads=8, ffn_dim=512, num_hidden_layers=4,
+                     word_embed_proj_dim=256)),
+        "phi3": ("Phi3ForCausalLM", "Phi3Config", dict(grouped, pad_token_id=0)),
+        "qwen2": ("Qwen2ForCausalLM", "Qwen2Config", grouped),
+    }
+    if name not in configs:
+        raise SystemExit(f"accuracy.py: --hf {name!r}: choose one of {', '.join(HF_MODELS)}")
+    model_class, config_class, fields = configs[name]
+    config = getattr(transformers, config_class)(**fields)
+    fn, params = pxform.module_fn(getattr(transformers, model_class)(config).eval())
+    params = {k: v.detach() for k, v in params.items()}
+    ids = torch.randint(1, vocab, (batch_size, seq), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, "labels": ids.clone()}
+    if name == "bert":
+        # row b keeps its first 8 + b tokens, up to all of them
+        batch["attention_mask"] = torch.ones(batch_size, seq, dtype=torch.long).tril(7)
+
+    def loss(p: dict, b: dict) -> torch.Tensor:
+        return fn(p, **b).loss
+
+    loss.__name__ = f"{name}_loss"
+    return loss, params, batch
 
 
 def _gpt_case(config: str, batch_size: int) -> tuple[Any, Any, Any]:
@@ -761,10 +841,15 @@ def main() -> None:
     p.add_argument("--memory-only", action="store_true",
                    help="memory alone: each pinned case metered once against its predicted "
                         "peak, no calibration or timing (~20 s; `memory_main`)")
+    p.add_argument("--hf", metavar="NAME", choices=HF_MODELS,
+                   help="with --memory-only: a random-init Hugging Face model "
+                        f"({', '.join(HF_MODELS)}) instead of the GPT")
     p.add_argument("--profile", metavar="FILE",
                    help="with --memory-only: plan against this saved profile, or a saved "
                         "result's first calibration (default: the a100-40gb preset)")
     args = p.parse_args()
+    if args.hf and not args.memory_only:
+        p.error("--hf meters memory alone: add --memory-only")
     if args.memory_only:
         harness.add_paths()
         _memory_only(args)

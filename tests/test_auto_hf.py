@@ -40,10 +40,7 @@ def _check(results: list[dict]) -> dict:
 
 @pytest.mark.parametrize("name", MODELS)
 def test_searched_plan_on_2_ranks(world2, name):
-    r = _check(world2.run(H.run_hf, name, None))
-    if name == "bert":
-        # its padding mask indexes the whole batch: no pipeline can cut it
-        assert r["config"].startswith("pp=1")
+    _check(world2.run(H.run_hf, name, None))
 
 
 @pytest.mark.parametrize("name", MODELS)

@@ -233,6 +233,25 @@ def test_the_accuracy_benchmarks_memory_only_mode_meters_the_pinned_plans(tmp_pa
     assert not list(tmp_path.iterdir())  # --quick writes nothing
 
 
+def test_the_accuracy_benchmarks_memory_only_mode_meters_a_hugging_face_model(tmp_path):
+    """`--memory-only --hf llama` meters an HF Llama's pinned plans the same way (the
+    first two, `--quick`): a model the memory model was never fitted on, within the
+    goal (its rotary cosines, made from a buffer, put every plan 8-16 % over until the
+    forty-seventh session)."""
+    pytest.importorskip("transformers")
+    import subprocess
+
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "accuracy.py"), "--memory-only",
+           "--quick", "--hf", "llama", "--out", str(tmp_path)]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=ROOT)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("Hugging Face llama"), result.stdout
+    assert "goal |memory error| <= 5%: 2/2 cases" in result.stdout, result.stdout
+    bad = subprocess.run(cmd[:2] + ["--hf", "llama"], capture_output=True, text=True,
+                         timeout=60, cwd=ROOT)
+    assert bad.returncode != 0 and "--hf meters memory alone: add --memory-only" in bad.stderr
+
+
 @pytest.fixture(scope="module")
 def pipeline_bench():
     yield from _benchmark("pipeline")

@@ -124,6 +124,28 @@ def test_gemmas_rmsnorm_cast_does_not_keep_it_from_a_pipeline(world2, name):
     assert not missing
 
 
+def test_encoders_with_padding_masks_are_pipelined(world2):
+    """HF's encoders build their attention mask by indexing the padding mask with
+    `arange(batch)` (`transformers.masking_utils`): a value of global row positions, so
+    the mask was read whole and `auto` refused every pipeline for them ("needs the whole
+    batch at once"). Traced as per-row indexing (`pxform.frontend.rows`), each
+    microbatch reads its own rows: pinned to 2 stages they plan, run, and match one
+    process (the zoo's masks differ from row to row)."""
+    failures = []
+    for name in ("albert", "bert", "distilbert", "electra", "mpnet", "roberta"):
+        results = world2.run(H.run_zoo, name, "pipeline")
+        for r in results:
+            if not r["ok"]:
+                failures.append(f"{name}: {r['error'][:300]}")
+                break
+            if not r["config"].startswith("pp=2 ") or r["loss_err"] > 1e-12 \
+                    or r["grad_err"] > 1e-12:
+                failures.append(f"{name}: {r['config']}, {r['loss_err']:.1e}, "
+                                f"{r['grad_err']:.1e}")
+                break
+    assert not failures, "\n".join(failures)
+
+
 def test_stochastic_depth_follows_pxforms_stream(world2):
     """Issue 20's "one vision transformer matches to 2e-3 only under data parallel": Swin
     (and BEiT) in training mode drop residual branches at random (stochastic depth, 0.1 by

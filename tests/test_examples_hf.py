@@ -37,9 +37,6 @@ def test_example_trains_and_matches_one_process(model):
     out = result.stdout
     assert result.returncode == 0, out[-4000:] + result.stderr[-4000:]
     assert f"plan for {model}_loss: 2 devices" in out
-    if model == "bert":
-        # the padding mask mixes the whole batch: the search plans no pipeline for it
-        assert "pp=1 " in out
     # rank 0 logged every step, then printed both curves side by side and the verdict
     logged = re.findall(r"^step +(\d+) +loss (\S+) +[\d.]+ ms$", out, re.MULTILINE)
     assert [int(i) for i, _ in logged] == list(range(STEPS))

@@ -437,25 +437,27 @@ def test_plans_with_a_measured_profile(tmp_path):
 
 
 def test_a_function_needing_the_whole_batch_gets_no_pipeline():
-    """HF BERT's padding mask indexes rows by arange(batch): data parallelism gathers the
-    mask, a pipeline's microbatches cannot. The search plans no pipeline for it, and a
-    pinned one is refused with the op that needs the whole batch."""
-    from test_models import _hf_model
+    """Rows taken in reverse order by position (`x[arange(B).flip(0)]`): data parallelism
+    gathers the batch, a pipeline's microbatches cannot. The search plans no pipeline for
+    it, and a pinned one is refused with the op that needs the whole batch. (HF BERT's
+    padding mask, indexed by `arange(B)` in order, was such a function until its row
+    lookups were traced as per-row indexing: `pxform.frontend.rows`.)"""
+    def reversed_rows(params, x):
+        h = x[torch.arange(x.shape[0]).flip(0)]
+        for w in params:
+            h = torch.tanh(h @ w)
+        return h.pow(2).mean()
 
-    model, inputs = _hf_model("bert")
-    fn, params = pxform.module_fn(model)
-
-    def bert_loss(params, inputs):
-        return fn(params, **inputs).loss
-
-    plan = pxform.auto(bert_loss, mesh=4, memory_budget="1GiB", hardware="a100-40gb"
-                       ).plan(params, inputs)
+    params = [torch.randn(64, 64) for _ in range(4)]
+    x = torch.randn(32, 64)
+    plan = pxform.auto(reversed_rows, mesh=4, memory_budget="1GiB", hardware="a100-40gb"
+                       ).plan(params, x)
     assert plan.stages == 1 and plan.microbatches == 1
     with pytest.raises(pxform.SearchError, match=r"a pipeline cuts the batch into "
                        r"microbatches, but this function needs the whole batch at once: "
-                       r".*index.* reads %\d+ \(b8\[2,16\]\) across the whole batch"):
-        pxform.auto(bert_loss, mesh=4, memory_budget="1GiB", hardware="a100-40gb",
-                    plan=Pin(stages=2)).plan(params, inputs)
+                       r".*index.* reads %x \(f32\[32,64\]\) across the whole batch"):
+        pxform.auto(reversed_rows, mesh=4, memory_budget="1GiB", hardware="a100-40gb",
+                    plan=Pin(stages=2)).plan(params, x)
 
 
 def test_pipelined_plans_split_the_batch_over_the_same_data_axes_in_every_block():

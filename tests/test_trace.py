@@ -186,6 +186,57 @@ def test_no_grad_region_is_kept():
     torch.testing.assert_close(g_got, g_ref)
 
 
+def masked_scores(w, x, mask):
+    """HF's padding mask as `transformers.masking_utils` builds it: the 2-D mask indexed
+    with broadcast row and key positions (row b of the result is row b of the mask)."""
+    rows = torch.arange(mask.shape[0])[:, None, None, None]
+    keys = torch.arange(mask.shape[1])[None, None, None, :]
+    keep = mask.bool()[rows, keys]                                   # [B, 1, 1, S]
+    scores = (x @ w) @ x.transpose(1, 2)                             # [B, S, S]
+    return scores.unsqueeze(1).masked_fill(~keep, -1e4).softmax(-1).sum()
+
+
+def test_a_row_lookup_by_position_becomes_per_row_indexing():
+    """`mask[arange(B)[:, None, None, None], keys]` reads row b for row b: traced, it is
+    `mask[:, keys]` with the size-1 dim squeezed (`pxform.frontend.rows`), so the batch
+    dim passes through and a pipeline's microbatch reads its own rows; the arange of the
+    traced batch is gone. Values and gradients are eager's, exactly."""
+    g = torch.Generator().manual_seed(0)
+    w, x = torch.randn(8, 8, generator=g), torch.randn(4, 6, 8, generator=g)
+    mask = torch.ones(4, 6, dtype=torch.long).tril(2)
+    traced = pxform.trace(masked_scores, w, x, mask)
+    ops = traced.graph.ops
+    index = next(op for op in ops if op.name == "index")
+    assert index.args[1][0] is None and str(index.outputs[0].type) == "b8[4,1,1,1,6]"
+    assert [op.name for op in ops if op.name == "arange"] == ["arange"]  # the keys' only
+    squeeze = next(op for op in ops if op.inputs and op.inputs[0] == index.outputs[0])
+    assert squeeze.name == "squeeze" and str(squeeze.outputs[0].type) == "b8[4,1,1,6]"
+    w.requires_grad_()
+    ref, got = masked_scores(w, x, mask), traced(w, x, mask)
+    torch.testing.assert_close(got, ref, rtol=0, atol=0)
+    torch.testing.assert_close(torch.autograd.grad(got, w), torch.autograd.grad(ref, w),
+                               rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("rows", [lambda n: torch.arange(1, n + 1) - 1,
+                                  lambda n: torch.arange(n).flip(0),
+                                  lambda n: torch.arange(n - 1)])
+def test_a_row_lookup_by_other_positions_is_left_as_traced(rows):
+    """Only `arange(n)` over the whole first dim (from 0, step 1) is the identity on the
+    rows: other positions (shifted, reversed, fewer) stay an index the propagation
+    reads whole."""
+    mask = torch.ones(4, 6, dtype=torch.bool).tril(2)
+
+    def fn(mask):
+        r = rows(mask.shape[0])[:, None, None, None]
+        return mask[r, torch.arange(6)[None, None, None, :]]
+
+    traced = pxform.trace(fn, mask)
+    index = next(op for op in traced.graph.ops if op.name == "index")
+    assert index.args[1][0] is not None
+    assert torch.equal(traced(mask), fn(mask))
+
+
 def test_unknown_op_error_names_op_and_user_line():
     def fn(x):
         y = x + 1

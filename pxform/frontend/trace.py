@@ -53,6 +53,7 @@ from pxform.frontend.decompositions import decompositions
 from pxform.frontend.precision import AUTOCAST, apply_precision
 from pxform.frontend.reuse import reusing
 from pxform.frontend.rng import INPLACE, PLAN_INDEPENDENT, RANDOM, tag_random
+from pxform.frontend.rows import rows_indexed
 from pxform.ops import FALLBACK_TAG, bind, has_rule, rule_info, unsupported_error
 from pxform.ops.norm import BATCH_STATS
 from pxform.ops.view import MAY_COPY, TRACED_VIEW
@@ -380,6 +381,8 @@ def trace(fn: Callable[..., Any], *args: Any, allow_fallback: bool = False,
     params = {name for name, i in zip(input_names, tensor_pos)
               if len(paths[i]) > 1 and paths[i][0] == 0 and
               paths[i][1] in {n % max(len(args), 1) for n in param_argnums}}
+    # (before the precision pass: a cast it inserts reads the rewritten values)
+    graph = rows_indexed(graph)
     graph = apply_precision(graph, precision, params, fn_name)
     if fallbacks and report_fallbacks:
         warnings.warn(
