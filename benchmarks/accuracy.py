@@ -442,7 +442,7 @@ def _memory_only(args: Any) -> None:
         rows = world.run(accuracy.memory_main, args.config, args.batch, args.quick,
                          profile, args.hf)[0]
     if args.hf:
-        model = args.hf
+        model = f"hf-{args.hf}"
         config: dict[str, Any] = {"model": f"hf:{args.hf}", "global_batch": args.batch,
                                   "seq_len": 64, "num_layers": 4, "d_model": 256,
                                   "num_heads": 8, "vocab_size": 1024}
