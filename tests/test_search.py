@@ -619,6 +619,44 @@ def test_a_block_saves_no_activation_for_a_value_made_from_a_buffer():
     assert cos not in requiring_grad(graph, a.params)
 
 
+def test_what_requires_grad_is_what_autograd_says():
+    """`requiring_grad` against eager autograd, value by value, on a step with each way a
+    value ends up not requiring grad: a buffer (detached), positions from `arange`, a
+    `no_grad` region, a fill shaped like an activation (`zeros_like`, `new_ones`), an
+    integer op; and the batch, which the step does not differentiate."""
+    from pxform.cost.model import requiring_grad
+    from pxform.frontend.trace import run_graph
+
+    def step(params, x):
+        freq = params["freq"].detach()
+        pos = torch.arange(x.shape[1], dtype=torch.float32)[:, None] * freq
+        h = x @ params["w"]
+        with torch.no_grad():
+            scale = h.abs().amax()
+        h = h * torch.cos(pos) + torch.zeros_like(h) * h.new_ones(h.shape)
+        rows = h.argmax(-1)
+        return (h / scale).sum() + (x * pos.sum()).sum() + rows.sum()
+
+    params = {"w": torch.randn(4, 4), "freq": torch.randn(4)}
+    x = torch.randn(2, 3, 4)
+    graph = pxform.trace(step, params, x).graph
+    trainable = {"w", "freq"}
+    predicted = requiring_grad(graph, trainable)
+    got: dict[str, bool] = {}
+    assert [v.name for v in graph.inputs] == ["freq", "w", "x"]
+    leaves = [t.clone().requires_grad_(v.name in trainable)
+              for v, t in zip(graph.inputs, (params["freq"], params["w"], x))]
+
+    def seen(op, args, results):
+        for v, r in zip(op.outputs, results):
+            got[v.name] = isinstance(r, torch.Tensor) and r.requires_grad
+
+    with torch.enable_grad():
+        run_graph(graph, leaves, on_op=seen)
+    assert {k for k, req in got.items() if req} == predicted - set(trainable)
+    assert not got[next(op.outputs[0].name for op in graph.ops if op.name == "cos")]
+
+
 def test_a_storage_saved_twice_is_named_by_each_saver_and_views_name_their_input():
     """tanh saves its output; a matmul saves a reshaped view of that same storage, which is
     counted once (for tanh) but named as saved by both (`inputs_saved`); the reshape names

@@ -579,7 +579,11 @@ def requiring_grad(graph: Graph, trainable: Collection[str] | None = None) -> se
     needs = {v.name for v in graph.inputs if v.type.dtype.is_floating_point
              and (trainable is None or v.name in trainable)}
     for op in graph.ops:
-        if op.grad and op.name != "detach" and any(v.name in needs for v in op.inputs):
+        # (a fill shaped like its template, `zeros_like(x)`, `x.new_ones(...)`, takes no
+        # gradient from it)
+        made_anew = op.name.endswith("_like") or op.name.startswith("new_")
+        if op.grad and op.name != "detach" and not made_anew \
+                and any(v.name in needs for v in op.inputs):
             needs.update(v.name for v in op.outputs if v.type.dtype.is_floating_point)
     return needs
 
