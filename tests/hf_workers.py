@@ -54,9 +54,10 @@ def zoo_dtype(name: str) -> str:
 def run_zoo(name: str, mode: str, dtype: str = "float64") -> dict:
     """One coverage case (`tests/test_coverage.py`, `benchmarks/coverage.py`): the zoo model
     `name` under data parallel (`mode="dp"`: the batch split over every rank), `auto`, or
-    `auto` with one pipeline stage per rank (`"pipeline"`), on this world, against
-    `pxform.value_and_grad` of the plain function on one process. Failures are returned,
-    not raised, so one model's failure does not stop a sweep."""
+    `auto` with one pipeline stage per rank (`"pipeline"`; `"padded pipeline"`: with a
+    padding mask that differs from row to row added to a batch without one), on this
+    world, against `pxform.value_and_grad` of the plain function on one process. Failures
+    are returned, not raised, so one model's failure does not stop a sweep."""
     import time
     import traceback
     import warnings
@@ -69,6 +70,12 @@ def run_zoo(name: str, mode: str, dtype: str = "float64") -> dict:
     out: dict = {"name": name, "mode": mode, "ok": False}
     try:
         model, inputs = hf_zoo.build(name, dtype=getattr(torch, dtype))
+        if mode == "padded pipeline":
+            if "input_ids" in inputs:
+                rows, seq = inputs["input_ids"].shape
+                inputs.setdefault("attention_mask", torch.ones(rows, seq, dtype=torch.long)
+                                  .tril(seq // 2))
+            mode = "pipeline"
         fn, params = pxform.module_fn(model)
         params = {k: v.detach() for k, v in params.items()}
 
