@@ -27,6 +27,7 @@ schedule and reports deadlocks with a step-by-rank grid; `simulate` times it aga
     sent_at_peak              per stage, the boundary outputs and input gradients it keeps
                               at its rank's peak (in flight, or sent and not yet arrived)
     at_peak                   held and sent_at_peak in one walk
+    peak_walk                 at_peak as a function of the stages' weights
     plot                      draw a Timeline (needs matplotlib: pip install 'pxform[plot]')
     to_text, from_text        "rank 0: 0F0 0F1 - 0B0" lines
     to_csv, from_csv          one CSV row per rank
@@ -58,6 +59,7 @@ from pxform.schedules.timing import (
     expected_later,
     held,
     most_between,
+    peak_walk,
     sent_at_peak,
 )
 from pxform.schedules.validate import grid, validate
@@ -84,6 +86,7 @@ __all__ = [
     "held",
     "interleaved",
     "most_between",
+    "peak_walk",
     "send_releases",
     "sent_at_peak",
     "nf1b",

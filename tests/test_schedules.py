@@ -588,3 +588,17 @@ def test_a_rank_with_several_stages_peaks_where_their_activations_weigh_most():
     assert light_head[1] * 1.0 + light_head[3] * 0.1 > alike[1] * 1.0 + alike[3] * 0.1
     one = schedules.one_f_one_b(4, 8)
     assert schedules.at_peak(one, [1.0, 5.0, 0.2, 3.0]) == schedules.at_peak(one)
+
+
+@pytest.mark.parametrize("name, p, m", [("1f1b", 2, 8), ("zb", 4, 8), ("interleaved", 2, 8),
+                                        ("interleaved", 4, 16), ("shifted", 4, 8)])
+def test_a_peak_walk_asked_at_several_weights_is_at_peak_each_time(name, p, m):
+    """`peak_walk` works a schedule's transfers out once and walks it per weights (the
+    search asks an interleaved schedule's counts at several stage weights): the same
+    counts as `at_peak` at every weights."""
+    schedule = schedules.NAMES[name](p, m)
+    walk = schedules.peak_walk(schedule)
+    stages = schedules.rules.shape_of(schedule).stages
+    for weights in (None, [1.0] * stages, [1.0 + (s % 3) for s in range(stages)],
+                    [0.1 if s == stages - 1 else 1.0 for s in range(stages)]):
+        assert walk(weights) == schedules.at_peak(schedule, weights)
