@@ -161,7 +161,6 @@ def run_memory_accuracy(the_pin: Pin, shape: dict | None = None,
     import dataclasses
 
     import torch.distributed as dist
-    from torch.distributed.tensor import DTensor
 
     torch.manual_seed(0)
     cfg = dataclasses.replace(gpt.GPT_CONFIGS["small"], **(shape or {}))
@@ -169,9 +168,18 @@ def run_memory_accuracy(the_pin: Pin, shape: dict | None = None,
     batch = gpt.make_batch(cfg, 16)
     step = pxform.auto(gpt.loss_fn, mesh=dist.get_world_size(), memory_budget="40GiB",
                        hardware=profile or "a100-40gb", plan=the_pin)
-    plan = step.plan(params, batch, cfg)
-    dparams = step.distribute(params, batch, cfg)[0]
-    held = optree.tree_leaves(step.holds(dparams, batch, cfg)[0])
+    return metered_memory_errors(step, params, batch, cfg)
+
+
+def metered_memory_errors(step: object, params: object, *rest: object) -> list[float]:
+    """`step`'s plan for these arguments, its parameters distributed, one AdamW step so the
+    optimizer's state exists, then `measure` and `plan.report`: each rank's signed memory
+    error, predicted over metered."""
+    from torch.distributed.tensor import DTensor
+
+    plan = step.plan(params, *rest)
+    dparams = step.distribute(params, *rest)[0]
+    held = optree.tree_leaves(step.holds(dparams, *rest)[0])
     is_leaf = lambda x: isinstance(x, DTensor)  # noqa: E731
     owned = [p for p, h in zip(optree.tree_leaves(dparams, is_leaf=is_leaf), held) if h]
     opt = torch.optim.AdamW(owned, lr=1e-3)
@@ -180,7 +188,7 @@ def run_memory_accuracy(the_pin: Pin, shape: dict | None = None,
     opt.step()
     for p in owned:
         p.grad = None
-    measured = pxform.measure(step, dparams, batch, cfg, optimizer=opt, steps=1, warmup=0)
+    measured = pxform.measure(step, dparams, *rest, optimizer=opt, steps=1, warmup=0)
     return [r.memory_error for r in plan.report(measured).ranks]
 
 

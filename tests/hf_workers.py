@@ -151,11 +151,10 @@ def run_hf_memory(pins: dict[str, Pin]) -> dict[str, list[float]]:
     a100-40gb preset) distributed, one AdamW step so the optimizer's state exists, then
     `measure` and `plan.report`: each rank's signed memory error, predicted over
     metered."""
-    import optree
     import torch
     import torch.distributed as dist
     import transformers
-    from torch.distributed.tensor import DTensor
+    from auto_workers import metered_memory_errors
 
     transformers.logging.set_verbosity_error()
     torch.manual_seed(0)
@@ -171,21 +170,7 @@ def run_hf_memory(pins: dict[str, Pin]) -> dict[str, list[float]]:
     def loss(params, inputs):
         return fn(params, **inputs).loss
 
-    out = {}
-    for name, pin in pins.items():
-        step = pxform.auto(loss, mesh=dist.get_world_size(), memory_budget="40GiB",
-                           hardware="a100-40gb", plan=pin)
-        plan = step.plan(params, inputs)
-        dparams = step.distribute(params, inputs)[0]
-        held = optree.tree_leaves(step.holds(dparams, inputs)[0])
-        is_leaf = lambda x: isinstance(x, DTensor)  # noqa: E731
-        owned = [p for p, h in zip(optree.tree_leaves(dparams, is_leaf=is_leaf), held) if h]
-        opt = torch.optim.AdamW(owned, lr=1e-3)
-        for p in owned:
-            p.grad = torch.zeros_like(p)
-        opt.step()
-        for p in owned:
-            p.grad = None
-        measured = pxform.measure(step, dparams, inputs, optimizer=opt, steps=1, warmup=0)
-        out[name] = [r.memory_error for r in plan.report(measured).ranks]
-    return out
+    return {name: metered_memory_errors(
+                pxform.auto(loss, mesh=dist.get_world_size(), memory_budget="40GiB",
+                            hardware="a100-40gb", plan=pin), params, inputs)
+            for name, pin in pins.items()}

@@ -131,19 +131,28 @@ def test_encoders_with_padding_masks_are_pipelined(world2):
     batch at once"). Traced as per-row indexing (`pxform.frontend.rows`), each
     microbatch reads its own rows: pinned to 2 stages they plan, run, and match one
     process (the zoo's masks differ from row to row)."""
+    failures = _pipeline_failures(world2, ("albert", "bert", "distilbert", "electra",
+                                           "mpnet", "roberta"), "pipeline", 1e-12)
+    assert not failures, "\n".join(failures)
+
+
+def _pipeline_failures(world: World, names: tuple[str, ...], mode: str,
+                       loss_tol: float) -> list[str]:
+    """Per zoo model of `names` run under `mode` (`H.run_zoo`) that failed, did not plan
+    2 stages, or missed one process's loss by more than `loss_tol` or its gradients by
+    more than 1e-12: a line naming it."""
     failures = []
-    for name in ("albert", "bert", "distilbert", "electra", "mpnet", "roberta"):
-        results = world2.run(H.run_zoo, name, "pipeline")
-        for r in results:
+    for name in names:
+        for r in world.run(H.run_zoo, name, mode):
             if not r["ok"]:
                 failures.append(f"{name}: {r['error'][:300]}")
                 break
-            if not r["config"].startswith("pp=2 ") or r["loss_err"] > 1e-12 \
+            if not r["config"].startswith("pp=2 ") or r["loss_err"] > loss_tol \
                     or r["grad_err"] > 1e-12:
                 failures.append(f"{name}: {r['config']}, {r['loss_err']:.1e}, "
                                 f"{r['grad_err']:.1e}")
                 break
-    assert not failures, "\n".join(failures)
+    return failures
 
 
 def test_language_models_with_padding_masks_are_pipelined(world2):
@@ -151,18 +160,8 @@ def test_language_models_with_padding_masks_are_pipelined(world2):
     decoder of the zoo was refused a pipeline with one before. With a mask that differs
     from row to row, pinned to 2 stages: planned, run, and one process's loss (HF computes
     it in float32) and gradients."""
-    failures = []
-    for name in ("bloom", "gpt2", "llama", "opt", "t5"):
-        results = world2.run(H.run_zoo, name, "padded pipeline")
-        for r in results:
-            if not r["ok"]:
-                failures.append(f"{name}: {r['error'][:300]}")
-                break
-            if not r["config"].startswith("pp=2 ") or r["loss_err"] > 1e-6 \
-                    or r["grad_err"] > 1e-12:
-                failures.append(f"{name}: {r['config']}, {r['loss_err']:.1e}, "
-                                f"{r['grad_err']:.1e}")
-                break
+    failures = _pipeline_failures(world2, ("bloom", "gpt2", "llama", "opt", "t5"),
+                                  "padded pipeline", 1e-6)
     assert not failures, "\n".join(failures)
 
 
