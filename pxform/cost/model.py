@@ -464,9 +464,9 @@ def saved_bytes_per_op(graph: Graph, start: int, stop: int, skip: set[str],
 
     Values read from outside the range are fake inputs that require grad where named in
     `grads` (None: `requiring_grad(graph)`, made with autograd from a floating graph
-    input). A storage is counted once, for the first op that
-    saves it; storages of values named in `skip` (parameters, batch inputs: stored anyway)
-    are not counted, but named in `SavedBytes.stored` of every op saving them.
+    input). A storage is counted once, for the first op that saves it; storages of
+    values named in `skip` (parameters, batch inputs: stored anyway) are not counted, but
+    named in `SavedBytes.stored` of every op saving them.
 
     Example:
         >>> [s.total for s in saved_bytes_per_op(traced.graph, 0, 3, {"params.w"})]
@@ -573,8 +573,9 @@ def requiring_grad(graph: Graph, trainable: Collection[str] | None = None) -> se
     8-16 % over the meter: the forty-seventh session.)
 
     Example:
-        >>> sorted(requiring_grad(traced.graph, {"params.w"}))  # w, x @ w; not the mask
-        ['1', 'params.w']
+        >>> g = pxform.trace(lambda w, x: (x @ w).sum(), w, x).graph
+        >>> sorted(requiring_grad(g, {"w"}))  # w and what is made from it; not x
+        ['0', '1', 'w']
     """
     needs = {v.name for v in graph.inputs if v.type.dtype.is_floating_point
              and (trainable is None or v.name in trainable)}

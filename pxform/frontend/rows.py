@@ -5,8 +5,9 @@ padding mask with broadcast position tensors, `mask[arange(B)[:, None, None, Non
 kv[None, None, None, :]]`: row b of the result is row b of the mask. Traced, the batch
 index is an `arange(B)` of the traced batch size, a value of global positions: the
 propagation cannot split it, so the mask is read whole on every rank, and a pipeline,
-which runs each microbatch on its own rows, refused every such model (BERT, RoBERTa,
-ALBERT, ELECTRA, DistilBERT, MPNet, ConvBERT) for needing the whole batch at once.
+which runs each microbatch on its own rows, refused every such model for needing the
+whole batch at once: BERT, RoBERTa, ALBERT, ELECTRA, DistilBERT and MPNet, and every
+causal or seq2seq language model given a padding mask.
 
 `rows_indexed` rewrites `index(x, [iota, i1, ...])`, where `iota` is `arange(n)` over all
 of x's first dim, made a column by unsqueezes (`n` at its first dim, 1 at the others) and
