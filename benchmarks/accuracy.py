@@ -385,15 +385,15 @@ def memory_main(config: str, batch_size: int, quick: bool = False,
     from pxform.tools.runtime_costs import with_relayout_gap
 
     world = dist.get_world_size()
-    gpt_loss, params, batch = _hf_case(hf, batch_size) if hf else \
+    loss_fn, params, batch = _hf_case(hf, batch_size) if hf else \
         _gpt_case(config, batch_size)
     hw = pxform.hardware.hardware("a100-40gb") if profile is None else \
         with_relayout_gap(Hardware.from_json(profile), world)
-    blocks = len(pxform.auto(gpt_loss, mesh=world, hardware=hw).plan(params, batch).blocks)
+    blocks = len(pxform.auto(loss_fn, mesh=world, hardware=hw).plan(params, batch).blocks)
     rows = []
     chosen = cases(world, blocks)[1:]  # (the searched plan follows the profile)
     for name, pin in chosen[:2] if quick else chosen:
-        step = pxform.auto(gpt_loss, mesh=world, hardware=hw, plan=pin)
+        step = pxform.auto(loss_fn, mesh=world, hardware=hw, plan=pin)
         try:
             plan = step.plan(params, batch)
         except pxform.PxformError as exc:  # (a plan refused: its message, the others run)
