@@ -182,6 +182,10 @@ def metered_memory_errors(step: object, params: object, *rest: object) -> list[f
     held = optree.tree_leaves(step.holds(dparams, *rest)[0])
     is_leaf = lambda x: isinstance(x, DTensor)  # noqa: E731
     owned = [p for p, h in zip(optree.tree_leaves(dparams, is_leaf=is_leaf), held) if h]
+    # the optimizer's state for what the step trains: where some parameter is marked
+    # requires_grad, only those (frozen ones get no gradient and no state)
+    if any(p.requires_grad for p in owned):
+        owned = [p for p in owned if p.requires_grad]
     opt = torch.optim.AdamW(owned, lr=1e-3)
     for p in owned:
         p.grad = torch.zeros_like(p)

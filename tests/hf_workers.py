@@ -145,12 +145,24 @@ def run_train_mode(name: str) -> dict:
     return {"parallel": parallel, "one_rank": one_rank, "eager": eager}
 
 
-def run_hf_memory(pins: dict[str, Pin]) -> dict[str, list[float]]:
+FROZEN = {
+    # the embedding and the first two layers frozen: they run no backward at all
+    "prefix": lambda name: name.startswith(("model.embed_tokens", "model.layers.0.",
+                                            "model.layers.1.")),
+    # every weight matrix frozen, the norms trained (BitFit-like): each matmul's backward
+    # makes its input's gradient alone
+    "matrices": lambda name: "norm" not in name,
+}
+"""`run_hf_memory`'s `frozen`: which of HF Llama's parameters are frozen."""
+
+
+def run_hf_memory(pins: dict[str, Pin], frozen: str | None = None) -> dict[str, list[float]]:
     """An HF Llama of width 256 (4 layers, 8 heads, 4 of keys and values, 64 tokens,
     vocabulary 1,024, float32, global batch 16): per pinned plan (planned against the
     a100-40gb preset) distributed, one AdamW step so the optimizer's state exists, then
     `measure` and `plan.report`: each rank's signed memory error, predicted over
-    metered."""
+    metered. `frozen` (a key of `FROZEN`): those parameters `requires_grad=False`, the
+    others True (None: none marked, so every one is trained)."""
     import torch
     import torch.distributed as dist
     import transformers
@@ -164,6 +176,8 @@ def run_hf_memory(pins: dict[str, Pin]) -> dict[str, list[float]]:
                                       num_hidden_layers=4)
     fn, params = pxform.module_fn(transformers.LlamaForCausalLM(config).eval())
     params = {k: v.detach() for k, v in params.items()}
+    if frozen is not None:
+        params = {k: v.requires_grad_(not FROZEN[frozen](k)) for k, v in params.items()}
     ids = torch.randint(1, 1024, (16, 64), generator=torch.Generator().manual_seed(0))
     inputs = {"input_ids": ids, "labels": ids.clone()}
 
@@ -174,3 +188,48 @@ def run_hf_memory(pins: dict[str, Pin]) -> dict[str, list[float]]:
                 pxform.auto(loss, mesh=dist.get_world_size(), memory_budget="40GiB",
                             hardware="a100-40gb", plan=pin), params, inputs)
             for name, pin in pins.items()}
+
+
+def run_hf_frozen_grads(frozen: str, pin: Pin) -> dict:
+    """`run_hf_memory`'s Llama with `FROZEN[frozen]` parameters frozen, one step under
+    `pin` on this world against the same step in one process: the loss, the largest
+    gradient difference over the gradients this rank holds, the frozen parameters given a
+    gradient anywhere here (none should be), and how many gradients this rank holds."""
+    import torch
+    import torch.distributed as dist
+    import transformers
+    from torch.distributed.tensor import DTensor
+
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=1024, max_position_embeddings=64,
+                                      hidden_size=256, num_attention_heads=8,
+                                      num_key_value_heads=4, intermediate_size=512,
+                                      num_hidden_layers=4)
+    fn, params = pxform.module_fn(transformers.LlamaForCausalLM(config).eval())
+    params = {k: v.detach().requires_grad_(not FROZEN[frozen](k)) for k, v in params.items()}
+    ids = torch.randint(1, 1024, (16, 64), generator=torch.Generator().manual_seed(0))
+    inputs = {"input_ids": ids, "labels": ids.clone()}
+
+    def loss(params, inputs):
+        return fn(params, **inputs).loss
+
+    ref_value, ref_grads = pxform.value_and_grad(loss)(params, inputs)
+    step = pxform.auto(loss, mesh=dist.get_world_size(), memory_budget="40GiB",
+                       hardware="a100-40gb", plan=pin)
+    dparams = step.distribute(params, inputs)[0]
+    value, grads = pxform.value_and_grad(step)(dparams, inputs)
+    worst, frozen_with_grad, held = 0.0, [], 0
+    for k, g in grads.items():
+        if g is None:
+            continue
+        if ref_grads[k] is None:
+            frozen_with_grad.append(k)
+            continue
+        held += 1
+        full = g.full_tensor() if isinstance(g, DTensor) else g
+        worst = max(worst, float((full - ref_grads[k]).abs().max()
+                                 / ref_grads[k].abs().max().clamp_min(1e-30)))
+    return {"loss": float(value), "ref_loss": float(ref_value), "worst": worst,
+            "frozen_with_grad": frozen_with_grad, "held": held,
+            "trained": sum(g is not None for g in ref_grads.values())}

@@ -1950,3 +1950,106 @@ def test_interleaved_stages_are_counted_at_their_ranks_heaviest_moment():
     chunks = ScheduleChoice("interleaved", 2)
     assert in_flight(chunks, 2, 8) == (4, 2, 1, 1)
     assert in_flight(chunks, 2, 8, (1.0, 1.0, 1.0, 0.1)) == (4, 3, 1, 0)
+
+
+# ---------------------------------------------------------------- frozen parameters
+
+def _frozen_mlp(frozen: set[int], d: int = 256, layers: int = 4, batch: int = 64):
+    """`residual_mlp`'s arguments with the layers in `frozen` marked requires_grad=False
+    and the others True (as `module_fn` gives a model with some parameters frozen)."""
+    params = {"layers": [{"w1": torch.randn(4 * d, d).requires_grad_(k not in frozen),
+                          "w2": torch.randn(d, 4 * d).requires_grad_(k not in frozen)}
+                         for k in range(layers)]}
+    return params, torch.randn(batch, d), torch.randn(batch, d)
+
+
+def _dp_costs(args) -> tuple[Any, list]:
+    """The analysis of `residual_mlp` on `args` and, per block, its data-parallel option's
+    cost on 2 devices (a100-80gb)."""
+    from pxform.cost.model import CostModel
+    from pxform.search.analysis import analyse
+    from pxform.search.context import SearchContext
+    from pxform.search.options import block_tables
+    from pxform.search.space import configs
+
+    step = pxform.auto(residual_mlp, mesh=2, memory_budget="80GiB", hardware="a100-80gb")
+    graph, names, _ = step._graph(args)
+    a = analyse(graph, names, trainable=step._cache["trainable"])
+    hw = pxform.hardware.hardware("a100-80gb")
+    ctx = SearchContext(a, CostModel(hw), 80 * 2**30, 64, Pin())
+    config = next(c for c in configs(2, hw.devices_per_node, len(a.blocks), 64, 1, 1)
+                  if c.outer == 2)
+    costs = []
+    for t in block_tables(ctx, config):
+        k = next(i for i, o in enumerate(t.options)
+                 if o.roles == (("outer", "dp"),) and not o.recompute)
+        costs.append(t.costs[k])
+    return a, costs
+
+
+def test_a_frozen_parameter_holds_no_gradient_or_optimizer_state():
+    """A parameter marked requires_grad=False gets no gradient (`value_and_grad`): the
+    search holds its bytes alone, with no gradient, optimizer state or gradient
+    reduction, and a layer of frozen parameters is a block kind of its own. Counted as
+    trained, HF Llama with a frozen prefix was predicted 59-63 % over the meter (the
+    forty-eighth session; `test_auto_hf` meters it)."""
+    a, costs = _dp_costs(_frozen_mlp({0, 1}))
+    assert sorted(a.params - a.trainable) == ["layers.0.w1", "layers.0.w2", "layers.1.w1",
+                                              "layers.1.w2"]
+    kinds = a.kind_of_block
+    assert kinds[0] == kinds[1] != kinds[2] == kinds[3]
+    assert [b.label for b in a.blocks[:4]] == ["layer 0", "layer 1", "layer 2", "layer 3"]
+    weights = 2 * 4 * 256 * 256 * 4  # w1 and w2, float32
+    assert costs[0].params == weights and costs[0].grads == 0  # the bytes alone
+    assert costs[2].params == 4 * weights and costs[2].grads == weights  # + grads, Adam's
+    # nothing trained before or in them: no backward, nothing saved for one
+    assert costs[0].backward == costs[1].backward == 0 and costs[0].saved == 0
+    assert costs[2].backward > 0 and costs[2].saved > 0
+    # the same layers trained: as the last two
+    _, trained = _dp_costs(_frozen_mlp(set()))
+    assert trained[0].params == costs[2].params and trained[0].backward == costs[2].backward
+
+
+def test_a_frozen_layer_after_a_trained_one_runs_its_input_gradients_alone():
+    """A frozen layer that a trained one feeds still runs backward, for its input's
+    gradient (`dy w`), but not its weights' (`x^T dy`): about half a trained layer's
+    backward, and its matmuls save their weights for it, not their inputs."""
+    _, costs = _dp_costs(_frozen_mlp({1}))
+    trained, frozen = costs[0], costs[1]
+    assert 0.3 < frozen.backward / trained.backward < 0.7
+    assert frozen.saved < trained.saved and frozen.grads == 0
+
+
+def test_the_search_plans_for_what_is_frozen():
+    """With 6 of 8 layers frozen, a 4 GiB budget that the trained model fits only with
+    ZeRO-3 on some blocks is fitted by plain data parallelism, at half the step time (the
+    frozen layers run no backward); the plan's notes count the frozen parameters."""
+    params, x, y = mlp_args()
+    step = pxform.auto(residual_mlp, mesh=pxform.Mesh.abstract(4), memory_budget="4GiB",
+                       hardware="a100-80gb")
+    trained = step.plan(params, x, y)
+    assert "sdp" in roles(trained)
+    frozen = {"layers": [{k: v.requires_grad_(i >= 6) for k, v in layer.items()}
+                         for i, layer in enumerate(mlp_args()[0]["layers"])]}
+    plan = pxform.auto(residual_mlp, mesh=pxform.Mesh.abstract(4), memory_budget="4GiB",
+                       hardware="a100-80gb").plan(frozen, x, y)
+    assert roles(plan) == {"dp"}
+    assert plan.peak_memory_bytes < 0.7 * trained.peak_memory_bytes
+    assert plan.step_time_s == pytest.approx(trained.step_time_s / 2, rel=0.1)
+    assert any(n.startswith("12 of 16 parameters frozen (768 MiB: layers.0.w1")
+               for n in plan.notes), plan.notes
+
+
+def test_trainable_names_that_are_not_parameters_are_refused():
+    from pxform.search import search
+
+    args = _frozen_mlp(set())
+    step = pxform.auto(residual_mlp, mesh=2, memory_budget="80GiB", hardware="a100-80gb")
+    graph, names, _ = step._graph(args)
+    with pytest.raises(pxform.PxformError) as info:
+        search(graph, names, devices=2, budget=80 * 2**30,
+               hardware=pxform.hardware.hardware("a100-80gb"),
+               trainable={"layers.0.w1", "layers.9.w1"})
+    text = str(info.value)
+    assert "trainable names ['layers.9.w1'] are not floating inputs" in text
+    assert "Fix: give names of graph inputs" in text

@@ -46,7 +46,7 @@ from pxform.runtime import world
 from pxform.runtime.boundary import global_stand_in, is_dtensor, leaf_arg_index
 from pxform.runtime.mesh import Mesh
 from pxform.search.plan import Plan
-from pxform.transforms.base import Executable, fn_name, precision_arg
+from pxform.transforms.base import Executable, fn_name, precision_arg, trainable_leaves
 from pxform.transforms.compile import Fallback
 from pxform.transforms.initialize import stand_ins, with_placeholders_filled
 from pxform.transforms.pipeline import Pipelined
@@ -114,6 +114,13 @@ class Auto(Executable):
         arg_of = [n for n, leaf in zip(leaf_arg_index(full), leaves)
                   if isinstance(leaf, torch.Tensor)]
         names = {v.name for v, n in zip(graph.inputs, arg_of) if n in batch}
+        # the parameters the step will differentiate, as `value_and_grad` picks them
+        # (`trainable_leaves`: requires_grad marks them, module buffers never): the
+        # search holds the others frozen. From `args`, whose DTensors keep their marks
+        # (`full`'s stand-ins do not)
+        self._cache["trainable"] = frozenset(
+            v.name for v, n, keep in zip(graph.inputs, arg_of, trainable_leaves(traced, args))
+            if keep and n not in batch and v.type.dtype.is_floating_point)
         return graph, names, full
 
     def plan(self, *args: Any) -> Plan:
@@ -184,7 +191,7 @@ class Auto(Executable):
                               pin=pin, batch_dim=self.batch_dim, optimizer=self.optimizer,
                               fn=f"auto({self.__name__})", function=self.__name__,
                               progress=self.progress, margin=self.memory_margin,
-                              tolerance=self.tolerance)
+                              tolerance=self.tolerance, trainable=self._cache["trainable"])
 
             plan = best(pin)
             # never return a plan that cannot run: lower it on its abstract mesh first;
@@ -559,7 +566,7 @@ def profile(fn: Any, *args: Any, devices: Sequence[int], memory_budget: Any = No
             plan = search(graph, names, devices=n, budget=step.memory_budget,
                           hardware=step.hardware, batch_dim=batch_dim, optimizer=optimizer,
                           fn=f"profile({step.__name__})", function=step.__name__,
-                          margin=step.memory_margin)
+                          margin=step.memory_margin, trainable=step._cache["trainable"])
             out.append((n, plan, ""))
         except SearchError as exc:
             first = str(exc).split("\n")[0]

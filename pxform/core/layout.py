@@ -46,6 +46,15 @@ class Layout:
 
     dims: tuple[tuple[str, ...], ...]
     partial: frozenset[str] = frozenset()
+    # layouts key the search's caches by the hundred thousand: the hash of the nested
+    # tuples is taken once, not on every lookup
+    _hash: int = field(init=False, repr=False, compare=False, default=0)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_hash", hash((self.dims, self.partial)))
+
+    def __hash__(self) -> int:
+        return self._hash
 
     @staticmethod
     def of(spec: P, rank: int, partial: set[str] | frozenset[str] = frozenset()) -> Layout:

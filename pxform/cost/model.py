@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from pxform.core.ir import Graph, read_from_outside
+from pxform.core.ir import Graph, Op, read_from_outside
 from pxform.core.layout import LOCAL_STEPS, Relayout
 from pxform.frontend.trace import run_graph
 
@@ -579,7 +579,18 @@ def requiring_grad(graph: Graph, trainable: Collection[str] | None = None) -> se
     """
     needs = {v.name for v in graph.inputs if v.type.dtype.is_floating_point
              and (trainable is None or v.name in trainable)}
-    for op in graph.ops:
+    return grad_flow(graph.ops, needs)
+
+
+def grad_flow(ops: Sequence[Op], needs: set[str]) -> set[str]:
+    """`needs` (values that require grad) with what `ops`, run in order, make from them
+    that requires grad too (`requiring_grad`'s rule). Updated in place and returned.
+
+    Example:
+        >>> sorted(grad_flow(g.ops, {"w"}))   # g: x @ w, summed
+        ['0', '1', 'w']
+    """
+    for op in ops:
         # (a fill shaped like its template, `zeros_like(x)`, `x.new_ones(...)`, takes no
         # gradient from it)
         made_anew = op.name.endswith("_like") or op.name.startswith("new_")

@@ -218,6 +218,11 @@ def run(program: PipelineProgram, actions: Sequence[Action | None], place: Pipel
                 reshard_after_forward(reshard_when(reshard, grad and not later
                                                    and bool(plan.groups))):
             sl.outputs = tuple(module_of(st)(*args))
+        if s in split_weights:
+            # a W asks nothing of a weight op with no weight to train (a frozen layer's):
+            # its outputs and weights are let go now, not held to the B
+            sl.outputs = _idle_weight_ops_dropped(st, sl.outputs,
+                                                  _weight_op_outputs(st, sl.outputs))
         num_sends = len(st.sends)
         if st.num_outputs:
             finals[i] = tuple(o.detach() if isinstance(o, torch.Tensor) else o
@@ -247,12 +252,19 @@ def run(program: PipelineProgram, actions: Sequence[Action | None], place: Pipel
         wanted = [t for t in sl.leaves if t.requires_grad]
         if s in split_weights:
             ys = _weight_op_outputs(st, sl.outputs)
-            asked = wanted + ys
+            # only the outputs of ops with a weight to train, and that have a gradient: a
+            # frozen layer's, or one before anything trained, give its W nothing (and
+            # autograd refuses a tensor that does not require grad), and their gradients
+            # would be held to the W for nothing (HF Llama's rotary products, whose
+            # cosines come from a buffer: 0.75 MiB a layer and microbatch)
+            live = [y for y in ys if y is not None]
+            asked = wanted + live
             got = (torch.autograd.grad(tensors, asked, grads, retain_graph=True,
                                        allow_unused=True) if tensors and asked else
                    [None] * len(asked))
             input_grads = list(got[:len(wanted)])
-            sl.weight_grads = list(got[len(wanted):])
+            rest = iter(got[len(wanted):])
+            sl.weight_grads = [None if y is None else next(rest) for y in ys]
         else:
             if tensors:
                 torch.autograd.backward(tensors, grads)
@@ -304,7 +316,7 @@ def run(program: PipelineProgram, actions: Sequence[Action | None], place: Pipel
                 ws = sl.outputs[offset + num_out:offset + num_out + num_w]
                 offset += num_out + num_w
                 pairs = [(y, g) for y, g in zip(ys, [next(dys) for _ in ys]) if g is not None]
-                need = [w for w in ws if w.requires_grad]
+                need = [w for w in ws if isinstance(w, torch.Tensor) and w.requires_grad]
                 if not pairs or not need:
                     continue
                 gws = torch.autograd.grad([y for y, _ in pairs], need, [g for _, g in pairs],
@@ -431,13 +443,35 @@ def _restored_rng(state: tuple[torch.Tensor, list[tuple[int, torch.Tensor]]]
         yield
 
 
-def _weight_op_outputs(st: StageProgram, outputs: tuple[Any, ...]) -> list[torch.Tensor]:
+def _weight_op_outputs(st: StageProgram, outputs: tuple[Any, ...]
+                       ) -> list[torch.Tensor | None]:
+    """Per output of each weight op (`StageProgram.weight_ops`) in order: the output, or
+    None where its W has nothing to ask of it (no weight of the op requires grad, or the
+    output does not)."""
     offset = len(st.sends) + st.num_outputs
-    ys: list[torch.Tensor] = []
+    ys: list[torch.Tensor | None] = []
     for num_out, num_w in st.weight_ops:
-        ys += list(outputs[offset:offset + num_out])
+        ws = outputs[offset + num_out:offset + num_out + num_w]
+        trains = any(isinstance(w, torch.Tensor) and w.requires_grad for w in ws)
+        ys += [y if trains and isinstance(y, torch.Tensor) and y.requires_grad else None
+               for y in outputs[offset:offset + num_out]]
         offset += num_out + num_w
     return ys
+
+
+def _idle_weight_ops_dropped(st: StageProgram, outputs: tuple[Any, ...],
+                             ys: list[torch.Tensor | None]) -> tuple[Any, ...]:
+    """`outputs` with the outputs and weights of each weight op whose outputs are all None
+    in `ys` (`_weight_op_outputs`: nothing for its W to do) replaced by None."""
+    out = list(outputs)
+    offset = len(st.sends) + st.num_outputs
+    at = 0
+    for num_out, num_w in st.weight_ops:
+        if all(y is None for y in ys[at:at + num_out]):
+            out[offset:offset + num_out + num_w] = [None] * (num_out + num_w)
+        at += num_out
+        offset += num_out + num_w
+    return tuple(out)
 
 
 def _grads_for(sl: _Slot) -> list[torch.Tensor | None]:

@@ -19,15 +19,21 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
 from pxform.core.errors import PxformError
-from pxform.core.ir import Graph, Value, read_from_outside
+from pxform.core.ir import Graph, Op, Value, read_from_outside
 from pxform.core.layout import LOCAL_STEPS, Layout, plan_relayout
 from pxform.core.mesh import AbstractMesh
 from pxform.core.spec import P
-from pxform.cost.model import SavedBytes, op_class, requiring_grad, saved_bytes_per_op
+from pxform.cost.model import (
+    SavedBytes,
+    grad_flow,
+    op_class,
+    requiring_grad,
+    saved_bytes_per_op,
+)
 from pxform.frontend.precision import INPUT_CAST
 from pxform.frontend.trace import last_uses
 from pxform.ops import rule_info
@@ -83,6 +89,14 @@ class Analysis:
     param_casts: dict[str, float] = field(default_factory=dict)
     # per op, the class whose measured curve prices it (`cost.model.op_class`)
     op_classes: tuple[str, ...] = ()
+    # the parameters the step differentiates (`requires_grad` marks them, `pxform.
+    # value_and_grad`); the others are frozen: held, never given a gradient, optimizer
+    # state or a reduction. Every parameter unless the caller says otherwise
+    trainable: frozenset[str] = frozenset()
+    # the values that require grad when the step runs (`cost.model.requiring_grad` from
+    # `trainable`), as the search walks each kind's first block: an op reading none of
+    # them has no backward, and only their gradients are re-laid out
+    requires_grad: frozenset[str] = frozenset()
 
     @property
     def num_kinds(self) -> int:
@@ -94,9 +108,11 @@ class Analysis:
 
 
 def analyse(graph: Graph, batch_inputs: set[str], batch_dim: int = 0,
-            fn: str = "auto") -> Analysis:
+            fn: str = "auto", trainable: Collection[str] | None = None) -> Analysis:
     """Blocks, kinds and per-op numbers of `graph` (module doc). Stage-boundary markers
-    are removed; the blocks they delimit are reported in `marked`."""
+    are removed; the blocks they delimit are reported in `marked`. `trainable`: the
+    parameters the step differentiates (None: every floating input that is not the
+    batch); the others are frozen (`Analysis.trainable`)."""
     stripped, marks = strip_markers(graph)
     graph = stripped
     batch = frozenset(batch_inputs)
@@ -110,6 +126,18 @@ def analyse(graph: Graph, batch_inputs: set[str], batch_dim: int = 0,
     blocks = _blocks(graph, batch, marks)
     params = frozenset(v.name for v in graph.inputs
                        if v.name not in batch and v.type.dtype.is_floating_point)
+    if trainable is None:
+        learned = params
+    else:
+        learned = params & frozenset(trainable)
+        unknown = sorted(set(trainable) - params)
+        if unknown:
+            raise PxformError(
+                f"pxform.{fn}: trainable names {unknown[:4]}"
+                f"{' ...' if len(unknown) > 4 else ''} are not floating inputs of the "
+                f"traced function that are not the batch (its parameters are "
+                f"{sorted(params)[:4]}{' ...' if len(params) > 4 else ''}).\n  Fix: give "
+                f"names of graph inputs, as `pxform.trace(...).graph.inputs` lists them.")
     depends = set(batch)
     op_batch = []
     for op in graph.ops:
@@ -126,7 +154,13 @@ def analyse(graph: Graph, batch_inputs: set[str], batch_dim: int = 0,
                      for op in graph.ops)
     # kinds: same ops on the same shapes
     ids: dict[tuple, int] = {}
-    kind_of = [ids.setdefault(block_signature(graph.ops[a:b]), len(ids)) for a, b, _ in blocks]
+    # (and the same parameters frozen: a frozen layer has no weight gradients, keeps no
+    # optimizer state and may have no backward at all, unlike a trained one beside it)
+    signatures = [block_signature(graph.ops[a:b]) for a, b, _ in blocks]
+    kind_of = [ids.setdefault((sig, _frozen_mask(graph.ops[a:b], params, learned)), len(ids))
+               for sig, (a, b, _) in zip(signatures, blocks)]
+    shapes: dict[tuple, int] = {}
+    shape_of = [shapes.setdefault(sig, len(shapes)) for sig in signatures]
     saved: list[SavedBytes] = [SavedBytes((), (), 0)] * len(graph.ops)
     skip = set(batch) | set(params)
     # per kind, at each position of the values its blocks read from outside, whether
@@ -136,7 +170,7 @@ def analyse(graph: Graph, batch_inputs: set[str], batch_dim: int = 0,
     # (the step differentiates the parameters): an op reading it saves what its
     # gradient needs. The first of a stack of layers reads the batch where the others
     # read an activation, and its first matmul saves no weight for the batch's gradient
-    grads = requiring_grad(graph, params)
+    grads = requiring_grad(graph, learned)
     grad_at: dict[int, list[bool]] = {}
     for (a, b, _), k in zip(blocks, kind_of):
         outside = read_from_outside(graph.ops[a:b])
@@ -147,6 +181,10 @@ def analyse(graph: Graph, batch_inputs: set[str], batch_dim: int = 0,
         before = grad_at.get(k)
         grad_at[k] = needs if before is None else [x or y for x, y in zip(before, needs)]
     done: dict[int, list[SavedBytes]] = {}
+    # what requires grad as the search walks each kind's first block: the whole graph's,
+    # and in that block what it makes from a value read where some block of the kind
+    # reads one requiring grad (`needing`, below), as its saved bytes are measured
+    requires = set(grads)
     for (a, b, _), k in zip(blocks, kind_of):
         # (a kind's blocks share the first one's: its `stored` names that block's
         # parameters, as the search walks the first block of each kind). A value the first
@@ -158,6 +196,8 @@ def analyse(graph: Graph, batch_inputs: set[str], batch_dim: int = 0,
             own = {v.name for v, kept in zip(outside, stored_at[k]) if not kept}
             needing = grads | {v.name for v, need in zip(outside, grad_at[k]) if need}
             done[k] = saved_bytes_per_op(graph, a, b, (skip - own) | set(params), needing)
+            seeded = {v.name for v, need in zip(outside, grad_at[k]) if need}
+            requires |= grad_flow(graph.ops[a:b], seeded)
         saved[a:b] = done[k]
     # the reference data axis: the smallest split of the batch there is (2 for even
     # batches), so the propagation can split it; which dims carry the batch is all it
@@ -180,14 +220,20 @@ def analyse(graph: Graph, batch_inputs: set[str], batch_dim: int = 0,
                               f"({v.type}) across the whole batch"
         for v, lay in zip(op.outputs, s.outputs):
             layouts[v.name] = lay
-    infos = _block_infos(graph, blocks, kind_of, params, depends)
+    infos = _block_infos(graph, blocks, kind_of, params, depends, shape_of)
     marked = tuple(i for i, (_, _, m) in enumerate(blocks) if m)
     defined_at = {v.name: k for k, op in enumerate(graph.ops) for v in op.outputs}
     return Analysis(graph, infos, batch, params, op_flops, op_bytes, tuple(op_batch), tuple(saved),
                     tuple(strategies), layouts, traced, marked, tuple(kind_of),
                     frozenset(depends), defined_at, whole_batch,
                     {v.name: v for v in graph.values()}, _param_casts(graph, params),
-                    op_classes)
+                    op_classes, learned, frozenset(requires))
+
+
+def _frozen_mask(ops: Sequence[Op], params: frozenset[str], learned: frozenset[str]
+                 ) -> tuple[bool, ...]:
+    """Per parameter read by `ops`, in order, whether it is frozen (not in `learned`)."""
+    return tuple(v.name not in learned for op in ops for v in op.inputs if v.name in params)
 
 
 def _param_casts(graph: Graph, params: frozenset[str]) -> dict[str, float]:
@@ -228,7 +274,10 @@ def _blocks(graph: Graph, batch: frozenset[str], marks: Sequence[int]
 
 
 def _block_infos(graph: Graph, blocks: Sequence[tuple[int, int, bool]], kind_of: Sequence[int],
-                 params: frozenset[str], depends: set[str]) -> tuple[BlockInfo, ...]:
+                 params: frozenset[str], depends: set[str], shape_of: Sequence[int]
+                 ) -> tuple[BlockInfo, ...]:
+    """Per block its `BlockInfo`; `shape_of` numbers blocks of the same ops alike (a
+    frozen layer is a kind of its own, but labelled as the layer it is)."""
     op_block = [0] * len(graph.ops)
     for k, (a, b, _) in enumerate(blocks):
         for i in range(a, b):
@@ -253,7 +302,7 @@ def _block_infos(graph: Graph, blocks: Sequence[tuple[int, int, bool]], kind_of:
                                 if blk <= k and last.get(name, -1) >= b and k < num - 1))
         label = module_label(graph.ops[a:b])
         if not label:
-            same = sum(1 for j in range(num) if kind_of[j] == kind_of[k]) > 1
+            same = sum(1 for j in range(num) if shape_of[j] == shape_of[k]) > 1
             label = f"layer {layer}" if same else ("embed" if k == 0 else
                                                    "head" if k == num - 1 else f"block {k}")
             layer += same

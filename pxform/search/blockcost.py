@@ -189,13 +189,15 @@ def _fraction(shape: tuple[int, ...], layout: Layout, mesh: AbstractMesh) -> flo
 
 
 def input_times(v: Value, i: int, s: Strategy, have: Layout, cache: RelayoutCache,
-                scale: float, first_use: bool) -> tuple[float, float]:
+                scale: float, first_use: bool, grad: bool | None = None
+                ) -> tuple[float, float]:
     """Seconds to bring input `i` (value `v`, laid out as `have`) to what strategy `s`
     needs (only on the first use of that layout: the lowering converts once per value and
-    layout), and to bring its gradient back (C -> G(have), the conversion rule)."""
+    layout), and to bring its gradient back (C -> G(have), the conversion rule) where it
+    has one (`grad`; None: where it is floating)."""
     fwd = cache.time(v, have, s.inputs[i], scale) if first_use else 0.0
     bwd = 0.0
-    if _floating(v):
+    if _floating(v) if grad is None else grad:
         c = consumer_gradient_layout(s, i)
         g = gradient_layout(have)
         if c != g:
@@ -233,6 +235,8 @@ def walk(a: Analysis, block: BlockInfo, strats: list[Strategy], outside: Mapping
     traced batch."""
     model = cache.model
     axes = cache.axes
+    grads = a.requires_grad
+    any_backward = False  # does autograd run a backward for any op of the block?
     layouts: dict[str, Layout] = {}
     done: set[tuple[str, Layout]] = set()
     fwd_compute = fwd_comm = bwd_comm = grad_comm = saved = transient = gathered = 0.0
@@ -295,6 +299,23 @@ def walk(a: Analysis, block: BlockInfo, strats: list[Strategy], outside: Mapping
         f, b = model.op_times(a.op_flops[k] * sc / ways, dtype, a.op_bytes[k] * sc / ways,
                               classes[k])
         syncs_in = syncs_back = 0
+        # the backward autograd runs for the op: none where no input requires grad (a
+        # mask, positions, a frozen layer before any trained one); a weight op's weight
+        # gradient (about its forward: `x^T dy` for a matmul) only for a weight that
+        # requires grad, its other inputs' gradient (the rest) only for an activation
+        # that does (a frozen layer's matmul runs `dy w` alone; an embedding's lookup
+        # its weight's gradient alone: the token ids have none)
+        weight_in = [v for v in op.inputs if _floating(v) and v.name not in batch_values]
+        own = min(f, b)  # a weight op's weight gradient, `weight_compute` below
+        trains = any(v.name in grads for v in weight_in)
+        if not (op.grad and any(v.name in grads for v in op.inputs)):
+            b = 0.0
+        elif weight_in and a.op_batch[k]:
+            b = (own if trains else 0.0) + (
+                b - own if any(v.name in grads for v in op.inputs
+                               if v.name in batch_values) else 0.0)
+        backs = b > 0.0
+        any_backward |= backs
         fwd_compute += f
         bwd_compute += b
         # a weight op as `pxform.lower.mpmd._weight_ops` finds a zero-bubble W's: one
@@ -304,15 +325,17 @@ def walk(a: Analysis, block: BlockInfo, strats: list[Strategy], outside: Mapping
         # weight, its output went uncounted where zero-bubble keeps it for the W, 0.37
         # MiB a microbatch of GPT small's first stage at width 256 x 128 tokens: the
         # forty-sixth session)
-        weight_in = [v for v in op.inputs if _floating(v) and v.name not in batch_values]
         for v in op.inputs:
             if v.name in weight_outs:
                 read_count[v.name] = read_count.get(v.name, 0) + 1
         if not a.op_batch[k]:
             weights.update(v.name for v in op.outputs)
-        elif weight_in and op.grad and any(_floating(v) for v in op.outputs):
-            # its weight gradient costs about its forward (x^T dy for a matmul)
-            weight_compute += min(f, b)
+        elif weight_in and backs and trains and any(_floating(v) for v in op.outputs):
+            # its weight gradient costs about its forward (x^T dy for a matmul). Only where
+            # a weight requires grad: the runtime's W leaves the others alone (a frozen
+            # layer's, HF Llama's rotary products with cosines from a buffer), and its B
+            # lets their outputs go (`pxform.runtime.pipeline._weight_op_outputs`)
+            weight_compute += own
             weight_ops += 1
             made = {v.name: v.type.nbytes * sc * _local_fraction(v, lay, cache)
                     for v, lay in zip(op.outputs, s.outputs) if _floating(v)}
@@ -366,7 +389,8 @@ def walk(a: Analysis, block: BlockInfo, strats: list[Strategy], outside: Mapping
             first = (v.name, s.inputs[i]) not in done
             done.add((v.name, s.inputs[i]))
             fwd, bwd = input_times(v, i, s, have, cache,
-                                   sc if v.name in batch_values else 1.0, first)
+                                   sc if v.name in batch_values else 1.0, first,
+                                   backs and v.name in grads)
             param = v.name in a.params or v.name in a.param_casts
             copy = None
             if asks and asks[i]:  # (`asks`, like `inputs_saved`, has one per op input)
@@ -494,7 +518,8 @@ def walk(a: Analysis, block: BlockInfo, strats: list[Strategy], outside: Mapping
     if gathers:
         gather_time += model.pack_time(shards) + unpack
     fwd_comm += gather_time
-    bwd_comm += gather_time
+    if any_backward:  # (a block without one gathers nothing again: nothing was saved)
+        bwd_comm += gather_time
     # all-reduces are packed across blocks into the step's buckets (`bucketed_all_reduce`,
     # per step); the others (ZeRO-3's reduce-scatters) go per block, launched during
     # backward (`GradBuckets`). Their transfers overlap the backward that follows
@@ -535,7 +560,7 @@ def walk(a: Analysis, block: BlockInfo, strats: list[Strategy], outside: Mapping
         vs = scale if name in batch_values else 1.0
         fwd_comm += cache.time(v, have, want, vs)
         fwd_seq.append((0.0, cache.collectives(v, have, want)))
-        if _floating(v):
+        if name in grads:
             bwd_comm += cache.time(v, gradient_layout(want), gradient_layout(have), vs)
             bwd_seq.append((0.0, cache.collectives(v, gradient_layout(want),
                                                    gradient_layout(have))))
@@ -569,6 +594,9 @@ def walk(a: Analysis, block: BlockInfo, strats: list[Strategy], outside: Mapping
         v = vals[name]
         lay = params.get(name, Layout.replicated(v.type.rank))
         local = math.prod(lay.local_shape(v.type.shape, cache.mesh))
+        if name not in a.trainable:  # frozen: the parameter alone
+            pbytes += local * v.type.dtype.itemsize
+            continue
         pbytes += local * model.state_bytes_per_param(v.type.dtype)
         gbytes += local * v.type.dtype.itemsize
         largest_grad = max(largest_grad, local * v.type.dtype.itemsize)
@@ -610,7 +638,8 @@ def walk(a: Analysis, block: BlockInfo, strats: list[Strategy], outside: Mapping
     return WalkCost(fwd_compute, fwd_comm, bwd_comm, grad_comm, saved, kept, pbytes, gbytes,
                     transient, packed, packed_sent.get("outer", 0.0),
                     packed_sent.get("inner", 0.0), redo + gathered, bwd_compute,
-                    weight_compute, weight_out, gather_time, weight_ops, gathered_saved,
+                    weight_compute, weight_out, gather_time if any_backward else 0.0,
+                    weight_ops, gathered_saved,
                     weight_held, redo_until + gather_time, largest_grad,
                     transient - plain, freed, kept_freed)
 
@@ -828,7 +857,8 @@ def _tensor_step(a: Analysis, k: int, s: Strategy, st: _State, cache: RelayoutCa
         else:
             have = st.layouts.get(v.name) or st.params.get(v.name) or \
                 Layout.replicated(v.type.rank)
-        fwd, bwd = input_times(v, i, s, have, cache, sc, (v.name, need) not in st.done)
+        fwd, bwd = input_times(v, i, s, have, cache, sc, (v.name, need) not in st.done,
+                               v.name in a.requires_grad)
         t += fwd + bwd
     return bad, t
 

@@ -179,9 +179,10 @@ class SearchContext:
 
     @functools.cached_property
     def param_bytes(self) -> float:
-        """Bytes of every parameter, whole."""
+        """Bytes of every parameter the step trains, whole: what its gradients'
+        all-reduce carries (a frozen one has none)."""
         vals = self.analysis.values()
-        return float(sum(vals[p].type.nbytes for p in self.analysis.params))
+        return float(sum(vals[p].type.nbytes for p in self.analysis.trainable))
 
     def packed_rate(self, config: Config, axis: str) -> float:
         """Seconds per byte sent of the step's packed gradient all-reduce over `axis`

@@ -14,7 +14,7 @@ import dataclasses
 import math
 import statistics
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 from pxform.core.errors import PxformError
 from pxform.core.ir import Graph
@@ -47,7 +47,7 @@ def search(graph: Graph, batch_inputs: set[str], *, devices: int, budget: int,
            batch_dim: int = 0, optimizer: str = "adam", fn: str = "auto",
            function: str | None = None,
            progress: Callable[[int, int], None] | None = None, margin: float = 0.0,
-           tolerance: float = 0.0) -> Plan:
+           tolerance: float = 0.0, trainable: Collection[str] | None = None) -> Plan:
     """The best plan for `graph` on `devices` devices of `hardware` within `budget` bytes
     per device (module doc).
 
@@ -68,6 +68,11 @@ def search(graph: Graph, batch_inputs: set[str], *, devices: int, budget: int,
             the fastest count as tied, and the simplest is taken (fewer stages, then
             fewer microbatches: `partition.simplicity`); the plan's notes name the faster
             one it passed over. 0: always the fastest.
+        trainable: names of the graph inputs the step differentiates (None: every
+            floating input that is not the batch). The others are frozen parameters:
+            held, but without gradients, optimizer state, gradient reductions or weight
+            gradients, and ops that nothing trained flows into run no backward (the
+            plan's notes count them).
 
     Raises:
         SearchError: nothing fits; the message states the least memory per device any
@@ -84,7 +89,7 @@ def search(graph: Graph, batch_inputs: set[str], *, devices: int, budget: int,
         raise SearchError(f"pxform.{fn}: tolerance={tolerance!r}; give a fraction in [0, 1), "
                           f"e.g. 0.05 to take the simplest plan within 5 % of the fastest.")
     usable = float(budget) * (1.0 - margin)
-    analysis = analyse(graph, batch_inputs, batch_dim, fn)
+    analysis = analyse(graph, batch_inputs, batch_dim, fn, trainable)
     model = CostModel(hardware, optimizer)
     pin = pin or Pin()
     _check_schedule(pin, len(analysis.blocks), fn)
@@ -142,6 +147,14 @@ def search(graph: Graph, batch_inputs: set[str], *, devices: int, budget: int,
             f"pipeline stages, then fewer microbatches, then fewer tensor-parallel "
             f"blocks), the model's error being larger than that gain; pass tolerance=0 "
             f"for the fastest")))
+    frozen = sorted(analysis.params - analysis.trainable)
+    if frozen:
+        vals = analysis.values()
+        plan = dataclasses.replace(plan, notes=(*plan.notes, (
+            f"{len(frozen)} of {len(analysis.params)} parameters frozen "
+            f"({format_bytes(sum(vals[n].type.nbytes for n in frozen))}: "
+            f"{', '.join(frozen[:3])}{', ...' if len(frozen) > 3 else ''}): held without "
+            f"gradients or optimizer state, and planned so")))
     if margin:
         plan = dataclasses.replace(plan, notes=(
             f"memory margin {margin:.0%}: searched within {format_bytes(int(usable))} of the "
