@@ -156,17 +156,13 @@ FROZEN = {
 """`run_hf_memory`'s `frozen`: which of HF Llama's parameters are frozen."""
 
 
-def run_hf_memory(pins: dict[str, Pin], frozen: str | None = None) -> dict[str, list[float]]:
-    """An HF Llama of width 256 (4 layers, 8 heads, 4 of keys and values, 64 tokens,
-    vocabulary 1,024, float32, global batch 16): per pinned plan (planned against the
-    a100-40gb preset) distributed, one AdamW step so the optimizer's state exists, then
-    `measure` and `plan.report`: each rank's signed memory error, predicted over
-    metered. `frozen` (a key of `FROZEN`): those parameters `requires_grad=False`, the
-    others True (None: none marked, so every one is trained)."""
+def _small_llama(frozen: str | None) -> tuple:
+    """HF Llama of width 256 (4 layers, 8 heads, 4 of keys and values, 64 tokens,
+    vocabulary 1,024, float32, global batch 16): (loss, parameters, inputs). `frozen` (a
+    key of `FROZEN`): those parameters `requires_grad=False`, the others True (None: none
+    marked, so every one is trained)."""
     import torch
-    import torch.distributed as dist
     import transformers
-    from auto_workers import metered_memory_errors
 
     transformers.logging.set_verbosity_error()
     torch.manual_seed(0)
@@ -184,6 +180,17 @@ def run_hf_memory(pins: dict[str, Pin], frozen: str | None = None) -> dict[str, 
     def loss(params, inputs):
         return fn(params, **inputs).loss
 
+    return loss, params, inputs
+
+
+def run_hf_memory(pins: dict[str, Pin], frozen: str | None = None) -> dict[str, list[float]]:
+    """`_small_llama(frozen)`: per pinned plan (planned against the a100-40gb preset)
+    distributed, one AdamW step so the optimizer's state exists, then `measure` and
+    `plan.report`: each rank's signed memory error, predicted over metered."""
+    import torch.distributed as dist
+    from auto_workers import metered_memory_errors
+
+    loss, params, inputs = _small_llama(frozen)
     return {name: metered_memory_errors(
                 pxform.auto(loss, mesh=dist.get_world_size(), memory_budget="40GiB",
                             hardware="a100-40gb", plan=pin), params, inputs)
@@ -191,29 +198,14 @@ def run_hf_memory(pins: dict[str, Pin], frozen: str | None = None) -> dict[str, 
 
 
 def run_hf_frozen_grads(frozen: str, pin: Pin) -> dict:
-    """`run_hf_memory`'s Llama with `FROZEN[frozen]` parameters frozen, one step under
-    `pin` on this world against the same step in one process: the loss, the largest
-    gradient difference over the gradients this rank holds, the frozen parameters given a
-    gradient anywhere here (none should be), and how many gradients this rank holds."""
-    import torch
+    """`_small_llama(frozen)`, one step under `pin` on this world against the same step
+    in one process: the loss, the largest gradient difference over the gradients this
+    rank holds, the frozen parameters given a gradient anywhere here (none should be),
+    and how many gradients this rank holds."""
     import torch.distributed as dist
-    import transformers
     from torch.distributed.tensor import DTensor
 
-    transformers.logging.set_verbosity_error()
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=1024, max_position_embeddings=64,
-                                      hidden_size=256, num_attention_heads=8,
-                                      num_key_value_heads=4, intermediate_size=512,
-                                      num_hidden_layers=4)
-    fn, params = pxform.module_fn(transformers.LlamaForCausalLM(config).eval())
-    params = {k: v.detach().requires_grad_(not FROZEN[frozen](k)) for k, v in params.items()}
-    ids = torch.randint(1, 1024, (16, 64), generator=torch.Generator().manual_seed(0))
-    inputs = {"input_ids": ids, "labels": ids.clone()}
-
-    def loss(params, inputs):
-        return fn(params, **inputs).loss
-
+    loss, params, inputs = _small_llama(frozen)
     ref_value, ref_grads = pxform.value_and_grad(loss)(params, inputs)
     step = pxform.auto(loss, mesh=dist.get_world_size(), memory_budget="40GiB",
                        hardware="a100-40gb", plan=pin)

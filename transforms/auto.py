@@ -420,7 +420,9 @@ def auto(fn: Any = None, *, mesh: Any, memory_budget: Any = None, objective: str
         batch_argnums: the arguments carrying the batch (default: all but the first).
         plan: a complete `Plan` (e.g. `pxform.Plan.load(path)`) to run as it is, with
             nothing searched; or a `pxform.search.Pin` to search with some choices fixed.
-        optimizer: "adam" or "sgd" (optimizer state in the memory count).
+        optimizer: "adam" or "sgd" (optimizer state in the memory count). Parameters
+            marked `requires_grad=False` in the planned arguments are frozen: counted
+            without gradients or optimizer state (docs/search.md, Frozen parameters).
         progress: called as `progress(done, total)` after each configuration the search
             evaluates (`pxform plan` draws its progress bar with it).
         allow_fallback: ops that have no sharding rule run replicated (inputs gathered,

@@ -161,6 +161,18 @@ class CostModel:
             compute = max(compute, self.hardware.memory_time(nbytes))
         return compute + self.hardware.op_overhead_s
 
+    def fitted_backward_s(self) -> float:
+        """The backward's share of `Hardware.op_step_overhead_s` that `op_times` adds to
+        every op. The calibration fits that time per op over every op of its reference
+        step (`pxform.tools.runtime_costs`), those without a backward among them, so the
+        search charges it on an op whose backward never runs too (`blockcost.walk`).
+
+        Example:
+            >>> CostModel(dataclasses.replace(hw, op_step_overhead_s=3e-5)).fitted_backward_s()
+            2e-05
+        """
+        return BACKWARD_RATIO * self.hardware.op_step_overhead_s / (1 + BACKWARD_RATIO)
+
     def op_times(self, flops: float, dtype: torch.dtype, nbytes: float, kind: str
                  ) -> tuple[float, float]:
         """(forward, backward) seconds of one op of class `kind` (`op_class`) doing

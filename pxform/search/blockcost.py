@@ -37,7 +37,13 @@ from typing import Any
 from pxform.core.ir import Value
 from pxform.core.layout import Layout, Relayout, plan_relayout
 from pxform.core.mesh import AbstractMesh
-from pxform.cost.model import GRAD_PASSTHROUGH, CostModel, relayout_copies_storage, relayout_steps
+from pxform.cost.model import (
+    BACKWARD_RATIO,
+    GRAD_PASSTHROUGH,
+    CostModel,
+    relayout_copies_storage,
+    relayout_steps,
+)
 from pxform.ops.strategy import REPLICATE, Strategy, strategies, strategy_for
 from pxform.passes.propagate import consumer_gradient_layout, gradient_layout
 from pxform.search.analysis import DATA, Analysis, BlockInfo
@@ -308,13 +314,18 @@ def walk(a: Analysis, block: BlockInfo, strats: list[Strategy], outside: Mapping
         weight_in = [v for v in op.inputs if _floating(v) and v.name not in batch_values]
         own = min(f, b)  # a weight op's weight gradient, `weight_compute` below
         trains = any(v.name in grads for v in weight_in)
-        if not (op.grad and any(v.name in grads for v in op.inputs)):
-            b = 0.0
+        backs = op.grad and any(v.name in grads for v in op.inputs)
+        # (the per-op time the calibration fitted over every op stays, whatever runs: it
+        # took each op to pay it, `CostModel.fitted_backward_s`)
+        fitted = min(b, model.fitted_backward_s())
+        if not backs:
+            b = fitted
         elif weight_in and a.op_batch[k]:
-            b = (own if trains else 0.0) + (
-                b - own if any(v.name in grads for v in op.inputs
-                               if v.name in batch_values) else 0.0)
-        backs = b > 0.0
+            core = b - fitted
+            part = min(f - fitted / BACKWARD_RATIO, core)
+            b = fitted + (part if trains else 0.0) + (
+                core - part if any(v.name in grads for v in op.inputs
+                                   if v.name in batch_values) else 0.0)
         any_backward |= backs
         fwd_compute += f
         bwd_compute += b
