@@ -221,8 +221,7 @@ def run(program: PipelineProgram, actions: Sequence[Action | None], place: Pipel
         if s in split_weights:
             # a W asks nothing of a weight op with no weight to train (a frozen layer's):
             # its outputs and weights are let go now, not held to the B
-            sl.outputs = _idle_weight_ops_dropped(st, sl.outputs,
-                                                  _weight_op_outputs(st, sl.outputs))
+            sl.outputs = _idle_weight_ops_dropped(st, sl.outputs)
         num_sends = len(st.sends)
         if st.num_outputs:
             finals[i] = tuple(o.detach() if isinstance(o, torch.Tensor) else o
@@ -459,10 +458,10 @@ def _weight_op_outputs(st: StageProgram, outputs: tuple[Any, ...]
     return ys
 
 
-def _idle_weight_ops_dropped(st: StageProgram, outputs: tuple[Any, ...],
-                             ys: list[torch.Tensor | None]) -> tuple[Any, ...]:
-    """`outputs` with the outputs and weights of each weight op whose outputs are all None
-    in `ys` (`_weight_op_outputs`: nothing for its W to do) replaced by None."""
+def _idle_weight_ops_dropped(st: StageProgram, outputs: tuple[Any, ...]) -> tuple[Any, ...]:
+    """`outputs` with the outputs and weights of each weight op that gives its W nothing
+    to do (all its outputs None in `_weight_op_outputs`) replaced by None."""
+    ys = _weight_op_outputs(st, outputs)
     out = list(outputs)
     offset = len(st.sends) + st.num_outputs
     at = 0

@@ -183,7 +183,7 @@ def analyse(graph: Graph, batch_inputs: set[str], batch_dim: int = 0,
     done: dict[int, list[SavedBytes]] = {}
     # what requires grad as the search walks each kind's first block: the whole graph's,
     # and in that block what it makes from a value read where some block of the kind
-    # reads one requiring grad (`needing`, below), as its saved bytes are measured
+    # reads one requiring grad (`seeded`, below), as its saved bytes are measured
     requires = set(grads)
     for (a, b, _), k in zip(blocks, kind_of):
         # (a kind's blocks share the first one's: its `stored` names that block's
@@ -194,9 +194,9 @@ def analyse(graph: Graph, batch_inputs: set[str], batch_dim: int = 0,
         if k not in done:
             outside = read_from_outside(graph.ops[a:b])
             own = {v.name for v, kept in zip(outside, stored_at[k]) if not kept}
-            needing = grads | {v.name for v, need in zip(outside, grad_at[k]) if need}
-            done[k] = saved_bytes_per_op(graph, a, b, (skip - own) | set(params), needing)
             seeded = {v.name for v, need in zip(outside, grad_at[k]) if need}
+            done[k] = saved_bytes_per_op(graph, a, b, (skip - own) | set(params),
+                                         grads | seeded)
             requires |= grad_flow(graph.ops[a:b], seeded)
         saved[a:b] = done[k]
     # the reference data axis: the smallest split of the batch there is (2 for even
