@@ -149,6 +149,10 @@ FROZEN = {
     # the embedding and the first two layers frozen: they run no backward at all
     "prefix": lambda name: name.startswith(("model.embed_tokens", "model.layers.0.",
                                             "model.layers.1.")),
+    # the embedding and the first three layers: a 2-stage pipeline's first stage trains
+    # nothing (its B does nothing; the stage after it is sent no gradient)
+    "stage": lambda name: name.startswith(("model.embed_tokens", "model.layers.0.",
+                                           "model.layers.1.", "model.layers.2.")),
     # every weight matrix frozen, the norms trained (BitFit-like): each matmul's backward
     # makes its input's gradient alone
     "matrices": lambda name: "norm" not in name,

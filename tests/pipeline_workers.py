@@ -290,3 +290,43 @@ def weight_accumulations(bucket_mb=None, microbatches=4):
     out["calls"] = len(calls)
     out["weight_ops"] = len(stage.weight_ops)
     return out
+
+
+def frozen_prefix(schedule, options, trained_layers=1):
+    """One step of the example GPT (4 layers, 2 ranks) with all but its last
+    `trained_layers` layers, its final norm and, frozen: the embeddings (`requires_grad`
+    False), against one process: the loss and gradient errors, which gradients this
+    rank holds, and per gradient message it sent (SB) its stage and the elements it
+    carried (a stage before the first that trains gets a one-element token)."""
+    import pxform.runtime.pipeline as executor
+
+    cfg, params, batch = gpt_setup(4)
+    last = len(params["blocks"]) - trained_layers
+    for path, t in zip(*optree.tree_flatten_with_path(params)[:2]):
+        t.requires_grad_(path[0] == "lnf_w" or path[0] == "lnf_b"
+                         or (path[0] == "blocks" and path[1] >= last))
+
+    def f(p, b):
+        return gpt_loss(p, b, cfg)
+
+    sent: list[tuple[int, int]] = []
+    real = executor._send
+
+    def logged(tensors, place, to, a, tag):
+        if a.kind == "SB":
+            sent.append((a.stage, sum(t.numel() for t in tensors)))
+        return real(tensors, place, to, a, tag)
+
+    step = pxform.value_and_grad(pxform.pipeline(f, stages=2, microbatches=4,
+                                                 schedule=schedule, **options))
+    executor._send = logged
+    try:
+        loss, grads = step(params, batch)
+    finally:
+        executor._send = real
+    ref_loss, ref_grads = pxform.value_and_grad(f)(params, batch)
+    out = _errors(loss, grads, ref_loss, ref_grads)
+    out["sent"] = sent
+    out["trained"] = sorted(".".join(map(str, p)) for p, t in zip(
+        *optree.tree_flatten_with_path(params)[:2]) if t.requires_grad)
+    return out

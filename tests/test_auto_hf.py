@@ -86,13 +86,16 @@ def test_llamas_predicted_peak_is_its_metered_one(world2):
 
 
 
-@pytest.mark.parametrize("frozen", ["prefix", "matrices"])
+@pytest.mark.parametrize("frozen", ["prefix", "matrices", "stage"])
 def test_a_frozen_llamas_predicted_peak_is_its_metered_one(world2, frozen):
     """Frozen parameters (`requires_grad=False`) hold no gradient and no optimizer state,
     and a frozen prefix runs no backward. Counted as trained, HF Llama with its embedding
     and first two layers frozen was predicted 59-63 % over the meter on one stage and
     +399 % on a pipeline's first, and with every weight matrix frozen (the norms trained)
-    44-114 % over (the forty-eighth session). Within 3 % now, on the real meter."""
+    44-114 % over (the forty-eighth session). With the pipeline's whole first stage
+    frozen ("stage"), zero-bubble's first stage metered 52 % over its prediction: its
+    forward returned every weight op's output for a W that had nothing to do, all alive
+    as the forward ended (the forty-ninth session). Within 3 % now, on the real meter."""
     from pxform.search.pipelines import ScheduleChoice
     from pxform.search.space import Option
 
@@ -108,6 +111,8 @@ def test_a_frozen_llamas_predicted_peak_is_its_metered_one(world2, frozen):
                          block_options=every((("outer", "sdp"),))),
             "pp2 1f1b": Pin(stages=2, microbatches=4, schedule=ScheduleChoice("1f1b")),
             "pp2 zb": Pin(stages=2, microbatches=8, schedule=ScheduleChoice("zb"))}
+    if frozen == "stage":  # (the one-stage plans are the prefix's)
+        pins = {k: v for k, v in pins.items() if k.startswith("pp2")}
     errors = world2.run(H.run_hf_memory, pins, frozen)[0]
     worst = {name: max(e, key=abs) for name, e in errors.items()}
     assert all(abs(e) <= 0.03 for e in worst.values()), worst

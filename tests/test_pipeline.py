@@ -292,3 +292,28 @@ def test_a_zero_bubble_w_accumulates_its_weight_gradients_in_one_call_per_bucket
     for r in world2.run(W.weight_accumulations, 1e-6):
         assert abs(r["loss"] - r["ref"]) < 1e-12 and r["grad_err"] < 1e-12, r
         assert r["calls"] == 4 * r["weight_ops"], r
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("schedule, options", [
+    ("1f1b", {}), ("zb", {}), ("gpipe", {}), ("interleaved", {"virtual_stages": 2})])
+def test_a_frozen_prefix_gets_no_gradient_sent_back(world2, schedule, options):
+    """Fine-tuning with the embeddings and the first layers frozen: nothing before the
+    first stage that trains requires grad, so that stage computes no gradient of what it
+    receives, and every gradient message back to the frozen stages is a one-element token
+    (the schedule, and when each send is waited for, stay as they are). The step still
+    matches one process. (Before, the stage after the frozen prefix made what it received
+    require grad, computed its gradient through every layer it ran, and sent it back,
+    zeros further back, to stages that did nothing with it.)"""
+    results = world2.run(W.frozen_prefix, schedule, options)
+    have: set[str] = set()
+    for r in results:
+        assert abs(r["loss"] - r["ref"]) < 1e-12, r
+        assert r["grad_err"] < 1e-12, r
+        have |= set(r["have"])
+    assert have == set(results[0]["trained"]), have  # every trained gradient, no frozen one
+    sent = [m for r in results for m in r["sent"]]
+    num_stages = 1 + max(s for s, _ in sent)
+    assert len(sent) == (num_stages - 1) * 4, sent  # every gradient message still sent
+    # the last stage alone trains (the last layer, the final norm): all of them are tokens
+    assert all(n == 1 for _, n in sent), sent

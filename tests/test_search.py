@@ -8,6 +8,7 @@ import dataclasses
 import itertools
 import math
 import re
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -28,6 +29,9 @@ from pxform.search.pipelines import ScheduleChoice
 from pxform.search.space import Option
 
 # ---------------------------------------------------------------- models
+
+# this project's 2-rank CPU machine, as `pxform calibrate` measured it (tests/golden)
+CPU_PROFILE = str(Path(__file__).parent / "golden" / "cpu-x2-profile.json")
 
 
 def residual_mlp(params, x, y):
@@ -2038,6 +2042,33 @@ def test_the_search_plans_for_what_is_frozen():
     assert plan.step_time_s == pytest.approx(trained.step_time_s / 2, rel=0.1)
     assert any(n.startswith("12 of 16 parameters frozen (768 MiB: layers.0.w1")
                for n in plan.notes), plan.notes
+
+
+def test_a_pipeline_stage_that_trains_nothing_has_no_backward():
+    """A 2-stage pipeline whose first stage is a frozen prefix: that stage runs its
+    forward without autograd's graph and its B does nothing, and no gradient is sent back
+    to it (the runtime sends a token: `pxform.runtime.pipeline.first_trained`), so neither
+    stage holds a buffer for one. Before, the frozen stage's forward was priced with
+    autograd's graph, and both stages with the gradient's buffers."""
+    from pxform.search.pipelines import ONE_F_ONE_B
+
+    def plan_of(frozen: set[int]) -> Any:
+        step = pxform.auto(residual_mlp, mesh=pxform.Mesh.abstract(2),
+                           memory_budget="80GiB", hardware=CPU_PROFILE,
+                           plan=Pin(stages=2, microbatches=4, schedule=ONE_F_ONE_B,
+                                    block_stage=(0, 0, 1, 1, 1)))
+        return step.plan(*_frozen_mlp(frozen, d=1024, batch=4096))
+
+    trained, frozen = plan_of(set()), plan_of({0, 1})  # (4 layers, then the loss)
+    first, second = frozen.stage_plans
+    assert first.backward_s < 0.01 * trained.stage_plans[0].backward_s, first
+    assert first.forward_s < 0.97 * trained.stage_plans[0].forward_s  # (no graph)
+    assert second.backward_s == pytest.approx(trained.stage_plans[1].backward_s, rel=0.01)
+    # the boundary's gradient, one microbatch's 1024 x 1024 float32 values: the second
+    # stage no longer sends it back
+    boundary = 1024 * 1024 * 4
+    assert trained.stage_plans[1].memory_bytes - second.memory_bytes == \
+        pytest.approx(boundary, rel=0.01)
 
 
 def test_trainable_names_that_are_not_parameters_are_refused():

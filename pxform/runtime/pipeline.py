@@ -20,12 +20,19 @@ of actions in order:
 
 Parameter gradients accumulate over microbatches (`GradAccumulator`): leaves sum them, and
 parameter collectives (DP's all-reduce, ZeRO-3's reduce-scatter) run once at the end.
+
+A frozen prefix (fine-tuning with the embeddings and first layers `requires_grad=False`):
+the ranks agree each step on the first stage that trains (`first_trained`); the stages
+before it run forward only (their B, W and R do nothing), that stage computes no gradient of
+what it receives, and the gradient messages back to them are one-element tokens, so the
+schedule and each send's release stay as they are.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 import datetime
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -35,6 +42,7 @@ from typing import Any
 import optree
 import torch
 import torch.distributed as dist
+from torch._subclasses.fake_tensor import is_fake
 
 from pxform.core.errors import PxformError
 from pxform.core.ir import TensorType, Value
@@ -129,7 +137,8 @@ def run(program: PipelineProgram, actions: Sequence[Action | None], place: Pipel
         axes: AxisGroups, inputs: Sequence[torch.Tensor | None], batch_dims: dict[int, int],
         want_grad: Sequence[bool], bucket_bytes: int, split_weights: set[int],
         reshard: Reshard = True,
-        releases: Mapping[Action, Sequence[Action]] | None = None) -> PipelineResult:
+        releases: Mapping[Action, Sequence[Action]] | None = None,
+        first: int = 0) -> PipelineResult:
     """Run this rank's `actions`.
 
     Args:
@@ -141,6 +150,11 @@ def run(program: PipelineProgram, actions: Sequence[Action | None], place: Pipel
             backward (`pxform.runtime.reshard`).
         releases: after which receive each send is waited for (`pxform.schedules.
             send_releases`, this rank's); the rest at the end of the step.
+        first: the first stage that trains (`first_trained`, the same on every pipeline
+            rank): nothing before it requires grad, so those stages' B, W and R do
+            nothing, the values `first` receives collect no gradient, and the gradient
+            messages back to the stages before it are one element each (sent so that the
+            schedule, and each send's release, stay as they are).
 
     Returns:
         The function's outputs (combined over microbatches, the same on every pipeline
@@ -167,7 +181,9 @@ def run(program: PipelineProgram, actions: Sequence[Action | None], place: Pipel
         return pieces[j][i] if j in pieces else leaves[j]
 
     mine = [st for st in program.stages if st.stage % place.size == place.rank]
-    trainable = {a.stage for a in actions if a is not None and a.kind == "B"}
+    # (stages before `first` have their B actions, which do nothing: module doc)
+    trainable = {a.stage for a in actions if a is not None and a.kind == "B"
+                 and a.stage >= first}
     for st in mine:
         for pre in st.counts:  # counts over all microbatches, before any backward
             total = torch.zeros((), dtype=torch.float64, device=device)
@@ -204,7 +220,8 @@ def run(program: PipelineProgram, actions: Sequence[Action | None], place: Pipel
         grad = s in trainable and st.grad and torch.is_grad_enabled()
         if len(sl.leaves) != len(st.receives):
             raise RuntimeError(f"pxform pipeline: {s}F{i} ran before its inputs arrived")
-        sl.leaves = [t.requires_grad_(grad and t.dtype.is_floating_point)
+        # (the first stage that trains gets values nothing trained made: no gradient)
+        sl.leaves = [t.requires_grad_(grad and s > first and t.dtype.is_floating_point)
                      for t in sl.leaves]
         args = [graph_input(j, i) for j in st.graph_inputs] + sl.leaves
         # with an early recompute (R) to come, forward keeps nothing but its inputs
@@ -213,12 +230,15 @@ def run(program: PipelineProgram, actions: Sequence[Action | None], place: Pipel
             sl.rng = _rng_state(args)
         plan = gather_plan(st.program)  # ZeRO-3 gathers: per block, one block ahead
         prefetch = Prefetch(plan, per_mb[i], args) if plan.groups else None
+        # (a stage before the first that trains returns no weight op's outputs for a W:
+        # made program outputs, they would all be alive as its forward ends)
+        ran = _without_weight_outputs(st) if s < first and st.weight_ops else st
         with with_groups(per_mb[i], accumulator, seeds, prefetch), \
                 torch.set_grad_enabled(grad and not later), \
                 reshard_after_forward(reshard_when(reshard, grad and not later
                                                    and bool(plan.groups))):
-            sl.outputs = tuple(module_of(st)(*args))
-        if s in split_weights:
+            sl.outputs = tuple(module_of(ran)(*args))
+        if s in split_weights and s >= first:
             # a W asks nothing of a weight op with no weight to train (a frozen layer's):
             # its outputs and weights are let go now, not held to the B
             sl.outputs = _idle_weight_ops_dropped(st, sl.outputs)
@@ -233,6 +253,9 @@ def run(program: PipelineProgram, actions: Sequence[Action | None], place: Pipel
 
     def backward(s: int, i: int) -> None:
         st, sl = stage(s), slot(s, i)
+        if s < first:  # nothing of it requires grad: no gradient to take or hand back
+            slots.pop((s, i), None)
+            return
         num_sends = len(st.sends)
         tensors, grads = [], []
         if num_sends:
@@ -281,6 +304,8 @@ def run(program: PipelineProgram, actions: Sequence[Action | None], place: Pipel
         """Merak's early recompute: run the stage's forward again, with gradients and every
         activation kept, before its backward (in the time the rank would wait for the
         gradient); regions inside it run plainly, so B recomputes nothing."""
+        if s < first:  # its F kept what it sends, and it has no backward to run
+            return
         st, sl = stage(s), slot(s, i)
         if sl.rng is None:
             raise RuntimeError(f"pxform pipeline: {s}R{i} ran before {s}F{i}")
@@ -291,6 +316,8 @@ def run(program: PipelineProgram, actions: Sequence[Action | None], place: Pipel
         sl.rng = None
 
     def weights(s: int, i: int) -> None:
+        if s < first:
+            return
         st, sl = stage(s), slot(s, i)
         dys = iter(sl.weight_grads)
         offset = len(st.sends) + st.num_outputs
@@ -337,8 +364,11 @@ def run(program: PipelineProgram, actions: Sequence[Action | None], place: Pipel
         if a.kind == "RF":
             return ([(st.local_shape(v), v.type.dtype) for v in st.receives],
                     (a.stage - 1) % place.size)
-        return ([(st.local_shape(v), v.type.dtype) for v in st.sends
-                 if v.type.dtype.is_floating_point], (a.stage + 1) % place.size)
+        shapes = [(st.local_shape(v), v.type.dtype) for v in st.sends
+                  if v.type.dtype.is_floating_point]
+        if a.stage < first and shapes:  # (`SB`: the stage after sends one element)
+            shapes = [NO_GRADIENT]
+        return shapes, (a.stage + 1) % place.size
 
     # receives posted ahead of their actions (`_posted_ahead`): the next RF and the next
     # RB of this rank's list each wait posted while the actions before them run
@@ -387,17 +417,24 @@ def run(program: PipelineProgram, actions: Sequence[Action | None], place: Pipel
         elif a.kind == "RF":
             slot(s, i).leaves = received(a)
         elif a.kind == "SB":
-            sl, st = slot(s, i), stage(s)
-            grads = [g if g is not None else
-                     torch.zeros(st.local_shape(v), dtype=v.type.dtype, device=device)
-                     for v, g in zip(st.receives, sl.input_grads)
-                     if v.type.dtype.is_floating_point]
+            st = stage(s)
+            if s <= first:
+                # the stage before trains nothing: a token, not zeros of every value
+                grads = [torch.zeros(NO_GRADIENT[0], dtype=NO_GRADIENT[1], device=device)
+                         ] if any(v.type.dtype.is_floating_point for v in st.receives) else []
+            else:
+                sl = slot(s, i)
+                grads = [g if g is not None else
+                         torch.zeros(st.local_shape(v), dtype=v.type.dtype, device=device)
+                         for v, g in zip(st.receives, sl.input_grads)
+                         if v.type.dtype.is_floating_point]
+                sl.input_grads = []  # the slot itself may still wait for its W
             pending[a] = _send(grads, place, (s - 1) % place.size, a, tag)
-            sl.input_grads = []  # the slot itself may still wait for its W
         elif a.kind == "RB":
             got = iter(received(a))
-            slot(s, i).recv_grads = [next(got) if v.type.dtype.is_floating_point else None
-                                     for v in stage(s).sends]
+            if s >= first:  # (before it: the token `SB` sends)
+                slot(s, i).recv_grads = [next(got) if v.type.dtype.is_floating_point
+                                         else None for v in stage(s).sends]
         else:
             raise RuntimeError(f"pxform pipeline: unknown action {a}")
         for done in releases.get(a, ()):  # arrived: waiting frees their tensors now
@@ -421,6 +458,46 @@ def run(program: PipelineProgram, actions: Sequence[Action | None], place: Pipel
             out_grads[j] = torch.zeros_like(leaf) if g is None else g
     outputs = _combine(program, finals, place, device) if any(finals) or place.size > 1 else []
     return PipelineResult(outputs, out_grads)
+
+
+# what a stage sends back in place of the gradients of values that none has (`run`'s
+# `first`): one element, so that the message, and what the schedule times by it, stays
+NO_GRADIENT: tuple[tuple[int, ...], torch.dtype] = ((1,), torch.float32)
+
+
+def first_trained(program: PipelineProgram, inputs: Sequence[torch.Tensor | None],
+                  want_grad: Sequence[bool], place: PipelineGroup,
+                  device: torch.device) -> int:
+    """The first stage that computes with a graph input whose gradient is wanted (`run`'s
+    `first`; the number of stages when none does), agreed by every pipeline rank: each
+    knows the marks of the inputs its own stages read, and one all-reduce (the minimum
+    over the ranks) gives the rest. Before that stage nothing requires grad (a frozen
+    prefix: an embedding and the first layers under `requires_grad=False`), so no
+    gradient need flow back to it.
+
+    Example:
+        >>> first_trained(program, inputs, want_grad, place, device)   # a frozen stage 0
+        1
+    """
+    num_stages = len(program.stages)
+    mine = min((st.stage for st in program.stages
+                if st.stage % place.size == place.rank and st.grad
+                and any(want_grad[j] and inputs[j] is not None
+                        and inputs[j].dtype.is_floating_point for j in st.graph_inputs)),
+               default=num_stages)
+    if place.group is None or place.size < 2:
+        return mine
+    agreed = torch.tensor([mine], dtype=torch.int64, device=device)
+    if is_fake(agreed):  # (under FakeTensorMode, to check placement: no values to agree)
+        return mine
+    try:
+        work = dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=place.group,
+                               async_op=True)
+    except RuntimeError as exc:
+        raise peer_error(exc, f"agreeing on the first stage that trains, pipeline rank "
+                              f"{place.rank} of {place.size},") from exc
+    _wait(work, place, "agreeing on the first stage that trains")
+    return int(agreed.item())
 
 
 def _rng_state(tensors: Sequence[Any]) -> tuple[torch.Tensor, list[tuple[int, torch.Tensor]]]:
@@ -456,6 +533,24 @@ def _weight_op_outputs(st: StageProgram, outputs: tuple[Any, ...]
                for y in outputs[offset:offset + num_out]]
         offset += num_out + num_w
     return ys
+
+
+def _without_weight_outputs(st: StageProgram) -> StageProgram:
+    """`st` whose program returns what it sends and the function's outputs alone, not its
+    weight ops' outputs and weights (`StageProgram.weight_ops`): the forward of a stage
+    that trains nothing (`run`'s `first`). Made once per stage program.
+
+    Example:
+        >>> _without_weight_outputs(st).weight_ops
+        ()
+    """
+    made = st.__dict__.get("_without_weight_outputs")
+    if made is None:
+        kept = st.program.outputs[:len(st.sends) + st.num_outputs]
+        made = dataclasses.replace(st, program=dataclasses.replace(st.program, outputs=kept),
+                                   weight_ops=())
+        st.__dict__["_without_weight_outputs"] = made  # frozen dataclass: as `module_of`
+    return made
 
 
 def _idle_weight_ops_dropped(st: StageProgram, outputs: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -629,9 +724,12 @@ def run_pipeline(program: PipelineProgram, out_tree: Any, actions: Sequence[Acti
              for j, (leaf, layout) in enumerate(zip(leaves, layouts))]
     want = [n in grad_argnums and (trainable is None or trainable[j])
             for j, n in enumerate(arg_of)]
+    # (a call without gradients runs forward sweeps alone, on every rank alike)
+    first = first_trained(program, local, want, place, runtime_device(local)) \
+        if grad_argnums else len(program.stages)
     with torch.set_grad_enabled(bool(grad_argnums) or torch.is_grad_enabled()):
         result = run(program, actions, place, axes, local, batch_dims, want,
-                     int(bucket_mb * 2**20), weight_stages, reshard, releases)
+                     int(bucket_mb * 2**20), weight_stages, reshard, releases, first)
     grads = share_grads(program, place, result.grads, want, list(layouts), sub, list(leaves))
     values = [wrap_output(o, _without_mb(v), mesh) if mesh is not None else o
               for o, v in zip(result.outputs, program.outputs)]

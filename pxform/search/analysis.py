@@ -97,6 +97,11 @@ class Analysis:
     # `trainable`), as the search walks each kind's first block: an op reading none of
     # them has no backward, and only their gradients are re-laid out
     requires_grad: frozenset[str] = frozenset()
+    # the first block an op of which, run with autograd, reads a value that requires grad
+    # (the number of blocks where none does): the blocks before it (a frozen prefix) have
+    # no backward, and no gradient flows back to them (`pxform.runtime.pipeline.
+    # first_trained`: a pipeline sends the stages before it a token)
+    first_trained: int = 0
 
     @property
     def num_kinds(self) -> int:
@@ -227,7 +232,10 @@ def analyse(graph: Graph, batch_inputs: set[str], batch_dim: int = 0,
                     tuple(strategies), layouts, traced, marked, tuple(kind_of),
                     frozenset(depends), defined_at, whole_batch,
                     {v.name: v for v in graph.values()}, _param_casts(graph, params),
-                    op_classes, learned, frozenset(requires))
+                    op_classes, learned, frozenset(requires),
+                    next((k for k, (a, b, _) in enumerate(blocks)
+                          if any(op.grad and any(v.name in grads for v in op.inputs)
+                                 for op in graph.ops[a:b])), len(blocks)))
 
 
 def _frozen_mask(ops: Sequence[Op], params: frozenset[str], learned: frozenset[str]

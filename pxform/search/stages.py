@@ -389,6 +389,12 @@ def _stage_sums(ctx: SearchContext, config: Config, idx: list[int], pt: Point,
         outer += oc.packed_outer
         inner += oc.packed_inner
     hw = ctx.hardware
+    # a pipeline stage before the first block that trains (a frozen prefix) runs its
+    # forward without autograd's graph and its B and W do nothing: nothing of it requires
+    # grad (`pxform.runtime.pipeline.first_trained`); its gradient messages are tokens
+    frozen = config.stages > 1 and idx[-1] < a.first_trained
+    if frozen:
+        b = w = 0.0
     computed_b, computed_w = b, w  # (the passes' own time, before the runtime's costs)
     num_ops = sum(a.blocks[k].stop - a.blocks[k].start for k in idx)
     # the forward without autograd's graph (the shifted schedule's first forward of a
@@ -462,7 +468,7 @@ def _stage_sums(ctx: SearchContext, config: Config, idx: list[int], pt: Point,
         f += action + (0.0 if last else send) + (0.0 if first else receive)
         b += action + (0.0 if first else send) + (0.0 if last else b_receive)
         r += action - hw.action_overhead_s
-        if split:
+        if split and not frozen:
             # a W is one more action (the executor's own cost), asks autograd for each
             # weight op's gradient apart, and accumulates the stage's parameter gradients,
             # which its B (input gradients only) then does not: the per-parameter cost
@@ -482,7 +488,11 @@ def _stage_sums(ctx: SearchContext, config: Config, idx: list[int], pt: Point,
     trans = (pt.time - sum(times)) / m
     p2p = _p2p(ctx, config, idx) if config.stages > 1 else 0.0
     f += trans / 2 + p2p
-    b += trans / 2 + p2p
+    if frozen:  # (no gradients to re-lay out; the one it receives is a token's)
+        f += trans / 2
+        b += _p2p_token(ctx, config) if idx[-1] < len(a.blocks) - 1 else 0.0
+    else:
+        b += trans / 2 + p2p
     r += trans / 2
     # the step's own costs (per parameter, the gradients' reductions): one stage runs them
     # within its backwards; a pipeline stage's rank after its last action, outside the
@@ -495,7 +505,7 @@ def _stage_sums(ctx: SearchContext, config: Config, idx: list[int], pt: Point,
     # backward)`) passed the whole stage's backward made B negative, and the schedule
     # simulator refused the plan (the median of 5 calibrations, 2026-11-27: B -0.4 ms)
     w = max(0.0, min(w, backward))
-    if redo:  # its first F runs without autograd's graph (its R records it)
+    if redo or frozen:  # its first F runs without autograd's graph (its R records it)
         f -= no_grad_saving
     sums = _StageSums(tuple(options), tuple(costs), tuple(times), tuple(mems), f,
                       backward, w, pbytes, r, f_sync, b_sync, step_extra)
@@ -581,6 +591,11 @@ def boundary_bytes(ctx: SearchContext, config: Config, k: int,
     if hit is not None:
         return hit
     a = ctx.analysis
+    if floating and k < a.first_trained:
+        # nothing before the first block that trains requires grad: the executor sends
+        # back a one-element token (`pxform.runtime.pipeline.NO_GRADIENT`)
+        ctx.boundaries[key] = 0.0
+        return 0.0
     vals = a.values()
     scale = (ctx.global_batch // config.microbatches) / a.traced_batch
     data = config.outer * config.inner
@@ -618,6 +633,13 @@ def transfer_bytes(ctx: SearchContext, config: Config, idx: Sequence[int], last:
     forwards, backwards = sent
     held = inputs * inp + forwards * out + backwards * grad_in + (out if recomputes else 0.0)
     return held + inp, 2 * grad_out
+
+
+def _p2p_token(ctx: SearchContext, config: Config) -> float:
+    """Seconds of a gradient message that is a token (`boundary_bytes`): a transfer's
+    latency."""
+    hw = ctx.hardware
+    return hw.comm_time("p2p", 4.0, 2, hw.level(2 * config.outer * config.inner))
 
 
 def _p2p_time(ctx: SearchContext, config: Config, idx: list[int]) -> float:
