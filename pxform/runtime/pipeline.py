@@ -480,11 +480,14 @@ def first_trained(program: PipelineProgram, inputs: Sequence[torch.Tensor | None
         1
     """
     num_stages = len(program.stages)
+
+    def trained(j: int) -> bool:
+        t = inputs[j]
+        return want_grad[j] and t is not None and t.dtype.is_floating_point
+
     mine = min((st.stage for st in program.stages
                 if st.stage % place.size == place.rank and st.grad
-                and any(want_grad[j] and inputs[j] is not None
-                        and inputs[j].dtype.is_floating_point for j in st.graph_inputs)),
-               default=num_stages)
+                and any(trained(j) for j in st.graph_inputs)), default=num_stages)
     if place.group is None or place.size < 2:
         return mine
     agreed = torch.tensor([mine], dtype=torch.int64, device=device)
