@@ -4,6 +4,9 @@ option groups that cannot beat the best plan so far are skipped."""
 
 from __future__ import annotations
 
+import bisect
+import dataclasses
+import itertools
 import math
 from collections.abc import Iterable, Sequence
 
@@ -11,6 +14,7 @@ from pxform.search.context import OptionTable, SearchContext
 from pxform.search.options import block_tables
 from pxform.search.pipelines import ScheduleChoice, bubble_bound, choices
 from pxform.search.space import Config
+from pxform.search.stages import host_seconds
 
 
 def lower_bound(ctx: SearchContext, config: Config,
@@ -24,11 +28,52 @@ def lower_bound(ctx: SearchContext, config: Config,
     is at least `T (m - 1 + p) / (p m)`; the shifted schedule's work has its recompute.
     The blocks' per-step costs (`OptionCost.step_extra`, part of T) run after the
     schedule, once: the factor over 1 is not charged on them (each block's largest).
-    `tables`: per block, the options to bound (default: all)."""
+    And no less than m times the busiest rank's share of the blocks per microbatch, each
+    block at its least (`least_bottleneck`, `least_busiest`): a pipeline whose blocks do
+    not cut evenly into its stages (BERT-large's 24 layers, embedding and head on 8) is
+    as slow as its busiest stage, which the even spread did not see.
+    `tables`: per block, the options to bound (default: all).
+
+    On a device that overlaps the host's time per op (`Hardware.host_overlaps`), a
+    stage's F and B are the longer of their device and host parts, not the sums the
+    options' costs are (`stages.host_overlapped`): the bound is then the larger of two
+    taken over parts that never exceed a stage's, each option's cost less its host part,
+    and half of it (`_host_overlapped_tables`)."""
     if tables is None:
         tables = block_tables(ctx, config)
         if tables is None:
             return math.inf
+    if not ctx.hardware.host_overlaps:
+        return _bound(ctx, config, tables, schedules)
+    return max(_bound(ctx, config, _host_overlapped_tables(ctx, tables, share), schedules)
+               for share in (1.0, 0.5))
+
+
+def _host_overlapped_tables(ctx: SearchContext, tables: Sequence[OptionTable],
+                            share: float) -> list[OptionTable]:
+    """The tables with each option's forward and backward F and B replaced by `share` of
+    their device part and `1 - share` of their host part (`stages.host_seconds`): a
+    stage's overlapped F, `max(sum F - host, host)`, is at least any such mix of the two,
+    and so, with one share for every block, at least the sum of its blocks' mixes."""
+    made: dict[int, OptionTable] = {}
+    out: list[OptionTable] = []
+    for t, block in zip(tables, ctx.analysis.blocks):
+        hit = made.get(id(t))
+        if hit is None:
+            costs = []
+            for o, c in zip(t.options, t.costs):
+                host_f, host_b = host_seconds(ctx.hardware, block, o)
+                costs.append(dataclasses.replace(
+                    c, forward=share * (c.forward - host_f) + (1.0 - share) * host_f,
+                    backward=share * (c.backward - host_b) + (1.0 - share) * host_b))
+            hit = made[id(t)] = OptionTable(t.key, t.options, tuple(costs))
+        out.append(hit)
+    return out
+
+
+def _bound(ctx: SearchContext, config: Config, tables: Sequence[OptionTable],
+           schedules: Sequence[ScheduleChoice] | None) -> float:
+    """`lower_bound` over these tables' costs."""
     m, p = config.microbatches, config.stages
     total = least_work(tables, m, p, ctx.budget - _least_workspace(tables))
     if p == 1:
@@ -36,8 +81,8 @@ def lower_bound(ctx: SearchContext, config: Config,
     if schedules is None:
         schedules = choices(config, len(ctx.analysis.blocks), ctx.pin.schedule)
     # the weight gradients' largest share of any option's work: ZB's least bubble
-    share = max((c.weight / (c.forward + c.backward) for t in tables for c in t.costs
-                 if c.forward + c.backward > 0), default=0.0)
+    share = max((c.weight / (c.forward + c.backward) if c.forward + c.backward > 0
+                 else math.inf for t in tables for c in t.costs), default=0.0)
     # the shifted schedule recomputes the forward of all stages but the last: of about
     # (p - 1) / p of the blocks, with stages of equal work; their first forwards run
     # without autograd's graph, at most its share and time per op less (`stages`)
@@ -54,9 +99,88 @@ def lower_bound(ctx: SearchContext, config: Config,
     def bound(c: ScheduleChoice) -> float:
         factor = bubble_bound(c, p, m, share)
         return (factor * (total + (redo if c.name == "shifted" else 0.0))
-                - (factor - 1.0) * extra)
+                - (factor - 1.0) * extra) / p
 
-    return min(bound(c) for c in schedules) / p
+    least = block_least(ctx, tables)
+    # and no faster than its busiest rank's m forwards and backwards, whose blocks are
+    # whole: a stage per rank, cut from the blocks in order (`least_bottleneck`), or, a
+    # rank running several chunks, at least its share of the blocks (`least_busiest`)
+    spread = least_busiest(least, p)
+    cut = least_bottleneck(least, p) if any(c.virtual_stages == 1 for c in schedules) \
+        else spread
+    return min(max(bound(c), m * (cut if c.virtual_stages == 1 else spread))
+               for c in schedules)
+
+
+def block_least(ctx: SearchContext, tables: Sequence[OptionTable]) -> list[float]:
+    """Per block, the least seconds per microbatch its forward and backward add to its
+    rank's F and B actions under any of its options (`stages._stage_sums` adds transfers
+    and per-action costs to them); 0 before the first block that trains (such a stage
+    runs no backward, and its forward without autograd's graph).
+
+    Example (a frozen embedding, then layers: 0.0 first):
+        >>> block_least(ctx, block_tables(ctx, config))
+    """
+    first = ctx.analysis.first_trained
+    return [0.0 if k < first else min(c.forward + c.backward for c in t.costs)
+            for k, t in enumerate(tables)]
+
+
+def least_bottleneck(times: Sequence[float], parts: int) -> float:
+    """At most the least, over every cut of `times` in order into `parts` runs, of the
+    largest run's sum (within a relative 1e-7 of it): the busiest stage of any
+    partition of blocks with these least times into `parts` pipeline stages.
+
+    Example:
+        >>> round(least_bottleneck([1.0, 1.0, 1.0], 2), 6)  # 2 + 1
+        2.0
+    """
+    n = len(times)
+    if n == 0:
+        return 0.0
+    prefix = list(itertools.accumulate(times, initial=0.0))
+
+    def fits(most: float) -> bool:  # greedy: each run as long as it fits
+        at = 0
+        for _ in range(parts):
+            at = bisect.bisect_right(prefix, prefix[at] + most, lo=at) - 1
+            if at >= n:
+                return True
+        return False
+
+    # between the even share (or the largest block) and that plus the largest block
+    lo = max(max(times), prefix[-1] / parts)
+    if fits(lo):
+        return lo * (1.0 - 1e-9)
+    hi = lo + max(times)
+    while hi - lo > 1e-7 * hi:  # (`lo` never fits: the answer is above it)
+        mid = 0.5 * (lo + hi)
+        if fits(mid):
+            hi = mid
+        else:
+            lo = mid
+    return lo * (1.0 - 1e-9)
+
+
+def least_busiest(times: Sequence[float], ranks: int) -> float:
+    """A lower bound on the busiest rank's sum when the blocks with these least `times`
+    go to `ranks` ranks in any way (an interleaved pipeline's chunks): at least the even
+    share, and, of the k largest blocks, some rank holds ceil(k / ranks), so at least the
+    sum of the ceil(k / ranks) smallest of them.
+
+    Example (24 layers and a smaller head on 8 ranks: one holds 3 layers and the head):
+        >>> least_busiest([1.0] * 24 + [0.5], 8)
+        3.5
+    """
+    if not times:
+        return 0.0
+    ordered = sorted(times, reverse=True)
+    prefix = list(itertools.accumulate(ordered, initial=0.0))
+    best = prefix[-1] / ranks
+    for k in range(ranks + 1, len(ordered) + 1):
+        q = -(-k // ranks)
+        best = max(best, prefix[k] - prefix[k - q])
+    return best
 
 
 def least_work(tables: Sequence[OptionTable], microbatches: int, stages: int,

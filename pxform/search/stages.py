@@ -325,16 +325,25 @@ def host_overlapped(hw: Hardware, blocks: Sequence[BlockInfo], options: Sequence
         >>> round(f, 6), round(b, 6)
         (0.026, 0.042)
     """
-    per_op = hw.op_step_overhead_s / (1 + BACKWARD_RATIO)  # the forward's share
     host_f = host_b = 0.0
     for block, option in zip(blocks, options):
-        ops = block.stop - block.start
-        host_f += ops * per_op
-        host_b += ops * per_op * BACKWARD_RATIO
-        if option.recompute:
-            host_b += ops * per_op + hw.recompute_overhead_s
+        f, b = host_seconds(hw, block, option)
+        host_f += f
+        host_b += b
     return (max(forward - host_f, max(0.0, host_f - host_saved)),
             max(backward - host_b, host_b))
+
+
+def host_seconds(hw: Hardware, block: BlockInfo, option: Option) -> tuple[float, float]:
+    """The host's part of the block's forward and backward per microbatch under `option`,
+    as `host_overlapped` counts it: `op_step_overhead_s` per op, a third in forward, two
+    thirds in backward, and a recompute's forward and checkpoint again in backward."""
+    per_op = hw.op_step_overhead_s / (1 + BACKWARD_RATIO)  # the forward's share
+    ops = block.stop - block.start
+    backward = ops * per_op * BACKWARD_RATIO
+    if option.recompute:
+        backward += ops * per_op + hw.recompute_overhead_s
+    return ops * per_op, backward
 
 
 @dataclass(frozen=True)
