@@ -2104,23 +2104,26 @@ def _odd_mlp(layers: int, d: int = 512, batch: int = 1536,
 def test_the_time_bound_holds_for_every_schedule_on_uneven_blocks(monkeypatch):
     """`bounds.lower_bound` also bounds a pipeline by its busiest rank: m times the least
     busiest stage of any cut of the blocks (one stage per rank), or of any assignment of
-    them to ranks (an interleaved pipeline's chunks). Checked, per schedule, against
-    every plan the search evaluates, on blocks that no cut balances, on hardware whose device
+    them to ranks (an interleaved pipeline's chunks); `bounds.quick_bound` does so from
+    the blocks' compute alone. Checked, per schedule, against every plan the search
+    evaluates, on blocks that no cut balances, on hardware whose device
     overlaps the host's time per op (where a stage's F and B are less than its blocks'
     sums), on the CPU profile with its per-action costs, and with a frozen prefix (whose
     stage runs no backward)."""
     import pxform.search.partition as core
     from pxform.cost.hardware import hardware
-    from pxform.search.bounds import lower_bound
+    from pxform.search.bounds import lower_bound, quick_bound
 
     checked = []
     real_evaluate = core.evaluate
 
     def checking(ctx, config, objective="time", incumbent=math.inf, *rest):
         cand, more = real_evaluate(ctx, config, objective, incumbent, *rest)
+        quick = quick_bound(ctx, config)
         for c in ([cand] if cand is not None else []) + list(more):
             bound = lower_bound(ctx, config, None, (c.schedule,))
             assert bound <= c.step_time * (1 + 1e-9), (config, c.schedule, bound, c.step_time)
+            assert quick <= c.step_time * (1 + 1e-9), (config, c.schedule, quick, c.step_time)
             checked.append((config.stages, c.schedule.name))
         return cand, more
 
@@ -2139,8 +2142,12 @@ def test_the_time_bound_holds_for_every_schedule_on_uneven_blocks(monkeypatch):
                                                                     else 4),
                             memory_budget="80GiB", hardware=hw, plan=pin,
                             tolerance=0.0).plan(*args)
+        # and the search over everything, twice the traced batch among its batch sizes
+        # (a microbatch above the traced batch: the walks' line beyond it)
+        pxform.auto(residual_mlp, mesh=pxform.Mesh.abstract(4), memory_budget="80GiB",
+                    hardware=hw, tolerance=0.0, batch_range=(768, 3072)).plan(*args)
     assert {s for _, s in checked} >= {"1f1b", "zb", "shifted", "interleaved"}
-    assert {p for p, _ in checked} >= {2, 3}
+    assert {p for p, _ in checked} >= {1, 2, 3}
 
 
 def test_blocks_that_no_stage_cut_balances_bound_their_pipelines_out(monkeypatch):
@@ -2197,3 +2204,50 @@ def test_the_busiest_stage_and_rank_bounds_against_brute_force(times, parts):
                    for ranks in itertools.product(range(parts), repeat=n))
     assert least_busiest(times, parts) <= best_any + 1e-9
     assert least_busiest(times, parts) <= best_cut + 1e-9
+
+
+def test_configurations_the_quick_bound_rules_out_get_no_tables(monkeypatch):
+    """The search orders configurations by their full lower bounds, but makes one (which
+    builds the configuration's option tables: its walks) only when its quick bound
+    (`bounds.quick_bound`, from the blocks' compute) is not already enough to skip it.
+    Five layers on 8 devices: pipelines of 2 and 4 stages are ruled out so, and the
+    configurations evaluated, in their order, and the plan are those of the search that
+    builds every table first."""
+    import pxform.search.bounds as bounds
+    import pxform.search.partition as core
+    from pxform.search.options import block_tables
+
+    built: list[object] = []
+    evaluated: list[object] = []
+    real_evaluate, real_tables = core.evaluate, block_tables
+
+    def counting(ctx, config, *rest):
+        evaluated.append(config)
+        return real_evaluate(ctx, config, *rest)
+
+    def tables(ctx, config):
+        if config not in ctx.tables:
+            built.append(config)
+        return real_tables(ctx, config)
+
+    monkeypatch.setattr(core, "evaluate", counting)
+    monkeypatch.setattr(bounds, "block_tables", tables)
+    monkeypatch.setattr(core, "block_tables", tables)
+    args = _odd_mlp(5, d=1024, batch=8192)
+
+    def plan() -> Any:
+        return pxform.auto(residual_mlp, mesh=pxform.Mesh.abstract(8), memory_budget="80GiB",
+                           hardware="a100-80gb").plan(*args)
+
+    quick = plan()
+    quick_built, quick_evaluated = list(built), list(evaluated)
+    built.clear()
+    evaluated.clear()
+    monkeypatch.setattr(bounds, "quick_bound", lambda ctx, config: 0.0)
+    monkeypatch.setattr(core, "quick_bound", lambda ctx, config: 0.0)
+    every = plan()
+    assert quick_evaluated == evaluated
+    assert set(quick_built) < set(built)
+    assert {c.stages for c in set(built) - set(quick_built)} >= {2, 4}
+    assert pin_of(quick) == pin_of(every)
+    assert quick.step_time_s == every.step_time_s

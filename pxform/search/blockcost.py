@@ -32,7 +32,7 @@ import functools
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from pxform.core.ir import Value
 from pxform.core.layout import Layout, Relayout, plan_relayout
@@ -232,6 +232,57 @@ def _unsaved_weight(a: Analysis, block: BlockInfo, v: Value, layouts: Mapping[st
     return v.type.nbytes * (_local_fraction(v, lay, cache) if lay is not None else 1.0)
 
 
+class OpSeconds(NamedTuple):
+    """One op's compute on one device (`op_seconds`)."""
+
+    forward: float
+    backward: float   # what autograd runs of it (none, weight or input gradients)
+    weight: float     # a weight op's weight gradient, about its forward (`walk`)
+    weight_in: list[Value]  # its floating inputs made without the batch
+    trains: bool      # a weight among them requires grad
+    backs: bool       # autograd runs a backward for it
+
+
+def op_seconds(a: Analysis, k: int, model: CostModel, scale: float, ways: int
+               ) -> OpSeconds:
+    """Op `k`'s forward and backward on one device of the `ways` its strategy splits it
+    over, `scale` its microbatch over the traced batch (1 for an op not on the batch).
+    Both only grow with `scale / ways`, and so does their sum (`bounds.quick_bound`
+    takes a block's ops at their largest split).
+
+    The backward autograd runs for the op: none where no input requires grad (a mask,
+    positions, a frozen layer before any trained one); a weight op's weight gradient
+    (about its forward: `x^T dy` for a matmul) only for a weight that requires grad, its
+    other inputs' gradient (the rest) only for an activation that does (a frozen layer's
+    matmul runs `dy w` alone; an embedding's lookup its weight's gradient alone: the
+    token ids have none).
+
+    Example:
+        >>> op_seconds(a, 3, CostModel(hardware("a100-80gb")), 0.5, 8).forward
+    """
+    op = a.graph.ops[k]
+    dtype = op.outputs[0].type.dtype if op.outputs else op.inputs[0].type.dtype
+    f, b = model.op_times(a.op_flops[k] * scale / ways, dtype, a.op_bytes[k] * scale / ways,
+                          a.op_classes[k] if a.op_classes else "elementwise")
+    grads, batch_values = a.requires_grad, a.batch_values
+    weight_in = [v for v in op.inputs if _floating(v) and v.name not in batch_values]
+    own = min(f, b)
+    trains = any(v.name in grads for v in weight_in)
+    backs = op.grad and any(v.name in grads for v in op.inputs)
+    # (the per-op time the calibration fitted over every op stays, whatever runs: it
+    # took each op to pay it, `CostModel.fitted_backward_s`)
+    fitted = min(b, model.fitted_backward_s())
+    if not backs:
+        b = fitted
+    elif weight_in and a.op_batch[k]:
+        core = b - fitted
+        part = min(f - fitted / BACKWARD_RATIO, core)
+        b = fitted + (part if trains else 0.0) + (
+            core - part if any(v.name in grads for v in op.inputs
+                               if v.name in batch_values) else 0.0)
+    return OpSeconds(f, b, own, weight_in, trains, backs)
+
+
 def walk(a: Analysis, block: BlockInfo, strats: list[Strategy], outside: Mapping[str, Layout],
          params: Mapping[str, Layout], cache: RelayoutCache, scale: float,
          batch_values: frozenset[str], outputs: Mapping[str, Layout]) -> WalkCost:
@@ -274,7 +325,6 @@ def walk(a: Analysis, block: BlockInfo, strats: list[Strategy], outside: Mapping
     weight_outs: dict[str, float] = {}
     read_count: dict[str, int] = {}
     passed: set[str] = set()
-    classes = a.op_classes or ("elementwise",) * len(a.graph.ops)
     graph = a.graph
     values = {}
     # parameter gradients go to buckets (`pxform.runtime.buckets`): one collective per
@@ -301,31 +351,8 @@ def walk(a: Analysis, block: BlockInfo, strats: list[Strategy], outside: Mapping
         op = graph.ops[k]
         ways = _ways(s, axes)
         sc = scale if a.op_batch[k] else 1.0
-        dtype = op.outputs[0].type.dtype if op.outputs else op.inputs[0].type.dtype
-        f, b = model.op_times(a.op_flops[k] * sc / ways, dtype, a.op_bytes[k] * sc / ways,
-                              classes[k])
+        f, b, own, weight_in, trains, backs = op_seconds(a, k, model, sc, ways)
         syncs_in = syncs_back = 0
-        # the backward autograd runs for the op: none where no input requires grad (a
-        # mask, positions, a frozen layer before any trained one); a weight op's weight
-        # gradient (about its forward: `x^T dy` for a matmul) only for a weight that
-        # requires grad, its other inputs' gradient (the rest) only for an activation
-        # that does (a frozen layer's matmul runs `dy w` alone; an embedding's lookup
-        # its weight's gradient alone: the token ids have none)
-        weight_in = [v for v in op.inputs if _floating(v) and v.name not in batch_values]
-        own = min(f, b)  # a weight op's weight gradient, `weight_compute` below
-        trains = any(v.name in grads for v in weight_in)
-        backs = op.grad and any(v.name in grads for v in op.inputs)
-        # (the per-op time the calibration fitted over every op stays, whatever runs: it
-        # took each op to pay it, `CostModel.fitted_backward_s`)
-        fitted = min(b, model.fitted_backward_s())
-        if not backs:
-            b = fitted
-        elif weight_in and a.op_batch[k]:
-            core = b - fitted
-            part = min(f - fitted / BACKWARD_RATIO, core)
-            b = fitted + (part if trains else 0.0) + (
-                core - part if any(v.name in grads for v in op.inputs
-                                   if v.name in batch_values) else 0.0)
         any_backward |= backs
         fwd_compute += f
         bwd_compute += b

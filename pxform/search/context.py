@@ -163,6 +163,8 @@ class SearchContext:
     stage_sums: dict[tuple[Any, ...], Any] = field(default_factory=dict)  # `stages._stage_sums`
     boundaries: dict[tuple[Config, int, bool], float] = field(default_factory=dict)
     table_keys: dict[tuple[Option, ...], int] = field(default_factory=dict)
+    # (kind, scale, devices) -> a block's compute at its largest split (`bounds.quick_bound`)
+    compute: dict[tuple[int, float, int], float] = field(default_factory=dict)
     # per configuration, each schedule's best step time (inf: nothing fits; None: its
     # bound could not beat the best so far, so it was not assembled)
     schedules: dict[Config, dict[ScheduleChoice, float | None]] = field(default_factory=dict)

@@ -11,12 +11,13 @@ afterwards. Configurations are tried best bound first (`bounds`), branch and bou
 
 from __future__ import annotations
 
+import heapq
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from pxform.passes.cuts import balance
-from pxform.search.bounds import lower_bound, memory_lower_bound
+from pxform.search.bounds import lower_bound, memory_lower_bound, quick_bound
 from pxform.search.context import OptionTable, SearchContext
 from pxform.search.options import block_tables
 from pxform.search.pipelines import (
@@ -355,14 +356,31 @@ def search_configs(ctx: SearchContext, configs: Sequence[Config], objective: str
     # branch and bound: the most promising configurations first, and none whose lower
     # bound (step time, or peak memory for the memory objective) cannot beat the best
     # plan so far. Memory ties are kept: step time breaks them.
-    if objective == "time":
-        bounds = {c: lower_bound(ctx, c) for c in configs}
-    else:
-        bounds = {c: memory_lower_bound(ctx, c) for c in configs}
-    order = sorted(configs, key=lambda c: (bounds[c], c.stages, c.outer, c.microbatches))
     bests: list[Candidate] = []
     simplest: Candidate | None = None  # the simplest within `tolerance` of `best` so far
-    for n, config in enumerate(order):
+    done = 0  # configurations evaluated or skipped (`progress`)
+
+    def hopeless(config: Config, bound: float) -> bool:
+        # would the loop below skip the configuration at its turn, whatever it finds
+        # before? The best only gets faster; a configuration no simpler than the simplest
+        # tie so far gets no slack at its turn, unless that tie has left the window by
+        # then, when the slack's beat is under that tie's time
+        if best is None:
+            return False
+        if simplest is not None and not _config_order(config) < _config_order(
+                simplest.config):
+            return bound >= simplest.step_time
+        return bound >= best.step_time * slack
+
+    bounds: dict[Config, float] = {}
+    for config, bound in _in_bound_order(ctx, configs, objective, hopeless):
+        if bound is None:  # (skipped on its quick bound)
+            done += 1
+            if progress is not None:
+                progress(done, len(configs))
+            continue
+        bounds[config] = bound
+        done += 1
         beat = math.inf
         if best is not None:
             beat = best.step_time
@@ -372,7 +390,7 @@ def search_configs(ctx: SearchContext, configs: Sequence[Config], objective: str
         if best is not None and (bounds[config] >= beat if objective == "time"
                                  else bounds[config] > best.peak_memory):
             if progress is not None:
-                progress(n + 1, len(configs))
+                progress(done, len(configs))
             continue
         # the tolerance's ties go to 1F1B within a configuration too, as `simplicity`
         # ranks it: with 1 % there, GPT small's 2-stage pin took zero-bubble (priced 1-5 %
@@ -390,7 +408,7 @@ def search_configs(ctx: SearchContext, configs: Sequence[Config], objective: str
             simplest = min((c for c in bests if c.step_time <= fastest * slack),
                            key=simplicity)
         if progress is not None:
-            progress(n + 1, len(configs))
+            progress(done, len(configs))
         if first_fit and best is not None:
             break
     seen = {id(c) for c in found}
@@ -398,6 +416,40 @@ def search_configs(ctx: SearchContext, configs: Sequence[Config], objective: str
     if slack > 1.0 and simplest is not None:
         best = simplest
     return best, found, time.perf_counter() - start
+
+
+def _in_bound_order(ctx: SearchContext, configs: Sequence[Config], objective: str,
+                    hopeless: Callable[[Config, float], bool]
+                    ) -> Iterator[tuple[Config, float | None]]:
+    """The configurations by their lower bounds, least first (then fewer stages, a
+    smaller outer axis, fewer microbatches), each with its bound, or with None where it
+    was skipped on its quick bound. For the time objective the full bound
+    (`lower_bound`, which builds the configuration's option tables) is made only when
+    its quick bound (`quick_bound`, no tables) comes first and is not `hopeless` (the
+    caller's: would it skip the configuration at its turn, whatever it finds before?):
+    the order of those whose full bounds are made is the full bounds' (the larger of
+    the two bounds), as each quick bound is at most that. BERT-large's pipelines of 4
+    and 8 stages on 8 devices are skipped so, their tables never built."""
+    if objective != "time":
+        bounds = {c: memory_lower_bound(ctx, c) for c in configs}
+        for c in sorted(configs, key=lambda c: (bounds[c], c.stages, c.outer,
+                                                c.microbatches)):
+            yield c, bounds[c]
+        return
+    # (bound, stages, outer, microbatches, 0 quick / 1 full, index)
+    heap = [(quick_bound(ctx, c), c.stages, c.outer, c.microbatches, 0, i)
+            for i, c in enumerate(configs)]
+    heapq.heapify(heap)
+    while heap:
+        bound, stages, outer, microbatches, full, i = heapq.heappop(heap)
+        config = configs[i]
+        if full:
+            yield config, bound
+        elif hopeless(config, bound):
+            yield config, None
+        else:
+            heapq.heappush(heap, (max(bound, lower_bound(ctx, config)), stages, outer,
+                                  microbatches, 1, i))
 
 
 def _config_order(config: Config) -> tuple[int, int, int]:
