@@ -225,3 +225,42 @@ def relayout_costs() -> tuple[float, float, float, float]:
     finally:
         runtime_costs.fit_wait_share = fit
     return wait, a2a, gap, fitted[0]
+
+
+def run_unfrozen(the_pin: Pin | None) -> dict:
+    """Plan with the embeddings frozen, step, unfreeze them (progressive unfreezing), step
+    twice more: the pxform warnings each step gave, and the last step's worst gradient
+    error against the reference with everything trained (gradients gathered whole)."""
+    import warnings
+
+    import torch.distributed as dist
+
+    params, batch, cfg = setup()
+    embedding = ("wte", "wpe")
+    for leaf in optree.tree_leaves(params):
+        leaf.requires_grad_(True)
+    for k in embedding:
+        params[k].requires_grad_(False)
+    step = pxform.auto(gpt.loss_fn, mesh=dist.get_world_size(), memory_budget="40GiB",
+                       hardware="a100-40gb", plan=the_pin)
+    plan = step.plan(params, batch, cfg)
+    texts = []
+    grads = None
+    for n in range(3):
+        if n == 1:
+            for k in embedding:
+                params[k].requires_grad_(True)
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            _, grads = pxform.value_and_grad(step)(params, batch, cfg)
+        texts.append([str(w.message) for w in seen
+                      if issubclass(w.category, pxform.PxformWarning)])
+    plain = optree.tree_map(lambda t: t.detach(), params)
+    _, ref_grads = pxform.value_and_grad(gpt.loss_fn)(plain, batch, cfg)
+    full = pxform.gather(grads)
+    mine = optree.tree_leaves(full, none_is_leaf=True)
+    ref = optree.tree_leaves(ref_grads)
+    err = max(((g - r).abs().max().item() for g, r in zip(mine, ref) if g is not None),
+              default=0.0)
+    return {"warnings": texts, "grad_err": err, "config": plan.config_text(),
+            "embedding_grads": [full[k] is not None for k in embedding]}

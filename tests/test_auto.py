@@ -302,3 +302,33 @@ def test_a_tensor_parallel_attention_on_re_laid_out_copies_is_metered_as_predict
     errors = world2.run(W.run_memory_accuracy, tp, shape, CPU_PROFILE)
     worst = max((e for rank in errors for e in rank), key=abs)
     assert abs(worst) <= 0.02, (name, errors)
+
+
+@pytest.mark.parametrize("the_pin", [W.pin(1, 2, 1, 1, (("outer", "dp"),)),
+                                     W.pin(2, 1, 1, 4, None, schedule=ScheduleChoice("1f1b"))],
+                         ids=["dp", "pp2"])
+def test_unfreezing_after_planning_warns_once_with_the_plan_repriced(world2, the_pin):
+    """Progressive unfreezing: the plan was made with the embeddings frozen, and the
+    step after they are unfrozen trains them (its gradients match one process), but the
+    plan's layouts and its predicted peak were for the old marks. That step warns, once,
+    naming the parameters and giving the plan re-priced for the new marks; steps before
+    and after it do not."""
+    results = world2.run(W.run_unfrozen, the_pin)
+    for r in results:
+        before, changed, after = r["warnings"]
+        assert before == [] and after == [], r["warnings"]
+        assert r["grad_err"] < 1e-9, r
+    # every rank that holds the embeddings warns, the pipeline's last stage (the head
+    # reads the tied embedding) too
+    warned = [r["warnings"][1] for r in results if r["warnings"][1]]
+    assert warned
+    for texts in warned:
+        (text,) = texts
+        assert "pxform.auto(loss_fn): the requires_grad marks of the parameters changed " \
+               "since the plan was made:" in text, text
+        assert "trained now that were frozen (" in text and "wte" in text, text
+        assert "re-priced for the new marks:" in text, text
+        assert "within the 40 GiB budget" in text, text
+        assert "Fix: to plan for the new marks, make a new pxform.auto(...)" in text, text
+    # and the embeddings' gradients come back where they are held
+    assert any(all(r["embedding_grads"]) for r in results)

@@ -26,6 +26,7 @@ import contextlib
 import dataclasses
 import functools
 import gc
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -33,7 +34,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import optree
 import torch
 
-from pxform.core.errors import PxformError
+from pxform.core.errors import PxformError, PxformWarning
 from pxform.core.ir import Graph
 from pxform.core.mesh import AbstractMesh
 from pxform.core.precision import Precision
@@ -235,6 +236,10 @@ class Auto(Executable):
         # which blocks keep ZeRO-3's gathered parameters for backward: the runtime
         # takes it by parameter path (`PlanLowering.reshard`)
         self._cache[("reshard", id(plan))] = self._lowering(plan).reshard(graph)
+        # what was trained when it was planned (`_check_marks`)
+        traced = self._cache["traced"][1]
+        self._cache[("marks", id(plan))] = (traced, trainable_leaves(traced, args))
+        self._cache[("trainable", id(plan))] = self._cache["trainable"]
         return plan, names, graph.inputs
 
     def _fails_to_lower(self, plan: Plan, args: tuple[Any, ...], inputs: tuple[Any, ...],
@@ -284,7 +289,11 @@ class Auto(Executable):
     def executable(self, *args: Any) -> Any:
         """The `pxform.shard` (over `pxform.pipeline` when the plan has stages) that runs
         the plan on this world."""
-        plan, names, inputs = self._planned(args)
+        return self._executable(self._planned(args), args)
+
+    def _executable(self, planned: tuple[Plan, set[str], tuple[Any, ...]],
+                    args: tuple[Any, ...]) -> Any:
+        plan, names, inputs = planned
         key = ("exe", id(plan))
         if key in self._cache:
             return self._cache[key]
@@ -369,7 +378,84 @@ class Auto(Executable):
     def run(self, args: tuple[Any, ...], grad_argnums: tuple[int, ...]) -> tuple[Any, Any]:
         """Plan (once), lower and run on this rank (what `value_and_grad` calls)."""
         filled = self._filled(args)
-        return self.executable(*filled).run(args, grad_argnums)
+        planned = self._planned(filled)
+        if grad_argnums:
+            self._check_marks(planned, args, filled)
+        return self._executable(planned, filled).run(args, grad_argnums)
+
+    def _check_marks(self, planned: tuple[Plan, set[str], tuple[Any, ...]],
+                     args: tuple[Any, ...], filled: tuple[Any, ...]) -> None:
+        """Warn, once per change, where the leaves this rank holds are trained otherwise
+        than when the plan was made (`requires_grad` set or cleared since: unfreezing
+        layers as training goes on). The step runs them as they are marked now, exactly;
+        but the plan was chosen, and its memory and time predicted, for the old marks: a
+        parameter trained now holds a gradient and optimizer state the plan did not
+        count. The warning names them and gives the plan's peak re-priced for the new
+        marks (the same layouts, `search` with the plan pinned). Not re-planned: the
+        parameters and the optimizer's state are laid out for this plan."""
+        plan, names, inputs = planned
+        was = self._cache.get(("marks", id(plan)))
+        if was is None:
+            return
+        traced, marks = was
+        now = trainable_leaves(traced, filled)
+        if now == marks:
+            return
+        # (a pipeline rank holds only its stages' leaves: the others are None, stood in for)
+        held = [x is not None for x in optree.tree_leaves(args, none_is_leaf=True,  # type: ignore[arg-type]
+                                                          is_leaf=_is_tensor)
+                if x is None or isinstance(x, torch.Tensor)]
+        changed = tuple(k for k, (a, b, h) in enumerate(zip(marks, now, held)) if h and a != b)
+        key = ("marks warned", id(plan), changed, tuple(now[k] for k in changed))
+        if not changed or key in self._cache:
+            return
+        self._cache[key] = True
+        trained = [inputs[k].name for k in changed if now[k]]
+        frozen = [inputs[k].name for k in changed if not now[k]]
+
+        def listed(what: list[str]) -> str:
+            return ", ".join(what[:4]) + (f" and {len(what) - 4} more" if len(what) > 4 else "")
+
+        parts = []
+        if trained:
+            parts.append(f"{len(trained)} trained now that were frozen ({listed(trained)})")
+        if frozen:
+            parts.append(f"{len(frozen)} frozen now that were trained ({listed(frozen)})")
+        repriced = self._repriced(plan, names, traced,
+                                  (self._cache[("trainable", id(plan))] | set(trained))
+                                  - set(frozen))
+        warnings.warn(
+            f"pxform.auto({self.__name__}): the requires_grad marks of the parameters "
+            f"changed since the plan was made: {'; '.join(parts)}. The step runs them as "
+            f"marked now (the gradients are exact), but the plan was chosen and priced for "
+            f"the marks it was made with: predicted peak "
+            f"{format_bytes(int(plan.peak_memory_bytes))} per device{repriced}.\n  Fix: to "
+            f"plan for the new marks, make a new pxform.auto(...) and call .plan(...) with "
+            f"them, then lay the parameters and optimizer state out for that plan "
+            f"(step.init); or set the marks before planning.", PxformWarning, stacklevel=3)
+
+    def _repriced(self, plan: Plan, names: set[str], traced: Any,
+                  trainable: set[str]) -> str:
+        """`_check_marks`' text: the plan's peak and step time with `trainable` trained
+        (its choices pinned), against the budget; empty where that cannot be priced (a
+        plan given with `plan=` has no hardware to price it on)."""
+        if self.hardware is None or self.memory_budget is None:
+            return ""
+        from pxform.search import pin_of, search
+
+        try:
+            again = search(prepare(traced.graph), names, devices=self.devices,
+                           budget=UNPRICED_BUDGET, hardware=self.hardware,
+                           pin=pin_of(plan), batch_dim=self.batch_dim,
+                           optimizer=self.optimizer, fn=f"auto({self.__name__})",
+                           trainable=trainable)
+        except PxformError:  # (the pinned choices no longer fit the graph's blocks)
+            return ""
+        budget = self.memory_budget
+        verdict = "over" if again.peak_memory_bytes > budget else "within"
+        return (f"; re-priced for the new marks: {format_bytes(int(again.peak_memory_bytes))}"
+                f" ({verdict} the {format_bytes(budget)} budget), step "
+                f"{again.step_time_s:.4g} s against {plan.step_time_s:.4g} s")
 
 
 @contextlib.contextmanager
@@ -385,6 +471,14 @@ def _gc_paused() -> Iterator[None]:
     finally:
         if was:
             gc.enable()
+
+
+UNPRICED_BUDGET = 2**60
+"""The budget a plan is re-priced under (`Auto._repriced`): any peak fits it."""
+
+
+def _is_tensor(x: Any) -> bool:
+    return isinstance(x, torch.Tensor)
 
 
 DEFAULT_TOLERANCE = 0.05
