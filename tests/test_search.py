@@ -1377,13 +1377,19 @@ def test_shifted_schedule_is_chosen_where_recompute_is_needed():
     assert times["shifted"] == pytest.approx(tight.step_time_s)
     assert times["1f1b"] > tight.step_time_s  # 1F1B had to recompute blocks to fit
     assert "stages 0-2 of 4 recompute their whole forward" in tight.explain()
-    # its step is the simulator's, R actions included
+    # its step is the simulator's, R actions included, and the step's fixed costs (the
+    # pipeline ranks' agreement on the first stage that trains)
+    from pxform.cost.hardware import hardware
     from pxform.schedules import Costs, shifted_critical_path, simulate
+    from pxform.search.space import Config
+    from pxform.search.stages import step_fixed
     sim = simulate(shifted_critical_path(4, 4), Costs(
         forward=[s.forward_s for s in tight.stage_plans],
         backward=[s.backward_s for s in tight.stage_plans],
         recompute=[s.recompute_s for s in tight.stage_plans]))
-    assert tight.step_time_s == pytest.approx(sim.step_time + 0.0, rel=1e-3)
+    fixed = step_fixed(hardware("a100-80gb"), Config(4, 1, 1, 4))
+    assert 0 < fixed < 1e-3
+    assert tight.step_time_s == pytest.approx(sim.step_time + fixed, rel=1e-6)
     # R has no transfer to wait for: less than a forward, which has one
     assert all(0 < s.recompute_s < s.forward_s for s in tight.stage_plans[:3])
     # a block pinned to recompute rules the shifted schedule out
@@ -1400,6 +1406,8 @@ def test_a_stage_that_recomputes_early_forwards_without_autograd():
     simulator's with the cheaper Fs."""
     from pxform.cost.hardware import hardware
     from pxform.schedules import Costs, shifted_critical_path, simulate
+    from pxform.search.space import Config
+    from pxform.search.stages import step_fixed
 
     args = mlp_args(d=1024, layers=4, batch=4096)
     shifted = ScheduleChoice("shifted")
@@ -1425,7 +1433,9 @@ def test_a_stage_that_recomputes_early_forwards_without_autograd():
             forward=[s.forward_s for s in plan.stage_plans],
             backward=[s.backward_s for s in plan.stage_plans],
             recompute=[s.recompute_s for s in plan.stage_plans]))
-        assert plan.step_time_s == pytest.approx(sim.step_time, rel=1e-3)
+        # (and the pipeline ranks' agreement on the first stage that trains)
+        fixed = step_fixed(hw, Config(4, 1, 1, 4))
+        assert plan.step_time_s == pytest.approx(sim.step_time + fixed, rel=1e-6)
         one, one_hw = (plan_schedule(residual_mlp, args, hardware=h, schedule=ScheduleChoice())
                        for h in ("a100-80gb", hw))
         assert one.step_time_s == one_hw.step_time_s
@@ -1510,6 +1520,8 @@ def test_a_receive_stall_is_charged_to_every_action_that_receives_whatever_the_s
     of the simulated schedule gives, and the plan's step is that simulation's."""
     from pxform.cost.hardware import hardware
     from pxform.schedules import Costs, resolve, simulate
+    from pxform.search.space import Config
+    from pxform.search.stages import step_fixed
 
     args = mlp_args(d=1024, layers=4, batch=4096)
     stall = 4e-4
@@ -1537,8 +1549,10 @@ def test_a_receive_stall_is_charged_to_every_action_that_receives_whatever_the_s
             recompute=[s.recompute_s for s in stages],
             forward_sync=[s.forward_sync_s for s in stages],
             backward_sync=[s.backward_sync_s for s in stages]))
-        assert plan.step_time_s == pytest.approx(sim.step_time + slow.step_overhead_s,
-                                                 rel=1e-3), choice
+        # (the step's fixed costs: the pipeline ranks' agreement on the first stage that
+        # trains, `step_fixed`)
+        fixed = step_fixed(slow, Config(plan.stages, plan.outer, plan.inner, plan.microbatches))
+        assert plan.step_time_s == pytest.approx(sim.step_time + fixed, rel=1e-6), choice
         assert plan.step_time_s > base.step_time_s, choice
 
 
@@ -1553,7 +1567,8 @@ def test_a_pipeline_stages_per_step_costs_run_after_the_schedule_on_its_rank():
     critical path, and the fewer the microbatches, the more of them."""
     from pxform.cost.hardware import hardware
     from pxform.schedules import Costs, resolve, simulate
-    from pxform.search.stages import after_schedule
+    from pxform.search.space import Config
+    from pxform.search.stages import after_schedule, step_fixed
 
     per = 1e-3
     slow = dataclasses.replace(hardware("a100-80gb"), param_overhead_s=per)
@@ -1578,9 +1593,9 @@ def test_a_pipeline_stages_per_step_costs_run_after_the_schedule_on_its_rank():
             weight=[0.0] * len(stages),
             forward_sync=[s.forward_sync_s for s in stages],
             backward_sync=[s.backward_sync_s for s in stages]))
+        fixed = step_fixed(slow, Config(plan.stages, plan.outer, plan.inner, plan.microbatches))
         assert plan.step_time_s == pytest.approx(
-            sim.step_time + after_schedule(extras, plan.stages) + slow.step_overhead_s,
-            rel=1e-3), choice
+            sim.step_time + after_schedule(extras, plan.stages) + fixed, rel=1e-6), choice
         assert plan.step_time_s - base.step_time_s == pytest.approx(
             after_schedule(extras, plan.stages)
             - after_schedule([s.step_extra_s for s in base.stage_plans], plan.stages),
@@ -1599,6 +1614,8 @@ def test_a_transfer_delay_is_charged_only_where_an_action_waits_for_it():
     from pxform.cost.hardware import hardware
     from pxform.schedules import Costs, resolve, simulate
     from pxform.search import pipelines
+    from pxform.search.space import Config
+    from pxform.search.stages import step_fixed
 
     args = mlp_args(d=1024, layers=4, batch=4096)
     delay = 2e-4
@@ -1620,7 +1637,8 @@ def test_a_transfer_delay_is_charged_only_where_an_action_waits_for_it():
             weight=[s.weight_s if split else 0.0 for s in stages],
             recompute=[s.recompute_s for s in stages],
             p2p=[s.transfer_s for s in stages]))
-        assert plan.step_time_s == pytest.approx(sim.step_time, rel=1e-3)
+        fixed = step_fixed(slow, Config(plan.stages, plan.outer, plan.inner, plan.microbatches))
+        assert plan.step_time_s == pytest.approx(sim.step_time + fixed, rel=1e-6)
         p, m = plan.stages, plan.microbatches
         # at least the first microbatch's way there and back (2 (p - 1) transfers in a
         # chain); less than charged on every F and B of the m + p - 1 slots

@@ -32,7 +32,7 @@ from pxform.search.partition import pareto, search_configs
 from pxform.search.pipelines import NAMES, ScheduleChoice
 from pxform.search.plan import BlockPlan, FrontierPoint, Plan, StagePlan
 from pxform.search.space import Config, Option, configs
-from pxform.search.stages import Candidate, after_schedule
+from pxform.search.stages import Candidate, after_schedule, step_fixed
 
 OBJECTIVES = ("time", "memory", "devices")
 
@@ -189,7 +189,7 @@ def _priced_by_calibrations(plan: Plan, analysis: Analysis, hardware: Hardware,
                 f"{len(prices) + 1} of the profile's {len(hardware.calibrations)}.\n  Fix: "
                 f"give calibrations of one machine only (Hardware.calibrations), or a "
                 f"profile of one calibration.")
-        prices.append(_simulated_step(cand, member.step_overhead_s))
+        prices.append(_simulated_step(cand, step_fixed(member, cand.config)))
     step = statistics.median(prices)
     return dataclasses.replace(plan, step_time_s=step, calibration_step_times_s=tuple(prices),
                                notes=(*plan.notes, (
@@ -388,7 +388,7 @@ def _make_plan(c: Candidate, ctx: SearchContext, found: Sequence[Candidate], sec
                 if v.name in a.batch_inputs and v.name not in batch:
                     batch[v.name] = _spec(canonical(ctx, v.name, v.type.rank,
                                                          c.options[b.index]))
-    step = _simulated_step(c, hw.step_overhead_s)
+    step = _simulated_step(c, step_fixed(hw, c.config))
     notes = _reshard_notes(c, ctx) + _recompute_notes(c)
     # the frontier, and the chosen plan where a faster one dominates it (a simpler plan
     # taken within `tolerance`): explain() and the CLI mark it among the points
@@ -459,7 +459,7 @@ plan's step time (`pxform.schedules.simulate`, exact for unequal stages); bigger
 takes 1.6 s to simulate on this machine)."""
 
 
-def _simulated_step(c: Candidate, step_overhead: float) -> float:
+def _simulated_step(c: Candidate, fixed: float) -> float:
     cfg = c.config
     choice = c.schedule
     if cfg.stages == 1 or \
@@ -475,10 +475,10 @@ def _simulated_step(c: Candidate, step_overhead: float) -> float:
         forward_sync=[s.forward_sync for s in c.stages],
         backward_sync=[s.backward_sync for s in c.stages],
         p2p=[s.transfer for s in c.stages]))
-    # the ranks' per-step costs after their last actions, and the runtime's per-step host
-    # cost, which `assemble` adds to the schedule's time
+    # the ranks' per-step costs after their last actions, and the step's fixed costs
+    # (`stages.step_fixed`), which `assemble` adds to the schedule's time
     extra = after_schedule([s.step_extra for s in c.stages], cfg.stages)
-    return timeline.step_time + extra + step_overhead
+    return timeline.step_time + extra + fixed
 
 
 def _json_choice(choice: tuple) -> tuple:

@@ -299,10 +299,30 @@ def assemble(ctx: SearchContext, config: Config, part: tuple[int, ...],
         step += after_schedule(extras, config.stages)
     else:
         step = m * (fw[0] + bw[0])
-    step += ctx.hardware.step_overhead_s
+    step += step_fixed(ctx.hardware, config)
     return Candidate(config, tuple(o for o in chosen if o is not None), part, tuple(stages),
                      step, max(st.memory for st in stages), tuple(block_time),
                      tuple(block_mem), ctx.global_batch, schedule)
+
+
+def step_fixed(hw: Hardware, config: Config) -> float:
+    """Seconds a step costs beyond its actions and its ranks' per-step costs: the runtime's
+    own per-step host time (`Hardware.step_overhead_s`), and, in a pipeline, the ranks'
+    agreement on the first stage that trains before its first action (one all-reduce of
+    one int64 over the pipeline ranks, `pxform.runtime.pipeline.first_trained`: a median
+    0.21 ms on 2 gloo ranks, priced 0.48 ms by the golden CPU profile's table; not the
+    runtime's per-collective cost, `collective_overhead_s`: it is a bare all-reduce).
+
+    Example:
+        >>> step_fixed(hardware("a100-40gb"), Config(stages=2, outer=4, inner=1,
+        ...                                          microbatches=8)) > 0
+        True
+    """
+    out = hw.step_overhead_s
+    if config.stages > 1:
+        p = config.stages
+        out += hw.comm_time("all_reduce", 8.0, p, hw.level(p * config.outer * config.inner))
+    return out
 
 
 def host_overlapped(hw: Hardware, blocks: Sequence[BlockInfo], options: Sequence[Option],
