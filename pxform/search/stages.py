@@ -311,7 +311,8 @@ def step_fixed(hw: Hardware, config: Config) -> float:
     agreement on the first stage that trains before its first action (one all-reduce of
     one int64 over the pipeline ranks, `pxform.runtime.pipeline.first_trained`: a median
     0.21 ms on 2 gloo ranks, priced 0.48 ms by the golden CPU profile's table; not the
-    runtime's per-collective cost, `collective_overhead_s`: it is a bare all-reduce).
+    runtime's per-collective cost, `collective_overhead_s`: it is a bare all-reduce, not
+    one of the runtime's wrapped collectives).
 
     Example:
         >>> step_fixed(hardware("a100-40gb"), Config(stages=2, outer=4, inner=1,
