@@ -47,16 +47,19 @@ def lower_bound(ctx: SearchContext, config: Config,
             return math.inf
     if not ctx.hardware.host_overlaps:
         return _bound(ctx, config, tables, schedules)
-    return max(_bound(ctx, config, _host_overlapped_tables(ctx, tables, share), schedules)
+    # (the busiest rank's form over the half mix only: less its host part, a recomputed
+    # option's cost may go below 0, where the cuts' forms do not hold)
+    return max(_bound(ctx, config, _host_overlapped_tables(ctx, tables, share), schedules,
+                      busiest=share < 1.0)
                for share in (1.0, 0.5))
 
 
 def _host_overlapped_tables(ctx: SearchContext, tables: Sequence[OptionTable],
                             share: float) -> list[OptionTable]:
-    """The tables with each option's forward and backward F and B replaced by `share` of
-    their device part and `1 - share` of their host part (`stages.host_seconds`): a
-    stage's overlapped F, `max(sum F - host, host)`, is at least any such mix of the two,
-    and so, with one share for every block, at least the sum of its blocks' mixes."""
+    """The tables with each option's forward and backward replaced by `share` of their
+    device part and `1 - share` of their host part (`stages.host_seconds`): a stage's
+    overlapped F, `max(sum F - host, host)`, is at least any such mix of the two, and so,
+    with one share for every block, at least the sum of its blocks' mixes (B alike)."""
     made: dict[int, OptionTable] = {}
     out: list[OptionTable] = []
     for t, block in zip(tables, ctx.analysis.blocks):
@@ -74,8 +77,9 @@ def _host_overlapped_tables(ctx: SearchContext, tables: Sequence[OptionTable],
 
 
 def _bound(ctx: SearchContext, config: Config, tables: Sequence[OptionTable],
-           schedules: Sequence[ScheduleChoice] | None) -> float:
-    """`lower_bound` over these tables' costs."""
+           schedules: Sequence[ScheduleChoice] | None, busiest: bool = True) -> float:
+    """`lower_bound` over these tables' costs (`busiest`: with the busiest rank's form,
+    which needs costs of at least 0)."""
     m, p = config.microbatches, config.stages
     total = least_work(tables, m, p, ctx.budget - _least_workspace(tables))
     if p == 1:
@@ -103,10 +107,12 @@ def _bound(ctx: SearchContext, config: Config, tables: Sequence[OptionTable],
         return (factor * (total + (redo if c.name == "shifted" else 0.0))
                 - (factor - 1.0) * extra) / p
 
-    least = block_least(ctx, tables)
+    if not busiest:
+        return min(bound(c) for c in schedules)
     # and no faster than its busiest rank's m forwards and backwards, whose blocks are
     # whole: a stage per rank, cut from the blocks in order (`least_bottleneck`), or, a
     # rank running several chunks, at least its share of the blocks (`least_busiest`)
+    least = block_least(ctx, tables)
     spread = least_busiest(least, p)
     cut = least_bottleneck(least, p) if any(c.virtual_stages == 1 for c in schedules) \
         else spread
@@ -120,10 +126,11 @@ def quick_bound(ctx: SearchContext, config: Config) -> float:
     which only grows with a device's share of an op), at the microbatch size as
     `options.walk_cost` interpolates it, and nothing else (no re-layouts, transfers,
     reductions or per-step costs), under `lower_bound`'s spread and busiest-rank forms (a
-    zero-bubble bubble taken as none). Search orders and skips configurations by it
-    before it builds their tables (`partition.search_configs`): the tables of BERT-large's
-    33 pipelines on 8 devices were 0.15 s of a 0.4 s search, and its busiest-stage form
-    bounds most of them out.
+    zero-bubble bubble taken as none; on a device that overlaps the host's time, as
+    `lower_bound` mixes the two parts). The search skips configurations on it before it
+    builds their tables (`partition._in_bound_order`): the tables of BERT-large's 33
+    pipelines on 8 devices were 0.15 s of a 0.4 s search, and its busiest-stage form
+    bounds the 16 of 4 and 8 stages out.
 
     Example:
         >>> quick_bound(ctx, Config(stages=8, outer=1, inner=1, microbatches=128))
@@ -148,12 +155,15 @@ def quick_bound(ctx: SearchContext, config: Config) -> float:
         if p == 1:
             best = max(best, total)
             continue
-        spread = least_busiest(least, p)
+        spread = [bubble_bound(c, p, m, 0.5) * total / p for c in schedules]
+        if host:  # (below 0 in places: no busiest rank's form, as `lower_bound`)
+            best = max(best, min(spread))
+            continue
+        busiest = least_busiest(least, p)
         cut = least_bottleneck(least, p) if any(c.virtual_stages == 1 for c in schedules) \
-            else spread
-        best = max(best, min(max(bubble_bound(c, p, m, 0.5) * total / p,
-                                 m * (cut if c.virtual_stages == 1 else spread))
-                             for c in schedules))
+            else busiest
+        best = max(best, min(max(t, m * (cut if c.virtual_stages == 1 else busiest))
+                             for c, t in zip(schedules, spread)))
     return best
 
 
