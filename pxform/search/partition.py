@@ -362,13 +362,14 @@ def search_configs(ctx: SearchContext, configs: Sequence[Config], objective: str
 
     def hopeless(config: Config, bound: float) -> bool:
         # would the loop below skip the configuration at its turn, whatever it finds
-        # before? The best only gets faster; a configuration no simpler than the simplest
-        # tie so far gets no slack at its turn, unless that tie has left the window by
-        # then, when the slack's beat is under that tie's time
+        # before? The best only gets faster, so its beat is at most the best's time with
+        # the slack. With more stages than the simplest tie so far, it gets no slack at its
+        # turn (the simplest then has no more stages than this one: `simplicity` ranks
+        # stages first), unless that tie has left the window by then, when the slack's
+        # beat is under that tie's time
         if best is None:
             return False
-        if simplest is not None and not _config_order(config) < _config_order(
-                simplest.config):
+        if simplest is not None and config.stages > simplest.config.stages:
             return bound >= simplest.step_time
         return bound >= best.step_time * slack
 
