@@ -397,14 +397,21 @@ class Auto(Executable):
         was = self._cache.get(("marks", id(plan)))
         if was is None:
             return
+        # (a pipeline rank holds only its stages' leaves: the others are None, stood in for)
+        leaves = [x for x in optree.tree_leaves(args, none_is_leaf=True,  # type: ignore[arg-type]
+                                                is_leaf=_is_tensor)
+                  if x is None or isinstance(x, torch.Tensor)]
+        # the marks as they were at the last step checked: most steps stop here (0.1 ms
+        # for HF BERT-large's 400 leaves; the full check below takes 0.25 ms more)
+        seen = tuple(None if x is None else x.requires_grad for x in leaves)
+        if self._cache.get(("marks seen", id(plan))) == seen:
+            return
+        self._cache[("marks seen", id(plan))] = seen
         traced, marks = was
         now = trainable_leaves(traced, filled)
         if now == marks:
             return
-        # (a pipeline rank holds only its stages' leaves: the others are None, stood in for)
-        held = [x is not None for x in optree.tree_leaves(args, none_is_leaf=True,  # type: ignore[arg-type]
-                                                          is_leaf=_is_tensor)
-                if x is None or isinstance(x, torch.Tensor)]
+        held = [x is not None for x in leaves]
         changed = tuple(k for k, (a, b, h) in enumerate(zip(marks, now, held)) if h and a != b)
         key = ("marks warned", id(plan), changed, tuple(now[k] for k in changed))
         if not changed or key in self._cache:
