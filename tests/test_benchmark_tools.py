@@ -66,7 +66,10 @@ def test_reprice_gives_a_saved_runs_errors_back_and_moves_them_with_the_profile(
                     # ranks' backwards (`pxform.search.stages.after_schedule`), and the
                     # no-op dropouts below; zero-bubble's W also runs the embeddings'
                     # weight gradients since the forty-sixth session (their lookups are
-                    # weight ops, as the runtime finds them): 0.6 points more
+                    # weight ops, as the runtime finds them): 0.6 points more; and the
+                    # ranks' agreement on the first stage that trains, priced since the
+                    # fifty-first session (run by the runtime since the forty-ninth, after
+                    # this run): 0.2-0.4 points up
                     over = 0.01 if case.endswith("zb") else 0.005
                     assert saved[case] - 0.05 < error < saved[case] + over, case
                 elif case.startswith("dp"):
@@ -114,7 +117,9 @@ def test_reprice_prices_each_plan_at_the_median_of_the_runs_calibrations(accurac
     reference since the forty-fourth session: 10.8-14.0 points down with both; and ZeRO-3's,
     by its packed gathers' copies since the forty-third session: 0.5-1 point up; and
     zero-bubble's, whose W runs the embeddings' weight gradients since the forty-sixth
-    session: about half a point up.)"""
+    session: about half a point up; and every pipeline's, by the ranks' agreement on the
+    first stage that trains, priced since the fifty-first session (the runtime has run it
+    since the forty-ninth, after this run was measured): up to 0.7 points up.)"""
     import statistics
 
     path = RESULTS / "accuracy-twenty-eighth-a-2026-11-30.json"
@@ -139,7 +144,12 @@ def test_reprice_prices_each_plan_at_the_median_of_the_runs_calibrations(accurac
             continue
         if case.endswith("zb"):
             assert (statistics.median(each) + 0.002 < error
-                    < statistics.median(each) + 0.01), case
+                    < statistics.median(each) + 0.015), case
+            moved += abs(error - saved[case]["time_error"]) > 1e-3
+            continue
+        if case.startswith("pp"):
+            assert (statistics.median(each) - 0.005 < error
+                    < statistics.median(each) + 0.012), case
             moved += abs(error - saved[case]["time_error"]) > 1e-3
             continue
         assert error == pytest.approx(statistics.median(each), abs=0.005), case

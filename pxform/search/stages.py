@@ -309,10 +309,13 @@ def step_fixed(hw: Hardware, config: Config) -> float:
     """Seconds a step costs beyond its actions and its ranks' per-step costs: the runtime's
     own per-step host time (`Hardware.step_overhead_s`), and, in a pipeline, the ranks'
     agreement on the first stage that trains before its first action (one all-reduce of
-    one int64 over the pipeline ranks, `pxform.runtime.pipeline.first_trained`: a median
-    0.21 ms on 2 gloo ranks, priced 0.48 ms by the golden CPU profile's table; not the
-    runtime's per-collective cost, `collective_overhead_s`: it is a bare all-reduce, not
-    one of the runtime's wrapped collectives).
+    one int64 over the pipeline ranks, `pxform.runtime.pipeline.first_trained`). That
+    message is tiny: it goes in `ceil(log2 p)` rounds of exchange between pairs of ranks
+    (recursive doubling), each a small transfer there and one back, at the profile's
+    p2p latency: 0.25 ms for 2 ranks on the golden CPU profile, where 300 of them took a
+    median 0.21 ms each (the forty-ninth session). The profile's all-reduce table, a ring
+    of `2 (p - 1)` steps measured through the runtime's wrapped collectives, priced it at
+    0.48 ms for 2 ranks and 7.3 ms for 16.
 
     Example:
         >>> step_fixed(hardware("a100-40gb"), Config(stages=2, outer=4, inner=1,
@@ -322,7 +325,9 @@ def step_fixed(hw: Hardware, config: Config) -> float:
     out = hw.step_overhead_s
     if config.stages > 1:
         p = config.stages
-        out += hw.comm_time("all_reduce", 8.0, p, hw.level(p * config.outer * config.inner))
+        rounds = math.ceil(math.log2(p))
+        out += 2 * rounds * hw.comm_time("p2p", 8.0, 2,
+                                         hw.level(p * config.outer * config.inner))
     return out
 
 
