@@ -247,8 +247,9 @@ def op_seconds(a: Analysis, k: int, model: CostModel, scale: float, ways: int
                ) -> OpSeconds:
     """Op `k`'s forward and backward on one device of the `ways` its strategy splits it
     over, `scale` its microbatch over the traced batch (1 for an op not on the batch).
-    Both only grow with `scale / ways`, and so does their sum (`bounds.quick_bound`
-    takes a block's ops at their largest split).
+    The forward, and the sum of the two, only grow with `scale / ways` (the backward
+    alone need not: an input gradient without the weight's is the backward less about
+    the forward); `bounds.quick_bound` takes a block's ops at their largest split.
 
     The backward autograd runs for the op: none where no input requires grad (a mask,
     positions, a frozen layer before any trained one); a weight op's weight gradient
