@@ -47,7 +47,13 @@ from pxform.runtime import world
 from pxform.runtime.boundary import global_stand_in, is_dtensor, leaf_arg_index
 from pxform.runtime.mesh import Mesh
 from pxform.search.plan import Plan
-from pxform.transforms.base import Executable, fn_name, precision_arg, trainable_leaves
+from pxform.transforms.base import (
+    Executable,
+    fn_name,
+    is_tensor_leaf,
+    precision_arg,
+    trainable_leaves,
+)
 from pxform.transforms.compile import Fallback
 from pxform.transforms.initialize import stand_ins, with_placeholders_filled
 from pxform.transforms.pipeline import Pipelined
@@ -399,7 +405,7 @@ class Auto(Executable):
             return
         # (a pipeline rank holds only its stages' leaves: the others are None, stood in for)
         leaves = [x for x in optree.tree_leaves(args, none_is_leaf=True,  # type: ignore[arg-type]
-                                                is_leaf=_is_tensor)
+                                                is_leaf=is_tensor_leaf)
                   if x is None or isinstance(x, torch.Tensor)]
         # the marks as they were at the last step checked: most steps stop here (0.1 ms
         # for HF BERT-large's 400 leaves; the full check below takes 0.25 ms more)
@@ -482,10 +488,6 @@ def _gc_paused() -> Iterator[None]:
 
 UNPRICED_BUDGET = 2**60
 """The budget a plan is re-priced under (`Auto._repriced`): any peak fits it."""
-
-
-def _is_tensor(x: Any) -> bool:
-    return isinstance(x, torch.Tensor)
 
 
 DEFAULT_TOLERANCE = 0.05

@@ -59,7 +59,7 @@ def trainable_leaves(traced: Any, args: tuple[Any, ...]) -> list[bool]:
     """
     flat: list[tuple[int, Any]] = []
     for n, a in enumerate(args):
-        flat += [(n, x) for x in optree.tree_leaves(a, is_leaf=_is_tensor)  # type: ignore[arg-type]
+        flat += [(n, x) for x in optree.tree_leaves(a, is_leaf=is_tensor_leaf)  # type: ignore[arg-type]
                  if isinstance(x, torch.Tensor)]
     marked = {n for k, (n, x) in enumerate(flat)
               if k not in traced.buffers and x.requires_grad and x.is_floating_point()}
@@ -67,8 +67,9 @@ def trainable_leaves(traced: Any, args: tuple[Any, ...]) -> list[bool]:
             for k, (n, x) in enumerate(flat)]
 
 
-def _is_tensor(x: Any) -> bool:
-    return isinstance(x, torch.Tensor)  # DTensors too: leaves, not pytrees
+def is_tensor_leaf(x: Any) -> bool:
+    """optree's `is_leaf` for tensors (DTensors too: leaves, not pytrees)."""
+    return isinstance(x, torch.Tensor)
 
 
 def fn_name(fn: Any) -> str:
