@@ -156,13 +156,15 @@ def _share(batch: dict[str, Any], batch_size: int, world: int) -> dict[str, Any]
 
 def rank_main(config: str, batch_size: int, steps: int, warmup: int, quick: bool,
               sizes: tuple[int, ...], rounds: int = 3, calibrations: int = 1,
-              recalibrate: int = 1, fit_model: bool = False) -> dict[str, Any]:
+              recalibrate: int = 1, fit_model: bool = False, frozen: str | None = None
+              ) -> dict[str, Any]:
     """On every rank: calibrate, then plan and run each case, and measure them all in
     `rounds` rounds of `steps` timed calls each, the cases' order shuffled each round
     (`_order`); with `recalibrate` k > 0, one more calibration before every k-th round after
     the first, and every plan priced again with their representative. With `fit_model`,
     each calibration's op times are rescaled to the GPT's own plain step on one rank's
-    share of the batch (`pxform.check_profile(hw, fn=, args=)`, `refreshed_profile`)."""
+    share of the batch (`pxform.check_profile(hw, fn=, args=)`, `refreshed_profile`).
+    With `frozen` (a key of `FROZEN`), those parameters are marked frozen."""
     harness.add_paths()
     import dataclasses
 
@@ -172,7 +174,7 @@ def rank_main(config: str, batch_size: int, steps: int, warmup: int, quick: bool
     import pxform
 
     world = dist.get_world_size()
-    gpt_loss, params, batch = _gpt_case(config, batch_size)
+    gpt_loss, params, batch = _gpt_case(config, batch_size, frozen)
     fit_factors: list[float] = []
 
     def calibrated(runs: int) -> Any:
@@ -368,15 +370,16 @@ def _laid_out(step: Any, params: Any, batch: Any) -> tuple[Any, Any]:
 
 
 def memory_main(config: str, batch_size: int, quick: bool = False,
-                profile: dict[str, Any] | None = None, hf: str | None = None
-                ) -> list[dict[str, Any]]:
+                profile: dict[str, Any] | None = None, hf: str | None = None,
+                frozen: str | None = None) -> list[dict[str, Any]]:
     """On every rank (`--memory-only`): each pinned case planned against `profile` (a
     saved profile's JSON; None: the a100-40gb preset), laid out, one AdamW step, then one
     metered call (`pxform.measure`): per case its plan and each rank's predicted and
     metered peak. Deterministic: no calibration, no timing. A pin leaves the tensor
     axis's per-op choices to the search, and those follow the profile's prices: a
     tensor-parallel plan's memory can differ between profiles (`--profile`). With `hf`,
-    the Hugging Face model of that name (`_hf_case`) instead of the GPT."""
+    the Hugging Face model of that name (`_hf_case`) instead of the GPT; with `frozen`
+    (GPT only), those parameters marked frozen (`FROZEN`)."""
     harness.add_paths()
     import torch.distributed as dist
 
@@ -386,7 +389,7 @@ def memory_main(config: str, batch_size: int, quick: bool = False,
 
     world = dist.get_world_size()
     loss_fn, params, batch = _hf_case(hf, batch_size) if hf else \
-        _gpt_case(config, batch_size)
+        _gpt_case(config, batch_size, frozen)
     hw = pxform.hardware.hardware("a100-40gb") if profile is None else \
         with_relayout_gap(Hardware.from_json(profile), world)
     blocks = len(pxform.auto(loss_fn, mesh=world, hardware=hw).plan(params, batch).blocks)
@@ -440,7 +443,7 @@ def _memory_only(args: Any) -> None:
     profile, source = _memory_profile(args.profile)
     with World(args.ranks, timeout=300) as world:
         rows = world.run(accuracy.memory_main, args.config, args.batch, args.quick,
-                         profile, args.hf)[0]
+                         profile, args.hf, args.frozen)[0]
     if args.hf:
         model = f"hf-{args.hf}"
         config: dict[str, Any] = {"model": f"hf:{args.hf}", "global_batch": args.batch,
@@ -454,9 +457,11 @@ def _memory_only(args: Any) -> None:
         config = {"model": args.config, "params": cfg.num_params(),
                   "global_batch": args.batch, "seq_len": cfg.seq_len,
                   "num_layers": cfg.num_layers, "d_model": cfg.d_model,
-                  "num_heads": cfg.num_heads, "vocab_size": cfg.vocab_size}
+                  "num_heads": cfg.num_heads, "vocab_size": cfg.vocab_size,
+                  "frozen": args.frozen}
         print(f"GPT {args.config} ({cfg.num_params() / 1e6:.2f} M params), global batch "
-              f"{args.batch} x {cfg.seq_len} tokens", end="")
+              f"{args.batch} x {cfg.seq_len} tokens"
+              + (f", frozen: {FROZEN[args.frozen]}" if args.frozen else ""), end="")
     print(f", float32, {args.ranks} gloo ranks: each pinned plan's predicted peak per rank "
           f"against `pxform.MemoryMeter` plus Adam's state, one metered call; planned "
           f"against {source}")
@@ -480,7 +485,8 @@ def _memory_only(args: Any) -> None:
     if args.quick:
         return
     tag = re.sub(r"[^A-Za-z0-9.]+", "-", f"memory-only-{model}-batch{args.batch}"
-                 f"-ranks{args.ranks}" + ("-profile" if args.profile else ""))
+                 f"-ranks{args.ranks}" + ("-profile" if args.profile else "")
+                 + (f"-frozen-{args.frozen}" if args.frozen else ""))
     path = harness.write_result("accuracy", {
         "goal": {"abs_memory_error": GOAL_MEMORY},
         "config": {**config, "dtype": "float32", "ranks": args.ranks, "backend": "gloo",
@@ -675,9 +681,61 @@ def _hf_case(name: str, batch_size: int) -> tuple[Any, Any, Any]:
     return loss, params, batch
 
 
-def _gpt_case(config: str, batch_size: int) -> tuple[Any, Any, Any]:
+FROZEN = {
+    "prefix": "the embeddings (the head is tied to the token embedding) and the first half "
+              "of the layers",
+    "matrices": "every weight matrix, embeddings included (biases and norms trained)",
+}
+"""`--frozen`'s parameter sets (`frozen_names`): fine-tuning as users run it, with those
+marked `requires_grad=False` (no gradient, no optimizer state, no reduction)."""
+
+
+def frozen_names(params: dict[str, Any], frozen: str | None) -> set[str]:
+    """The GPT parameters `frozen` (a key of `FROZEN`, or None: none) marks frozen, by
+    their pytree path.
+
+    >>> import torch
+    >>> p = {"wte": torch.ones(8, 4), "wpe": torch.ones(4, 4), "lnf_w": torch.ones(4),
+    ...      "blocks": [{"fc_w": torch.ones(4, 4), "fc_b": torch.ones(4)}] * 2}
+    >>> sorted(frozen_names(p, "prefix"))
+    ['blocks.0.fc_b', 'blocks.0.fc_w', 'wpe', 'wte']
+    >>> sorted(frozen_names(p, "matrices"))
+    ['blocks.0.fc_w', 'blocks.1.fc_w', 'wpe', 'wte']
+    """
+    if frozen is None:
+        return set()
+    num_layers = len(params["blocks"])
+    out = set()
+    for name, leaf in _named_leaves(params):
+        parts = name.split(".")
+        layer = int(parts[1]) if parts[0] == "blocks" else None
+        if frozen == "prefix":
+            hit = layer is None and name in ("wte", "wpe") or \
+                layer is not None and layer < num_layers // 2
+        elif frozen == "matrices":
+            hit = leaf.dim() == 2
+        else:
+            raise SystemExit(f"accuracy.py: --frozen {frozen!r}: choose one of "
+                             f"{', '.join(FROZEN)}")
+        if hit:
+            out.add(name)
+    return out
+
+
+def _named_leaves(params: dict[str, Any]) -> list[tuple[str, Any]]:
+    """(dotted pytree path, leaf) of a GPT parameter tree, in `tree_leaves` order."""
+    import optree
+
+    paths, leaves, _ = optree.tree_flatten_with_path(params)
+    return [(".".join(str(k) for k in path), leaf) for path, leaf in zip(paths, leaves)]
+
+
+def _gpt_case(config: str, batch_size: int, frozen: str | None = None
+              ) -> tuple[Any, Any, Any]:
     """(loss function, parameters, batch) of the example GPT `config` (a `gpt_config`
-    spec) at `batch_size` sequences, float32."""
+    spec) at `batch_size` sequences, float32; with `frozen` (a key of `FROZEN`), those
+    parameters marked `requires_grad=False` and the others `True`, as `pxform.auto` reads
+    the marks (none marked: every parameter is trained)."""
     harness.add_paths()
     import gpt
     import torch
@@ -687,7 +745,12 @@ def _gpt_case(config: str, batch_size: int) -> tuple[Any, Any, Any]:
     def gpt_loss(p: dict, b: dict) -> torch.Tensor:
         return gpt.loss_fn(p, b, cfg)
 
-    return gpt_loss, gpt.init_params(cfg, dtype=torch.float32), gpt.make_batch(cfg, batch_size)
+    params = gpt.init_params(cfg, dtype=torch.float32)
+    if frozen is not None:
+        names = frozen_names(params, frozen)
+        for name, leaf in _named_leaves(params):
+            leaf.requires_grad_(name not in names)
+    return gpt_loss, params, gpt.make_batch(cfg, batch_size)
 
 
 def _priced_again(loss: Any, plan: Any, profile: Any, ranks: int, params: Any,
@@ -773,7 +836,8 @@ def _repriced(saved: dict[str, Any], alone: bool = False) -> tuple[dict[str, flo
     from pxform.tools.runtime_costs import representative_profile, with_relayout_gap
 
     conf = saved["config"]
-    gpt_loss, params, batch = _gpt_case(conf["model"], conf["global_batch"])
+    gpt_loss, params, batch = _gpt_case(conf["model"], conf["global_batch"],
+                                        conf.get("frozen"))
     # (a profile from before the forty-second session: the mean compute before a run of
     # conversions its calibration would now record, `with_relayout_gap`)
     ranks = conf["ranks"]
@@ -847,9 +911,14 @@ def main() -> None:
     p.add_argument("--profile", metavar="FILE",
                    help="with --memory-only: plan against this saved profile, or a saved "
                         "result's first calibration (default: the a100-40gb preset)")
+    p.add_argument("--frozen", choices=tuple(FROZEN),
+                   help="fine-tuning: mark a set of the GPT's parameters requires_grad="
+                        "False: " + "; ".join(f"{k}, {v}" for k, v in FROZEN.items()))
     args = p.parse_args()
     if args.hf and not args.memory_only:
         p.error("--hf meters memory alone: add --memory-only")
+    if args.hf and args.frozen:
+        p.error("--frozen marks the GPT's parameters: not with --hf")
     if args.memory_only:
         harness.add_paths()
         _memory_only(args)
@@ -874,13 +943,14 @@ def main() -> None:
     with World(args.ranks, timeout=timeout) as world:
         per_rank = world.run(accuracy.rank_main, args.config, args.batch, args.steps,
                              args.warmup, args.quick, sizes, args.rounds, args.calibrations,
-                             recalibrate, args.fit_model)
+                             recalibrate, args.fit_model, args.frozen)
     r0 = per_rank[0]
     print(f"GPT {args.config} ({cfg.num_params() / 1e6:.2f} M params), global batch "
           f"{args.batch} x {cfg.seq_len} tokens, float32, {args.ranks} gloo ranks x "
           f"{r0['threads']} thread; profile measured by pxform.runtime.calibrate in "
           f"{r0['calibrate_s']:.1f} s; per case the median of {args.rounds} rounds x "
-          f"{args.steps} steps, the cases in turn each round (shuffled)")
+          f"{args.steps} steps, the cases in turn each round (shuffled)"
+          + (f"; frozen: {FROZEN[args.frozen]}" if args.frozen else ""))
     over = r0["calibrations_over_run"]
     if over > 1:
         print(f"  priced with the representative of {over} calibrations (the first, then "
@@ -979,6 +1049,8 @@ def main() -> None:
         tag = "-".join(t for t in (tag, f"malloc-{args.malloc}") if t)
     if args.fit_model:
         tag = "-".join(t for t in (tag, "fit-model") if t)
+    if args.frozen:
+        tag = "-".join(t for t in (tag, f"frozen-{args.frozen}") if t)
     path = harness.write_result("accuracy", {
         "goal": {"abs_time_error": GOAL_TIME, "abs_memory_error": GOAL_MEMORY},
         "config": {"model": args.config, "params": cfg.num_params(), "global_batch":
@@ -987,7 +1059,7 @@ def main() -> None:
                    "ranks": args.ranks, "backend": "gloo", "threads_per_rank": r0["threads"],
                    "steps": args.steps, "rounds": args.rounds, "warmup": args.warmup,
                    "calibrations": args.calibrations, "recalibrate": recalibrate,
-                   "fit_model": args.fit_model,
+                   "fit_model": args.fit_model, "frozen": args.frozen,
                    "malloc_env": malloc},
         "calibrate_s": r0["calibrate_s"], "hardware": r0["hardware"],
         "first_hardware": r0["first_hardware"], "op_time_scales": r0["op_time_scales"],

@@ -95,12 +95,17 @@ def test_a_frozen_llamas_predicted_peak_is_its_metered_one(world2, frozen):
     44-114 % over (the forty-eighth session). With the pipeline's whole first stage
     frozen ("stage"), zero-bubble's first stage metered 52 % over its prediction: its
     forward returned every weight op's output for a W that had nothing to do, all alive
-    as the forward ended (the forty-ninth session). Within 3 % now, on the real meter."""
+    as the forward ended (the forty-ninth session). Within 3 % now, on the real meter.
+
+    A recomputed block before anything trains records no graph, so its checkpoint keeps
+    no input: counted kept, tensor parallelism with recompute came out 11.6 % ("prefix")
+    and 14.8 % ("stage") over the meter (the fifty-second session). Within 5 % now (4.4
+    and 2.8 %)."""
     from pxform.search.pipelines import ScheduleChoice
     from pxform.search.space import Option
 
-    def every(roles: tuple) -> tuple:
-        return (Option(roles, False),) * 6  # (the embedding, 4 layers, the head)
+    def every(roles: tuple, recompute: bool = False) -> tuple:
+        return (Option(roles, recompute),) * 6  # (the embedding, 4 layers, the head)
 
     pins = {"dp" if frozen == "prefix" else "tp": (
                 Pin(stages=1, outer=2, inner=1, microbatches=1,
@@ -113,9 +118,13 @@ def test_a_frozen_llamas_predicted_peak_is_its_metered_one(world2, frozen):
             "pp2 zb": Pin(stages=2, microbatches=8, schedule=ScheduleChoice("zb"))}
     if frozen == "stage":  # (the one-stage plans are the prefix's)
         pins = {k: v for k, v in pins.items() if k.startswith("pp2")}
+    if frozen != "matrices":  # (frozen blocks before anything trains, recomputed)
+        pins["tp+recompute"] = Pin(stages=1, outer=1, inner=2, microbatches=1,
+                                   block_options=every((("inner", "tp"),), True))
     errors = world2.run(H.run_hf_memory, pins, frozen)[0]
     worst = {name: max(e, key=abs) for name, e in errors.items()}
-    assert all(abs(e) <= 0.03 for e in worst.values()), worst
+    limit = {"tp+recompute": 0.05}
+    assert all(abs(e) <= limit.get(name, 0.03) for name, e in worst.items()), worst
 
 
 @pytest.mark.parametrize("frozen", ["prefix", "matrices"])

@@ -542,6 +542,8 @@ def _stage_sums(ctx: SearchContext, config: Config, idx: list[int], pt: Point,
     w = max(0.0, min(w, backward))
     if redo or frozen:  # its first F runs without autograd's graph (its R records it)
         f -= no_grad_saving
+    if frozen:  # its R does nothing: it has no backward to recompute for
+        r = 0.0
     sums = _StageSums(tuple(options), tuple(costs), tuple(times), tuple(mems), f,
                       backward, w, pbytes, r, f_sync, b_sync, step_extra)
     ctx.stage_sums[key] = sums
