@@ -432,6 +432,10 @@ def _stage_sums(ctx: SearchContext, config: Config, idx: list[int], pt: Point,
         b = w = 0.0
     computed_b, computed_w = b, w  # (the passes' own time, before the runtime's costs)
     num_ops = sum(a.blocks[k].stop - a.blocks[k].start for k in idx)
+    # of the forward, the blocks before the first that trains (a frozen prefix): nothing
+    # they read requires grad, so they record no graph in any stage
+    prefix_share = sum(c.forward for k, c in zip(idx, costs) if k < a.first_trained) / f \
+        if f > 0 else 0.0
     # the forward without autograd's graph (the shifted schedule's first forward of a
     # stage that recomputes early: its R records the graph, `pxform.runtime.pipeline`):
     # a share of its time and a time per op less (`Hardware.autograd_share`,
@@ -482,6 +486,16 @@ def _stage_sums(ctx: SearchContext, config: Config, idx: list[int], pt: Point,
             b_sync = hw.sync_wait_s(b)
         action = (hw.action_overhead_s + hw.param_action_overhead_s * num_params
                   + hw.op_action_overhead_s * num_ops)
+        # a backward walks the graph of what trains alone: not the ops of the blocks
+        # before the first that trains (a frozen prefix: autograd never reaches them) nor
+        # a frozen parameter's conversion (GPT small's zero-bubble stage of its frozen
+        # embeddings and two frozen layers and one trained one: B + W priced 2.6 ms a
+        # microbatch beyond its receive, 2.35 ms measured)
+        trained_params = sum(n in a.trainable for k in idx for n in a.blocks[k].params)
+        walked_ops = sum(a.blocks[k].stop - a.blocks[k].start for k in idx
+                         if k >= a.first_trained)
+        b_action = (hw.action_overhead_s + hw.param_action_overhead_s * trained_params
+                    + hw.op_action_overhead_s * walked_ops)
         # and each transfer the action makes, on its own rank's thread: a forward sends
         # unless the stage is the last and receives unless it is the first, a backward
         # the other way round (an interleaved schedule's chunks in the middle make two
@@ -501,7 +515,7 @@ def _stage_sums(ctx: SearchContext, config: Config, idx: list[int], pt: Point,
         send, receive = hw.send_overhead_s, hw.receive_overhead_s + hw.receive_stall_s
         b_receive = hw.receive_overhead_s + (0.0 if redo else hw.receive_stall_s)
         f += action + (0.0 if last else send) + (0.0 if first else receive)
-        b += action + (0.0 if first else send) + (0.0 if last else b_receive)
+        b += b_action + (0.0 if first else send) + (0.0 if last else b_receive)
         r += action - hw.action_overhead_s
         if split and not frozen:
             # a W is one more action (the executor's own cost), asks autograd for each
@@ -515,7 +529,7 @@ def _stage_sums(ctx: SearchContext, config: Config, idx: list[int], pt: Point,
             # time (`Hardware.split_backward_share`: each weight gradient made from
             # operands the B left cold; GPT small's B + W ran 1.27-1.42 times 1F1B's B,
             # the same stages, 2026-11-30), each pass its own part of it.
-            moved = hw.param_action_overhead_s * num_params
+            moved = hw.param_action_overhead_s * trained_params
             own = hw.action_overhead_s + hw.weight_op_overhead_s * weight_ops
             b += own + hw.split_backward_share * computed_b
             w += own + moved + hw.split_backward_share * computed_w
@@ -542,6 +556,8 @@ def _stage_sums(ctx: SearchContext, config: Config, idx: list[int], pt: Point,
     w = max(0.0, min(w, backward))
     if redo or frozen:  # its first F runs without autograd's graph (its R records it)
         f -= no_grad_saving
+    else:  # (its frozen prefix's part of the saving, as its share of the forward)
+        f -= no_grad_saving * prefix_share
     if frozen:  # its R does nothing: it has no backward to recompute for
         r = 0.0
     sums = _StageSums(tuple(options), tuple(costs), tuple(times), tuple(mems), f,
