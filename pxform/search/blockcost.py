@@ -280,8 +280,10 @@ def op_seconds(a: Analysis, k: int, model: CostModel, scale: float, ways: int
     own = min(f, b) * share
     if share < 1.0:
         # (a bias's gradient reads the output's gradient once: a memory-bound reduction)
-        out = sum(v.type.nbytes for v in op.outputs if _floating(v)) * scale / ways
-        own += max(0.0, model.op_times(out / 4, dtype, out, "elementwise")[0]
+        outs = [v for v in op.outputs if _floating(v)]
+        own += max(0.0, model.op_times(sum(v.type.numel for v in outs) * scale / ways, dtype,
+                                       sum(v.type.nbytes for v in outs) * scale / ways,
+                                       "elementwise")[0]
                    - model.fitted_backward_s() / BACKWARD_RATIO)
     backs = op.grad and any(v.name in grads for v in op.inputs)
     # (the per-op time the calibration fitted over every op stays, whatever runs: it

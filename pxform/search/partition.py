@@ -30,7 +30,14 @@ from pxform.search.pipelines import (
     sent,
 )
 from pxform.search.space import Config
-from pxform.search.stages import Candidate, assemble, borrowed, stage_frontier, transfer_bytes
+from pxform.search.stages import (
+    Candidate,
+    assemble,
+    borrowed,
+    stage_frontier,
+    trains_nothing,
+    transfer_bytes,
+)
 
 SCHEDULE_GAIN = 0.01
 """A schedule other than 1F1B is chosen only when it is predicted this much faster than the
@@ -208,7 +215,7 @@ def _evaluate_schedule(ctx: SearchContext, config: Config, objective: str,
             # stage before the first that trains keeps none for its R, which does nothing
             # (`pxform.runtime.pipeline.first_trained`: GPT small's frozen first stage
             # under the shifted schedule came out 4.8 % over the meter)
-            redo = choice.recomputes(s, p) and not (n > 1 and idx[-1] < a.first_trained)
+            redo = choice.recomputes(s, p) and not trains_nothing(a, idx)
             kept, received = transfer_bytes(ctx, config, idx, s == n - 1,
                                             inputs[s] if redo else 0, sends[s], redo) \
                 if n > 1 else (0.0, 0.0)

@@ -12,7 +12,7 @@ import numpy as np
 
 from pxform.cost.hardware import Hardware
 from pxform.cost.model import BACKWARD_RATIO, accumulation_bytes, backward_extra, weight_pool_bytes
-from pxform.search.analysis import BlockInfo
+from pxform.search.analysis import Analysis, BlockInfo
 from pxform.search.context import OptionCost, OptionTable, SearchContext, StagePoint
 from pxform.search.frontier import Point, chain_frontier
 from pxform.search.options import transition
@@ -169,6 +169,18 @@ def stage_frontier(ctx: SearchContext, config: Config, idx: list[int],
             return out
         workspace = worst
     return []
+
+
+def trains_nothing(a: Analysis, idx: Sequence[int]) -> bool:
+    """Whether a pipeline stage of blocks `idx` lies wholly before the first block that
+    trains (a frozen prefix): it runs its forward without autograd's graph, and its B, W
+    and R do nothing (`pxform.runtime.pipeline.first_trained`).
+
+    Example (a frozen embedding and first layer, then trained layers):
+        >>> trains_nothing(analysis, [0, 1]), trains_nothing(analysis, [1, 2])
+        (True, False)
+    """
+    return idx[-1] < a.first_trained
 
 
 def memory_microbatches(m: int, flight: int, waits: int) -> int:
@@ -427,7 +439,7 @@ def _stage_sums(ctx: SearchContext, config: Config, idx: list[int], pt: Point,
     # a pipeline stage before the first block that trains (a frozen prefix) runs its
     # forward without autograd's graph and its B and W do nothing: nothing of it requires
     # grad (`pxform.runtime.pipeline.first_trained`); its gradient messages are tokens
-    frozen = config.stages > 1 and idx[-1] < a.first_trained
+    frozen = config.stages > 1 and trains_nothing(a, idx)
     if frozen:
         b = w = 0.0
     computed_b, computed_w = b, w  # (the passes' own time, before the runtime's costs)
