@@ -92,10 +92,10 @@ def _bound(ctx: SearchContext, config: Config, tables: Sequence[OptionTable],
     first = ctx.analysis.first_trained
     if p > 1 and first > 0:
         # a stage before the first that trains runs no backward and its forward without
-        # autograd's graph, below its blocks' costs: such blocks bound at no time, as
-        # `block_least` and `quick_bound` take them (an uneven MLP behind a frozen
-        # prefix, `tests/test_search.py`: a 2-stage 1F1B plan came out 0.04 % under the
-        # spread's bound once a search evaluated it)
+        # autograd's graph, below its blocks' costs: such blocks bound at no time, in the
+        # spread and the busiest rank's forms alike, as `quick_bound` takes them (an
+        # uneven MLP behind a frozen prefix, `tests/test_search.py`: a 2-stage 1F1B plan
+        # came out 0.04 % under the spread's bound once a search evaluated it)
         tables = [_timeless(t) if k < first else t for k, t in enumerate(tables)]
     total = least_work(tables, m, p, ctx.budget - _least_workspace(tables))
     if p == 1:
@@ -114,8 +114,7 @@ def _bound(ctx: SearchContext, config: Config, tables: Sequence[OptionTable],
     redo = (p - 1) / p * m * sum(
         max(0.0, min(c.forward for c in t.costs) - hw.autograd_share * max(
             c.forward for c in t.costs) - hw.autograd_op_overhead_s * (b.stop - b.start))
-        for t, b in zip(tables, ctx.analysis.blocks)) if ctx.analysis.first_trained == 0 \
-        else 0.0
+        for t, b in zip(tables, ctx.analysis.blocks)) if first == 0 else 0.0
     # the blocks' per-step costs (`OptionCost.step_extra`, in `total`) run once per step on
     # their stage's rank, after the schedule (`stages.after_schedule`), not through its
     # warm-up and drain: the bubble's factor is taken off them (at each block's largest)
@@ -131,7 +130,7 @@ def _bound(ctx: SearchContext, config: Config, tables: Sequence[OptionTable],
     # and no faster than its busiest rank's m forwards and backwards, whose blocks are
     # whole: a stage per rank, cut from the blocks in order (`least_bottleneck`), or, a
     # rank running several chunks, at least its share of the blocks (`least_busiest`)
-    least = block_least(ctx, tables)
+    least = block_least(tables)
     spread = least_busiest(least, p)
     cut = least_bottleneck(least, p) if any(c.virtual_stages == 1 for c in schedules) \
         else spread
@@ -215,18 +214,17 @@ def _block_compute(ctx: SearchContext, kind: int, scale: float, devices: int) ->
     return value
 
 
-def block_least(ctx: SearchContext, tables: Sequence[OptionTable]) -> list[float]:
+def block_least(tables: Sequence[OptionTable]) -> list[float]:
     """Per block, the least seconds per microbatch its forward and backward add to its
     rank's F and B actions under any of its options (`stages._stage_sums` adds transfers
-    and per-action costs to them); 0 before the first block that trains (such a stage
-    runs no backward, and its forward without autograd's graph).
+    and per-action costs to them). `_bound` passes the blocks before the first that
+    trains at no time (`_timeless`): such a stage runs no backward, and its forward
+    without autograd's graph.
 
-    Example (a frozen embedding, then layers: 0.0 first):
-        >>> block_least(ctx, block_tables(ctx, config))
+    Example:
+        >>> block_least(block_tables(ctx, config))
     """
-    first = ctx.analysis.first_trained
-    return [0.0 if k < first else min(c.forward + c.backward for c in t.costs)
-            for k, t in enumerate(tables)]
+    return [min(c.forward + c.backward for c in t.costs) for t in tables]
 
 
 def least_bottleneck(times: Sequence[float], parts: int) -> float:
