@@ -171,6 +171,34 @@ def run_memory_accuracy(the_pin: Pin, shape: dict | None = None,
     return metered_memory_errors(step, params, batch, cfg)
 
 
+def residual_stack(params: dict, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """A stack of residual MLP layers on the input itself (no embedding block before
+    them), regressed onto one number per row."""
+    h = x
+    for p in params["layers"]:
+        h = h + torch.nn.functional.linear(
+            torch.nn.functional.gelu(torch.nn.functional.linear(h, p["w1"])), p["w2"])
+    return ((h.mean(-1) - y) ** 2).mean()
+
+
+def run_stack_memory(pins: dict[str, Pin], layers: int, width: int, rows: int
+                     ) -> dict[str, list[float]]:
+    """`residual_stack` of `layers` layers of `width`, on `rows` rows, under each pin:
+    each rank's signed memory error, predicted over metered (`metered_memory_errors`)."""
+    import torch.distributed as dist
+
+    torch.manual_seed(0)
+    params = {"layers": [{"w1": torch.randn(4 * width, width) * 0.02,
+                          "w2": torch.randn(width, 4 * width) * 0.02} for _ in range(layers)]}
+    x, y = torch.randn(rows, width), torch.randn(rows)
+    out = {}
+    for name, the_pin in pins.items():
+        step = pxform.auto(residual_stack, mesh=dist.get_world_size(), memory_budget="40GiB",
+                           hardware="a100-40gb", plan=the_pin)
+        out[name] = metered_memory_errors(step, params, x, y)
+    return out
+
+
 def metered_memory_errors(step: object, params: object, *rest: object) -> list[float]:
     """`step`'s plan for these arguments, its parameters distributed, one AdamW step so the
     optimizer's state exists, then `measure` and `plan.report`: each rank's signed memory

@@ -325,9 +325,10 @@ def walk(a: Analysis, block: BlockInfo, strats: list[Strategy], outside: Mapping
     heres: list[float] = []
     last_gathered = -1
     # of `saved`, the block's own inputs from earlier blocks as they came: a recompute saves
-    # them again without a copy (they are its checkpoint's inputs, in `kept`)
+    # them again without a copy (they are its checkpoint's inputs, in `kept`). Those of its
+    # kind (`Analysis.kind_reads`): the search walks a kind's first block for them all
     inputs_saved = 0.0
-    reads = frozenset(block.reads)
+    reads = frozenset(a.kind_reads[block.kind])
     saved_upto: list[float] = []  # per op, `saved` once it ran
     # the block's forward and backward in the order they run, as compute and the number of
     # activation collectives on the critical path (`sync_waits`): ranks meet at each
@@ -648,7 +649,7 @@ def walk(a: Analysis, block: BlockInfo, strats: list[Strategy], outside: Mapping
     # small with its embeddings and first two layers frozen, 2 gloo ranks: tensor
     # parallelism with recompute came out 7.4 % over the meter, 0.86 MiB of the two
     # layers' inputs counted kept)
-    for name in block.reads if any_backward else ():
+    for name in a.kind_reads[block.kind] if any_backward else ():
         v = vals[name]
         lay = outside.get(name, Layout.replicated(v.type.rank))
         local = math.prod(lay.local_shape(v.type.shape, cache.mesh))
