@@ -278,6 +278,30 @@ def test_stage_aware_recompute_recomputes_more_on_early_stages():
                         recompute="stage_aware").recompute_plan(params, batch)
 
 
+def test_recompute_under_zero_bubble_warns_that_it_costs_more():
+    """Zero-bubble's W runs a recompute region's forward again for each weight op's
+    gradient, and keeps what B recomputed until the W: more memory and time than no
+    recompute (`pxform.auto` never pairs them). A pipeline asked for both says so; 1F1B
+    with recompute does not."""
+    import warnings
+
+    cfg, params, batch = R.setup(8, 16)
+    step = pxform.pipeline(R.make_loss("plain", cfg), stages=2, microbatches=4,
+                           schedule="zb", recompute="all")
+    with pytest.warns(pxform.PxformWarning) as got:
+        step.recompute_plan(params, batch)
+    (text,) = [str(w.message) for w in got if "zero-bubble" in str(w.message)]
+    assert text.startswith("pxform.pipeline(gpt_plain): stages [0, 1] of its zero-bubble "
+                           "schedule run recompute regions (pipeline(gpt_plain) embed, "
+                           "pipeline(gpt_plain) layer 0, "), text
+    assert "Fix: recompute under schedule='1f1b' or 'shifted'" in text
+    plain = pxform.pipeline(R.make_loss("plain", cfg), stages=2, microbatches=4,
+                            schedule="1f1b", recompute="all")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", pxform.PxformWarning)
+        plain.recompute_plan(params, batch)
+
+
 # ---------------------------------------------------------------- gloo ranks
 
 
