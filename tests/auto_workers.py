@@ -209,7 +209,8 @@ def metered_memory_errors(step: object, params: object, *rest: object) -> list[f
     dparams = step.distribute(params, *rest)[0]
     held = optree.tree_leaves(step.holds(dparams, *rest)[0])
     is_leaf = lambda x: isinstance(x, DTensor)  # noqa: E731
-    owned = [p for p, h in zip(optree.tree_leaves(dparams, is_leaf=is_leaf), held) if h]
+    owned = [p for p, h in zip(optree.tree_leaves(dparams, is_leaf=is_leaf), held)
+             if h and p.is_floating_point()]  # (an integer buffer takes no optimizer)
     # the optimizer's state for what the step trains: where some parameter is marked
     # requires_grad, only those (frozen ones get no gradient and no state)
     if any(p.requires_grad for p in owned):

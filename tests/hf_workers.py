@@ -201,6 +201,50 @@ def run_hf_memory(pins: dict[str, Pin], frozen: str | None = None) -> dict[str, 
             for name, pin in pins.items()}
 
 
+def run_zoo_memory(name: str, pins: dict[str, tuple[int, tuple | None, bool]]
+                   ) -> dict[str, list[float]]:
+    """The zoo model `name` (`hf_zoo.build`, float32, global batch 16) under each pin,
+    given as (stages, roles of every block or None, recompute every block); planned
+    against the a100-40gb preset: each rank's signed memory error, predicted over
+    metered (`auto_workers.metered_memory_errors`)."""
+    import hf_zoo
+    import torch
+    import torch.distributed as dist
+    from auto_workers import metered_memory_errors
+
+    from pxform.search.pipelines import ScheduleChoice
+    from pxform.search.space import Option
+
+    model, inputs = hf_zoo.build(name, dtype=torch.float32, batch=16)
+    fn, params = pxform.module_fn(model)
+    params = {k: v.detach() for k, v in params.items()}
+
+    def loss(params, inputs):
+        return fn(params, **inputs).loss
+
+    loss.__name__ = f"{name}_loss"
+    world = dist.get_world_size()
+
+    def step(the_pin: Pin):
+        return pxform.auto(loss, mesh=world, memory_budget="40GiB", hardware="a100-40gb",
+                           plan=the_pin)
+
+    num_blocks = len(step(Pin(stages=1)).plan(params, inputs).blocks)
+    out = {}
+    for key, (stages, roles, recompute) in pins.items():
+        options = None
+        if roles is not None or recompute:
+            options = (Option(roles or (), recompute),) * num_blocks
+        axes = {a for a, _ in roles or ()}
+        the_pin = Pin(stages=stages, microbatches=4 if stages > 1 else 1,
+                      outer=world // stages if "outer" in axes else 1 if stages == 1 else None,
+                      inner=world // stages if "inner" in axes else 1 if stages == 1 else None,
+                      block_options=options,
+                      schedule=ScheduleChoice("1f1b") if stages > 1 else None)
+        out[key] = metered_memory_errors(step(the_pin), params, inputs)
+    return out
+
+
 def run_hf_frozen_grads(frozen: str, pin: Pin) -> dict:
     """`_small_llama(frozen)`, one step under `pin` on this world against the same step
     in one process: the loss, the largest gradient difference over the gradients this

@@ -162,6 +162,7 @@ class SearchContext:
     frontiers: dict[StageKey, list[StagePoint]] = field(default_factory=dict)
     stage_sums: dict[tuple[Any, ...], Any] = field(default_factory=dict)  # `stages._stage_sums`
     boundaries: dict[tuple[Config, int, bool], float] = field(default_factory=dict)
+    batch_reads: dict[int, frozenset[str]] = field(default_factory=dict)  # per block
     table_keys: dict[tuple[Option, ...], int] = field(default_factory=dict)
     # (kind, scale, devices) -> a block's compute at its largest split (`bounds.quick_bound`)
     compute: dict[tuple[int, float, int], float] = field(default_factory=dict)

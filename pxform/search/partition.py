@@ -33,6 +33,7 @@ from pxform.search.space import Config
 from pxform.search.stages import (
     Candidate,
     assemble,
+    batch_bytes,
     borrowed,
     stage_frontier,
     trains_nothing,
@@ -227,6 +228,7 @@ def _evaluate_schedule(ctx: SearchContext, config: Config, objective: str,
             kept, received = transfer_bytes(ctx, config, idx, s == n - 1,
                                             inputs[s] if redo else 0, sends[s], redo) \
                 if n > 1 else (0.0, 0.0)
+            kept += batch_bytes(ctx, idx)
             # stages with the same kinds, options and flight have the same frontier
             key = (config, tuple((a.blocks[k].kind, mine[k].key) for k in idx),
                    flights[s], borrowed(ctx, idx, tables) if p > 1 else 0.0, waits[s], kept,
