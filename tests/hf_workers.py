@@ -201,12 +201,12 @@ def run_hf_memory(pins: dict[str, Pin], frozen: str | None = None) -> dict[str, 
             for name, pin in pins.items()}
 
 
-def run_zoo_memory(name: str, pins: dict[str, tuple[int, tuple | None, bool]]
-                   ) -> dict[str, list[float]]:
-    """The zoo model `name` (`hf_zoo.build`, float32, global batch 16) under each pin,
-    given as (stages, roles of every block or None, recompute every block); planned
-    against the a100-40gb preset: each rank's signed memory error, predicted over
-    metered (`auto_workers.metered_memory_errors`)."""
+def run_zoo_memory(name: str, pins: dict[str, tuple[int, tuple | None, bool]],
+                   seq: int | None = None) -> dict[str, list[float]]:
+    """The zoo model `name` (`hf_zoo.build`, float32, global batch 16; text models' `seq`
+    tokens, None: `hf_zoo.SEQ`) under each pin, given as (stages, roles of every block or
+    None, recompute every block); planned against the a100-40gb preset: each rank's signed
+    memory error, predicted over metered (`auto_workers.metered_memory_errors`)."""
     import hf_zoo
     import torch
     import torch.distributed as dist
@@ -215,7 +215,11 @@ def run_zoo_memory(name: str, pins: dict[str, tuple[int, tuple | None, bool]]
     from pxform.search.pipelines import ScheduleChoice
     from pxform.search.space import Option
 
-    model, inputs = hf_zoo.build(name, dtype=torch.float32, batch=16)
+    default, hf_zoo.SEQ = hf_zoo.SEQ, seq or hf_zoo.SEQ  # (read by `build`)
+    try:
+        model, inputs = hf_zoo.build(name, dtype=torch.float32, batch=16)
+    finally:
+        hf_zoo.SEQ = default
     fn, params = pxform.module_fn(model)
     params = {k: v.detach() for k, v in params.items()}
 
