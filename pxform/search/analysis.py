@@ -267,10 +267,7 @@ def _saved_by_readers(graph: Graph, blocks: Sequence[tuple[int, int, bool]],
     uncounted (one layer's output, where the stack's other layers had each been counted
     twice). Nor is the layout asked: where the two blocks lay the value out apart the
     reader saves a re-laid-out copy of its own, and the producer's is uncounted."""
-    op_block = {}
-    for j, (a, b, _) in enumerate(blocks):
-        for i in range(a, b):
-            op_block[i] = j
+    op_block = _op_blocks(len(graph.ops), blocks)
     readers: dict[str, list[tuple[int, int]]] = {}
     for i, op in enumerate(graph.ops):
         for n, v in enumerate(op.inputs):
@@ -303,6 +300,15 @@ def _saved_by_readers(graph: Graph, blocks: Sequence[tuple[int, int, bool]],
             if outs != list(s.outputs):
                 fixed[off] = dataclasses.replace(s, outputs=tuple(outs))
         done[k] = fixed
+
+
+def _op_blocks(num_ops: int, blocks: Sequence[tuple[int, int, bool]]) -> list[int]:
+    """Per op, the index of the block it is in."""
+    out = [0] * num_ops
+    for k, (a, b, _) in enumerate(blocks):
+        for i in range(a, b):
+            out[i] = k
+    return out
 
 
 def _frozen_mask(ops: Sequence[Op], params: frozenset[str], learned: frozenset[str]
@@ -353,10 +359,7 @@ def _block_infos(graph: Graph, blocks: Sequence[tuple[int, int, bool]], kind_of:
                  ) -> tuple[BlockInfo, ...]:
     """Per block its `BlockInfo`; `shape_of` numbers blocks of the same ops alike (a
     frozen layer is a kind of its own, but labelled as the layer it is)."""
-    op_block = [0] * len(graph.ops)
-    for k, (a, b, _) in enumerate(blocks):
-        for i in range(a, b):
-            op_block[i] = k
+    op_block = _op_blocks(len(graph.ops), blocks)
     defined_in = {v.name: op_block[i] for i, op in enumerate(graph.ops) for v in op.outputs}
     last = last_uses(graph)
     owner: dict[str, int] = {}

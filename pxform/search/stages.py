@@ -675,8 +675,8 @@ def batch_bytes(ctx: SearchContext, idx: Sequence[int]) -> float:
     every rank the global batch (`examples/train_gpt.py`; `pxform.auto` takes each rank's
     piece, views of it), held for the whole step on each rank whose stage reads them. An
     image model's pixels were in no block's memory: tiny HF vision models (ViT, ResNet,
-    ConvNeXt, Swin at 32x32, batch 16) on 2 gloo ranks came out 9-22 % under the meter on
-    one stage and 25-50 % on a pipeline's first (the fifty-third session). A batch laid out
+    ConvNeXt, Swin at 32x32, batch 16) on 2 gloo ranks came out 9-30 % under the meter on
+    one stage and 25-53 % on a pipeline's first (the fifty-third session). A batch laid out
     by `step.distribute` holds only its share: this over-counts it by the rest.
 
     The first layer of a stack on the input counts its batch input already, as the
