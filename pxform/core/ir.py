@@ -243,6 +243,24 @@ class Op:
         return text
 
 
+def block_name(path: str) -> str:
+    """The block a parameter belongs to, from its IR name (its pytree path): the path up to
+    its first list index (`blocks.3.fc_w` -> `blocks.3`, `w[3]` named `arg3` -> `arg3`;
+    `""` outside any list). ZeRO-3 gathers each such block's parameters as one collective
+    (`pxform.runtime.prefetch`), and the search prices their memory so.
+
+    Example:
+        >>> block_name("model.layers.7.mlp.up_proj.weight")
+        'model.layers.7'
+    """
+    parts = path.split(".")
+    for k, part in enumerate(parts):
+        # the trace names a list's element `arg<index>` when its index is unique
+        if part.isdigit() or (k == 0 and part.startswith("arg") and part[3:].isdigit()):
+            return ".".join(parts[:k + 1])
+    return ""
+
+
 def op_name(target: Any) -> str:
     """Printable short name of an op target."""
     if isinstance(target, torch._ops.OpOverload):

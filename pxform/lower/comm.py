@@ -13,25 +13,9 @@ Example:
 
 from __future__ import annotations
 
+from pxform.core.ir import block_name
 from pxform.core.layout import LOCAL_STEPS, AxisCost, Relayout, Step
 from pxform.lower.spmd import ConvertInstr, Program
-
-
-def block_name(path: str) -> str:
-    """The block a parameter belongs to, from its IR name (its pytree path): the path up to
-    its first list index (`blocks.3.fc_w` -> `blocks.3`, `w[3]` named `arg3` -> `arg3`;
-    `""` outside any list).
-
-    Example:
-        >>> block_name("model.layers.7.mlp.up_proj.weight")
-        'model.layers.7'
-    """
-    parts = path.split(".")
-    for k, part in enumerate(parts):
-        # the trace names a list's element `arg<index>` when its index is unique
-        if part.isdigit() or (k == 0 and part.startswith("arg") and part[3:].isdigit()):
-            return ".".join(parts[:k + 1])
-    return ""
 
 
 def is_gather(instr: ConvertInstr, inputs: set[str] | frozenset[str]) -> bool:

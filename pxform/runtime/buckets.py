@@ -94,7 +94,7 @@ class GradBuckets:
                  blocks: Mapping[int, str] | None = None) -> None:
         self.axes = axes
         self.bucket_bytes = bucket_bytes
-        # the block of each parameter (`pxform.lower.comm.block_name`): reduce-scatters
+        # the block of each parameter (`pxform.core.ir.block_name`): reduce-scatters
         # (ZeRO-3) go out per block, as FSDP's do, so a block's whole gradients are freed
         # as soon as its backward is done instead of waiting for a full bucket
         self.blocks = blocks or {}

@@ -31,12 +31,12 @@ import torch.fx
 
 from pxform.core import rng
 from pxform.core.errors import CollectiveError
-from pxform.core.ir import DEVICE, Op, Value
+from pxform.core.ir import DEVICE, Op, Value, block_name
 from pxform.core.layout import LOCAL_STEPS, Step
 from pxform.core.rng import RandomTag
 from pxform.frontend.regions import RECOMPUTE, SAVE, RecomputeTag
 from pxform.frontend.rng import INPLACE, PLAN_INDEPENDENT, RANDOM
-from pxform.lower.comm import block_name, gathers_only
+from pxform.lower.comm import gathers_only
 from pxform.lower.mpmd import StageProgram
 from pxform.lower.spmd import CallInstr, ConvertInstr, Instr, Program
 from pxform.ops import bind as bind_args

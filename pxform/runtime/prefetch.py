@@ -28,8 +28,9 @@ from dataclasses import dataclass
 
 import torch
 
+from pxform.core.ir import block_name
 from pxform.core.layout import Step
-from pxform.lower.comm import block_name, is_gather
+from pxform.lower.comm import is_gather
 from pxform.lower.spmd import ConvertInstr, Program
 from pxform.runtime.buckets import finish_gather, start_gather
 from pxform.runtime.collectives import AxisGroups

@@ -17,8 +17,8 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate
 
 from pxform.core.errors import SpecError
+from pxform.core.ir import block_name
 from pxform.core.layout import Layout
-from pxform.lower.comm import block_name
 from pxform.lower.spmd import Program
 from pxform.passes.propagate import gradient_layout
 from pxform.runtime.boundary import (

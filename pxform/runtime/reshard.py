@@ -36,7 +36,7 @@ _REGISTRY: contextvars.ContextVar[dict[int, _Gathered] | None] = contextvars.Con
     "pxform_gathered", default=None)
 _REGATHER: contextvars.ContextVar[Regather | None] = contextvars.ContextVar(
     "pxform_regather", default=None)
-# the blocks (`pxform.lower.comm.block_name`) and parameters (pytree paths) that reshard,
+# the blocks (`pxform.core.ir.block_name`) and parameters (pytree paths) that reshard,
 # None: every one
 _BLOCKS: contextvars.ContextVar[frozenset[str] | None] = contextvars.ContextVar(
     "pxform_reshard_blocks", default=None)

@@ -20,11 +20,11 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from pxform.core.errors import PxformError
-from pxform.core.ir import Graph, Op, Value, read_from_outside
+from pxform.core.ir import Graph, Op, Value, block_name, read_from_outside
 from pxform.core.layout import LOCAL_STEPS, Layout, plan_relayout
 from pxform.core.mesh import AbstractMesh
 from pxform.core.spec import P
@@ -110,6 +110,11 @@ class Analysis:
     # no input, and priced from it every layer of a recomputed residual MLP on 2 gloo
     # ranks kept none: 18-43 % under the meter, the fifty-third session)
     kind_reads: tuple[tuple[str, ...], ...] = ()
+    # per model block (`block_name`: a numbered layer, or "" outside any list), the bytes
+    # of its floating parameters: ZeRO-3's runtime gathers and reduce-scatters each as one
+    # group (`pxform.runtime.prefetch`), which a search block may hold a part of (HF T5's
+    # decoder layer spans two)
+    group_bytes: Mapping[str, int] = field(default_factory=dict)
 
     @property
     def num_kinds(self) -> int:
@@ -248,7 +253,18 @@ def analyse(graph: Graph, batch_inputs: set[str], batch_dim: int = 0,
                     next((k for k, (a, b, _) in enumerate(blocks)
                           if any(op.grad and any(v.name in grads for v in op.inputs)
                                  for op in graph.ops[a:b])), len(blocks)),
-                    tuple(kind_reads[k] for k in range(len(kind_reads))))
+                    tuple(kind_reads[k] for k in range(len(kind_reads))),
+                    _group_bytes(graph, params))
+
+
+def _group_bytes(graph: Graph, params: frozenset[str]) -> dict[str, int]:
+    """Bytes of the floating parameters per model block (`Analysis.group_bytes`)."""
+    out: dict[str, int] = {}
+    for v in graph.inputs:
+        if v.name in params and v.type.dtype.is_floating_point:
+            name = block_name(v.name)
+            out[name] = out.get(name, 0) + v.type.nbytes
+    return out
 
 
 def _saved_by_readers(graph: Graph, blocks: Sequence[tuple[int, int, bool]],

@@ -34,7 +34,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from pxform.core.ir import Value
+from pxform.core.ir import Value, block_name
 from pxform.core.layout import Layout, Relayout, plan_relayout
 from pxform.core.mesh import AbstractMesh
 from pxform.cost.model import (
@@ -324,6 +324,13 @@ def walk(a: Analysis, block: BlockInfo, strats: list[Strategy], outside: Mapping
     shards = unpack = 0.0
     heres: list[float] = []
     last_gathered = -1
+    # ZeRO-3's gather groups as the runtime makes them (`pxform.runtime.prefetch`): per
+    # group [model block (`block_name`), first and last op reading it, whole bytes, shards,
+    # whole bytes of its trained parameters (their gradients), its parameters' bytes read
+    # here]
+    groups: list[list[Any]] = []
+    group_of: dict[str, int] = {}
+    acts: list[float] = []
     # of `saved`, the block's own inputs from earlier blocks as they came: a recompute saves
     # them again without a copy (they are its checkpoint's inputs, in `kept`). Those of its
     # kind (`Analysis.kind_reads`): the search walks a kind's first block for them all
@@ -425,23 +432,31 @@ def walk(a: Analysis, block: BlockInfo, strats: list[Strategy], outside: Mapping
             if nbytes:
                 saved += nbytes * sc * _local_fraction(v, lay, cache)
         saved += kept_by.other * sc / ways
-        # (parameters gathered whole are counted per block, below). A parameter stands for
-        # its gradient, made by the op's backward: an op without one (a frozen prefix's)
-        # holds its other inputs and outputs alone (HF Llama's frozen first stage of a
-        # zero-bubble pipeline came out 4.1 % over the meter with its embedding table's
-        # 1 MiB counted as its lookup's workspace)
+        # (parameters gathered whole are counted per block, below). An input stands for
+        # its gradient, made by the op's backward: one that requires none (an image
+        # model's pixels read by its first convolution, a mask) has none, and an op
+        # without a backward (a frozen prefix's) holds its other inputs and outputs alone
+        # (HF Swin's first pipeline stage, a convolution of the pixels, came out 10 %
+        # over the meter with the pixels counted as its backward's; HF Llama's frozen
+        # first stage of a zero-bubble pipeline 4.1 % with its embedding table's 1 MiB
+        # counted as its lookup's workspace)
+        held_inputs = [(v, lay) for v, lay in zip(op.inputs, s.inputs)
+                       if (v.name in grads if backs else v.name not in a.params)]
         here = sum(
             v.type.nbytes * (sc if v.name not in a.params else 1.0)
             * _local_fraction(v, lay, cache)
-            for v, lay in (*zip(op.inputs, s.inputs), *zip(op.outputs, s.outputs))
-            if not (v.name in a.params and v.name in params and params[v.name] != lay)
-            and (backs or v.name not in a.params))
+            for v, lay in (*held_inputs, *zip(op.outputs, s.outputs))
+            if not (v.name in a.params and v.name in params and params[v.name] != lay))
         # an op that runs as several (cross-entropy: log-softmax, then the loss) saves its
         # own intermediates, and its backward makes a gradient of each beside its input's
         # (the log-softmax's 2 MiB at the peak of GPT small's tensor-parallel step)
         here += kept_by.other * sc / ways
         transient = max(transient, here)
         heres.append(here)
+        # (its activations' part: what is alive beside a gradient reduce-scatter there)
+        acts.append(sum(v.type.nbytes * sc * _local_fraction(v, lay, cache)
+                        for v, lay in (*held_inputs, *zip(op.outputs, s.outputs))
+                        if v.name not in a.params))
         # per input, its own copy if it has one (asked only where the op saves the input
         # or an output is a view of it: `SavedBytes.asks`)
         asks = kept_by.asks
@@ -477,6 +492,9 @@ def walk(a: Analysis, block: BlockInfo, strats: list[Strategy], outside: Mapping
             gathered_here = param and have != s.inputs[i] and _floating(v)
             if gathered_here:
                 last_gathered = len(heres) - 1
+                g = group_of.get(v.name)
+                if g is not None:  # (read again: backward gathers it here at the latest)
+                    groups[g][2] = last_gathered
             if gathered_here and first:
                 # gathered at use (ZeRO-3): the runtime gathers a block's parameters in
                 # one packed collective per kind and axis (`pxform.runtime.prefetch`),
@@ -487,7 +505,20 @@ def walk(a: Analysis, block: BlockInfo, strats: list[Strategy], outside: Mapping
                     gathers[kind, axis] = gathers.get((kind, axis), 0.0) + sent
                 whole = v.type.nbytes * _local_fraction(v, s.inputs[i], cache)
                 gathered += whole
-                shards += v.type.nbytes * _local_fraction(v, have, cache)
+                shard = v.type.nbytes * _local_fraction(v, have, cache)
+                shards += shard
+                # the runtime's group: consecutive gathers of one model block's parameters
+                name = block_name(v.name)
+                if not groups or groups[-1][0] != name:
+                    groups.append([name, last_gathered, last_gathered, 0.0, 0.0, 0.0, 0])
+                group_of[v.name] = len(groups) - 1
+                groups[-1][2] = last_gathered
+                groups[-1][3] += whole
+                groups[-1][4] += shard
+                if v.name in a.trainable:
+                    groups[-1][5] += whole
+                if v.name in a.params:
+                    groups[-1][6] += v.type.nbytes
                 # its piece cut out of the packed buffer: one concatenation of the ranks'
                 # chunks per parameter (`pxform.runtime.buckets.finish_gather`)
                 unpack += model.pack_time(whole)
@@ -670,15 +701,20 @@ def walk(a: Analysis, block: BlockInfo, strats: list[Strategy], outside: Mapping
         pbytes += local * model.state_bytes_per_param(v.type.dtype)
         gbytes += local * v.type.dtype.itemsize
         largest_grad = max(largest_grad, local * v.type.dtype.itemsize)
-    # ZeRO-3's gathers run per block, one block ahead (`pxform.runtime.prefetch`,
-    # `pxform.runtime.reshard`). Backward gathers a block's parameters again at its last
-    # op that reads one (the first it reaches) and launches the gather of the block
-    # before it there: from that op on, the block's own gathered parameters and the next
-    # one's in flight (its whole buffer and the packed shards it sends, taken as this
-    # block's) are held beside the op at work; before it, the op alone (a GPT head's
-    # loss, its largest op, runs before its tied embedding is gathered again). Charged
-    # one block's worth on every op, the largest such block's step came out 4 % under,
-    # the largest head's 3 % over (the forty-second session: docs/benchmarks/accuracy.md)
+    # ZeRO-3's gathers run per group, one group ahead (`pxform.runtime.prefetch`,
+    # `pxform.runtime.reshard`): a group is a run of gathers of one model block's
+    # parameters (`block_name`: a numbered layer's, or those outside any list), which is
+    # the search's block in a stack of layers but not always (HF BART's and T5's decoder
+    # layers are one search block, "head", of several groups). Backward gathers a group's
+    # parameters again at the last op that reads one (the first it reaches), frees them
+    # once the first has run, and launches the gather of the group before it there: at an
+    # op, the groups it lies within and the next one in flight (its whole buffer and the
+    # packed shards it sends; the block before's, taken as the first group's) are held
+    # beside the op at work; before the last, the op alone (a GPT head's loss, its largest
+    # op, runs before its tied embedding is gathered again). Charged one block's worth on
+    # every op, the largest such block's step came out 4 % under, the largest head's 3 %
+    # over (the forty-second session: docs/benchmarks/accuracy.md); charged the whole
+    # block's on each, HF BART's ZeRO-3 step came out 13 % over (the fifty-fourth).
     #
     # A backward that frees the graph as it goes (all but zero-bubble's B, which keeps it
     # for its W) reaches an op after freeing what the ops after it saved: the op's
@@ -687,12 +723,42 @@ def walk(a: Analysis, block: BlockInfo, strats: list[Strategy], outside: Mapping
     # stage came out 5.7 % over the meter on a held-out shape: the forty-second session).
     freed_by = [h - (saved - upto) for h, upto in zip(heres, saved_upto)]
 
+    # ZeRO-3 gathers a numbered layer's group whole where its first parameter is read,
+    # also the part another search block reads (HF T5's decoder layer is cut into two
+    # search blocks: its second gathered both, 7.6 % over its prediction). Where the
+    # block gathers every parameter of the group it reads (not a tensor-parallel block
+    # re-laying out one): the runtime gathers parameters outside any list where they
+    # are read, run by run
+    read_here: dict[str, int] = {}
+    for name in block.params:
+        v = a.values()[name]
+        if v.type.dtype.is_floating_point:
+            read_here[block_name(name)] = read_here.get(block_name(name), 0) + v.type.nbytes
+    for grp in groups:
+        total = a.group_bytes.get(grp[0], 0)
+        if grp[0] and grp[6] and grp[6] == read_here.get(grp[0]) and total > grp[6]:
+            for field_at in (3, 4, 5):
+                grp[field_at] *= total / grp[6]
+
     def largest(per_op: list[float], gathers: bool) -> float:
         if not (gathers and gathered):
             return max(per_op, default=0.0)
-        before = max(per_op[last_gathered + 1:], default=0.0)
-        since = max(per_op[:last_gathered + 1], default=0.0)
-        return max(before, since + 2 * gathered + shards)
+        best = max(per_op[last_gathered + 1:], default=0.0)
+        order = sorted(groups, key=lambda grp: -grp[2])  # as backward reaches them
+        for j, (_, first_read, last, whole, shards_of, grads_whole, _) in enumerate(order):
+            nxt = order[j + 1] if j + 1 < len(order) else order[j]
+            ahead = nxt[3] + nxt[4]
+            for i in range(order[j + 1][2] + 1 if j + 1 < len(order) else 0, last + 1):
+                live = sum(grp[3] for grp in groups if grp[1] <= i <= grp[2])
+                best = max(best, per_op[i] + live + ahead)
+            if grads_whole:
+                # its gradients' reduce-scatter, once its backward is done: the whole
+                # gradients packed into one buffer and the shard it makes, beside them
+                # (`pxform.runtime.buckets.GradBuckets`; HF MobileNetV2's head, a 1x1
+                # convolution of 1,280 channels, peaked there, 6.7 % over its gathers)
+                shard = grads_whole * shards_of / whole
+                best = max(best, acts[first_read] + 2 * grads_whole + shard)
+        return best
 
     plain = transient
     transient = largest(heres, True)
