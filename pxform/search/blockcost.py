@@ -304,6 +304,22 @@ def op_seconds(a: Analysis, k: int, model: CostModel, scale: float, ways: int
     return OpSeconds(f, b, own, weight_in, trains, backs)
 
 
+class _GatherGroup:
+    """ZeRO-3's gather group as the runtime makes it (`pxform.runtime.prefetch`): a run of
+    gathers of one model block's parameters (`block_name`), as `walk` finds it in a search
+    block. Filled in as the walk goes."""
+
+    __slots__ = ("name", "first", "last", "whole", "shards", "grads", "read")
+
+    def __init__(self, name: str, at: int) -> None:
+        self.name = name
+        self.first = self.last = at  # the first and last op of the block reading it
+        self.whole = 0.0  # its parameters gathered whole, bytes
+        self.shards = 0.0  # the shards its gather sends
+        self.grads = 0.0  # of `whole`, the trained parameters': their whole gradients
+        self.read = 0  # its parameters' bytes (unsplit) that this block reads
+
+
 def walk(a: Analysis, block: BlockInfo, strats: list[Strategy], outside: Mapping[str, Layout],
          params: Mapping[str, Layout], cache: RelayoutCache, scale: float,
          batch_values: frozenset[str], outputs: Mapping[str, Layout]) -> WalkCost:
@@ -324,12 +340,10 @@ def walk(a: Analysis, block: BlockInfo, strats: list[Strategy], outside: Mapping
     shards = unpack = 0.0
     heres: list[float] = []
     last_gathered = -1
-    # ZeRO-3's gather groups as the runtime makes them (`pxform.runtime.prefetch`): per
-    # group [model block (`block_name`), first and last op reading it, whole bytes, shards,
-    # whole bytes of its trained parameters (their gradients), its parameters' bytes read
-    # here]
-    groups: list[list[Any]] = []
-    group_of: dict[str, int] = {}
+    # ZeRO-3's gather groups, in the order the block reads them, and per op the bytes of
+    # its activations' part of `heres` (what sits beside a gradient reduce-scatter there)
+    groups: list[_GatherGroup] = []
+    group_of: dict[str, _GatherGroup] = {}
     acts: list[float] = []
     # of `saved`, the block's own inputs from earlier blocks as they came: a recompute saves
     # them again without a copy (they are its checkpoint's inputs, in `kept`). Those of its
@@ -453,7 +467,6 @@ def walk(a: Analysis, block: BlockInfo, strats: list[Strategy], outside: Mapping
         here += kept_by.other * sc / ways
         transient = max(transient, here)
         heres.append(here)
-        # (its activations' part: what is alive beside a gradient reduce-scatter there)
         acts.append(sum(v.type.nbytes * sc * _local_fraction(v, lay, cache)
                         for v, lay in (*held_inputs, *zip(op.outputs, s.outputs))
                         if v.name not in a.params))
@@ -492,9 +505,8 @@ def walk(a: Analysis, block: BlockInfo, strats: list[Strategy], outside: Mapping
             gathered_here = param and have != s.inputs[i] and _floating(v)
             if gathered_here:
                 last_gathered = len(heres) - 1
-                g = group_of.get(v.name)
-                if g is not None:  # (read again: backward gathers it here at the latest)
-                    groups[g][2] = last_gathered
+                if v.name in group_of:  # (read again: backward gathers it here at the latest)
+                    group_of[v.name].last = last_gathered
             if gathered_here and first:
                 # gathered at use (ZeRO-3): the runtime gathers a block's parameters in
                 # one packed collective per kind and axis (`pxform.runtime.prefetch`),
@@ -509,16 +521,16 @@ def walk(a: Analysis, block: BlockInfo, strats: list[Strategy], outside: Mapping
                 shards += shard
                 # the runtime's group: consecutive gathers of one model block's parameters
                 name = block_name(v.name)
-                if not groups or groups[-1][0] != name:
-                    groups.append([name, last_gathered, last_gathered, 0.0, 0.0, 0.0, 0])
-                group_of[v.name] = len(groups) - 1
-                groups[-1][2] = last_gathered
-                groups[-1][3] += whole
-                groups[-1][4] += shard
+                if not groups or groups[-1].name != name:
+                    groups.append(_GatherGroup(name, last_gathered))
+                group = group_of[v.name] = groups[-1]
+                group.last = last_gathered
+                group.whole += whole
+                group.shards += shard
                 if v.name in a.trainable:
-                    groups[-1][5] += whole
+                    group.grads += whole
                 if v.name in a.params:
-                    groups[-1][6] += v.type.nbytes
+                    group.read += v.type.nbytes
                 # its piece cut out of the packed buffer: one concatenation of the ranks'
                 # chunks per parameter (`pxform.runtime.buckets.finish_gather`)
                 unpack += model.pack_time(whole)
@@ -734,30 +746,34 @@ def walk(a: Analysis, block: BlockInfo, strats: list[Strategy], outside: Mapping
         v = a.values()[name]
         if v.type.dtype.is_floating_point:
             read_here[block_name(name)] = read_here.get(block_name(name), 0) + v.type.nbytes
-    for grp in groups:
-        total = a.group_bytes.get(grp[0], 0)
-        if grp[0] and grp[6] and grp[6] == read_here.get(grp[0]) and total > grp[6]:
-            for field_at in (3, 4, 5):
-                grp[field_at] *= total / grp[6]
+    for group in groups:
+        total = a.group_bytes.get(group.name, 0)
+        if group.name and group.read and group.read == read_here.get(group.name) \
+                and total > group.read:
+            grow = total / group.read
+            group.whole, group.shards, group.grads = \
+                group.whole * grow, group.shards * grow, group.grads * grow
 
     def largest(per_op: list[float], gathers: bool) -> float:
         if not (gathers and gathered):
             return max(per_op, default=0.0)
         best = max(per_op[last_gathered + 1:], default=0.0)
-        order = sorted(groups, key=lambda grp: -grp[2])  # as backward reaches them
-        for j, (_, first_read, last, whole, shards_of, grads_whole, _) in enumerate(order):
-            nxt = order[j + 1] if j + 1 < len(order) else order[j]
-            ahead = nxt[3] + nxt[4]
-            for i in range(order[j + 1][2] + 1 if j + 1 < len(order) else 0, last + 1):
-                live = sum(grp[3] for grp in groups if grp[1] <= i <= grp[2])
+        order = sorted(groups, key=lambda g: -g.last)  # as backward reaches them
+        for j, group in enumerate(order):
+            # the next group's gather in flight (the first's: the block before's, taken
+            # at its size)
+            nxt = order[j + 1] if j + 1 < len(order) else group
+            ahead = nxt.whole + nxt.shards
+            for i in range(nxt.last + 1 if nxt is not group else 0, group.last + 1):
+                live = sum(g.whole for g in groups if g.first <= i <= g.last)
                 best = max(best, per_op[i] + live + ahead)
-            if grads_whole:
+            if group.grads:
                 # its gradients' reduce-scatter, once its backward is done: the whole
                 # gradients packed into one buffer and the shard it makes, beside them
                 # (`pxform.runtime.buckets.GradBuckets`; HF MobileNetV2's head, a 1x1
-                # convolution of 1,280 channels, peaked there, 6.7 % over its gathers)
-                shard = grads_whole * shards_of / whole
-                best = max(best, acts[first_read] + 2 * grads_whole + shard)
+                # convolution to 1,280 channels, peaks there: -6.7 % without it)
+                shard = group.grads * group.shards / group.whole
+                best = max(best, acts[group.first] + 2 * group.grads + shard)
         return best
 
     plain = transient
