@@ -254,14 +254,20 @@ def analyse(graph: Graph, batch_inputs: set[str], batch_dim: int = 0,
                           if any(op.grad and any(v.name in grads for v in op.inputs)
                                  for op in graph.ops[a:b])), len(blocks)),
                     tuple(kind_reads[k] for k in range(len(kind_reads))),
-                    _group_bytes(graph, params))
+                    group_bytes([v for v in graph.inputs if v.name in params]))
 
 
-def _group_bytes(graph: Graph, params: frozenset[str]) -> dict[str, int]:
-    """Bytes of the floating parameters per model block (`Analysis.group_bytes`)."""
+def group_bytes(params: Collection[Value]) -> dict[str, int]:
+    """Bytes of the floating parameters `params` per model block (`block_name`), as
+    ZeRO-3's runtime groups them (`Analysis.group_bytes`).
+
+    Example:
+        >>> group_bytes([Value("layers.0.w", TensorType((2, 2), torch.float32))])
+        {'layers.0': 16}
+    """
     out: dict[str, int] = {}
-    for v in graph.inputs:
-        if v.name in params and v.type.dtype.is_floating_point:
+    for v in params:
+        if v.type.dtype.is_floating_point:
             name = block_name(v.name)
             out[name] = out.get(name, 0) + v.type.nbytes
     return out

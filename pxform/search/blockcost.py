@@ -46,7 +46,7 @@ from pxform.cost.model import (
 )
 from pxform.ops.strategy import REPLICATE, Strategy, strategies, strategy_for
 from pxform.passes.propagate import consumer_gradient_layout, gradient_layout
-from pxform.search.analysis import DATA, Analysis, BlockInfo
+from pxform.search.analysis import DATA, Analysis, BlockInfo, group_bytes
 from pxform.search.plan import TENSOR_ROLES
 
 BEAM_WIDTH = 8
@@ -741,11 +741,7 @@ def walk(a: Analysis, block: BlockInfo, strats: list[Strategy], outside: Mapping
     # block gathers every parameter of the group it reads (not a tensor-parallel block
     # re-laying out one): the runtime gathers parameters outside any list where they
     # are read, run by run
-    read_here: dict[str, int] = {}
-    for name in block.params:
-        v = a.values()[name]
-        if v.type.dtype.is_floating_point:
-            read_here[block_name(name)] = read_here.get(block_name(name), 0) + v.type.nbytes
+    read_here = group_bytes([a.values()[name] for name in block.params]) if groups else {}
     for group in groups:
         total = a.group_bytes.get(group.name, 0)
         if group.name and group.read and group.read == read_here.get(group.name) \
