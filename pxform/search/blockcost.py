@@ -456,20 +456,21 @@ def walk(a: Analysis, block: BlockInfo, strats: list[Strategy], outside: Mapping
         # counted as its lookup's workspace)
         held_inputs = [(v, lay) for v, lay in zip(op.inputs, s.inputs)
                        if (v.name in grads if backs else v.name not in a.params)]
-        here = sum(
-            v.type.nbytes * (sc if v.name not in a.params else 1.0)
-            * _local_fraction(v, lay, cache)
-            for v, lay in (*held_inputs, *zip(op.outputs, s.outputs))
-            if not (v.name in a.params and v.name in params and params[v.name] != lay))
+        # (the activations' part apart: what sits beside a gradient reduce-scatter there)
+        act = param_part = 0.0
+        for v, lay in (*held_inputs, *zip(op.outputs, s.outputs)):
+            if v.name not in a.params:
+                act += v.type.nbytes * sc * _local_fraction(v, lay, cache)
+            elif not (v.name in params and params[v.name] != lay):
+                param_part += v.type.nbytes * _local_fraction(v, lay, cache)
+        here = act + param_part
         # an op that runs as several (cross-entropy: log-softmax, then the loss) saves its
         # own intermediates, and its backward makes a gradient of each beside its input's
         # (the log-softmax's 2 MiB at the peak of GPT small's tensor-parallel step)
         here += kept_by.other * sc / ways
         transient = max(transient, here)
         heres.append(here)
-        acts.append(sum(v.type.nbytes * sc * _local_fraction(v, lay, cache)
-                        for v, lay in (*held_inputs, *zip(op.outputs, s.outputs))
-                        if v.name not in a.params))
+        acts.append(act)
         # per input, its own copy if it has one (asked only where the op saves the input
         # or an output is a view of it: `SavedBytes.asks`)
         asks = kept_by.asks
