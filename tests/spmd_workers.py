@@ -579,3 +579,32 @@ def _holders(t: torch.Tensor) -> tuple[int, int]:
     tensors and views of it)."""
     storage = t.untyped_storage()
     return t._use_count(), torch._C._storage_Use_Count(storage._cdata)
+
+
+def gradients_on_their_parameters_specs():
+    """On every rank: DTensor parameters laid out by `distribute` (replicated, and one
+    split over dp) give DTensor gradients on the same specs (global shape, placements,
+    strides) matching one process."""
+    import pxform
+
+    gen = torch.Generator().manual_seed(0)
+    params = {"w": torch.randn(4, 3, generator=gen), "v": torch.randn(3, 4, generator=gen)}
+    batch = torch.randn(6, 4, generator=gen)
+
+    def loss(p, x):
+        return ((x @ p["w"]) @ p["v"]).tanh().square().mean()
+
+    step = pxform.shard(loss, mesh=pxform.Mesh({"dp": 2}),
+                        in_specs=({"w": P("dp"), "v": None}, P("dp")))
+    dparams, dbatch = step.distribute(params, batch)
+    _, grads = pxform.value_and_grad(step)(dparams, dbatch)
+    _, ref = pxform.value_and_grad(loss)(params, batch)
+    out = {}
+    for name in ("w", "v"):
+        g, p = grads[name], dparams[name]
+        out[name] = {"type": type(g).__name__, "shared": g._spec is p._spec,
+                     "shape": list(g.shape) == list(p.shape), "local": list(g.to_local().shape),
+                     "placements": list(g.placements) == list(p.placements),
+                     "stride": g.stride() == p.stride(),
+                     "err": (g.full_tensor() - ref[name]).abs().max().item()}
+    return out

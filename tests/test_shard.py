@@ -95,6 +95,17 @@ def test_a_synchronous_collective_returns_once_gloo_has_let_go_of_it(world2):
         assert r["chained"], r
 
 
+def test_dtensor_gradients_share_their_parameters_specs(world2):
+    """A DTensor parameter's gradient is built on the parameter's own spec (not by
+    `DTensor.from_local`, 18 us a gradient here, a millisecond a step of GPT small), so
+    it has the parameter's global shape, placements and strides, and the right values."""
+    for r in world2.run(W.gradients_on_their_parameters_specs):
+        assert r["w"]["local"] == [2, 3] and r["v"]["local"] == [3, 4]  # split, replicated
+        for g in r.values():
+            assert g["type"] == "DTensor" and g["shared"], r
+            assert g["shape"] and g["placements"] and g["stride"] and g["err"] < 1e-6, r
+
+
 def test_bucket_packing_matches_unbucketed_collectives(world2):
     for r in world2.run(W.bucket_packing):
         assert r[1] == 0.0 and r[10**9] == 0.0

@@ -60,19 +60,36 @@ def global_stand_in(x: Any) -> Any:
 
 
 def local_input(leaf: Any, layout: Layout, axes: Any, mesh: AbstractMesh) -> torch.Tensor:
+    """This rank's piece of `leaf` laid out as `layout`, for a program's input: the caller
+    detaches it, so a DTensor already so laid out gives its local tensor as it is (not
+    `to_local()`, an autograd function: 4 us a call, 0.2 ms a step of GPT small's 52
+    parameters here)."""
     if is_dtensor(leaf):
         want = placements(layout, mesh)
         if list(leaf.placements) != want:
-            leaf = leaf.redistribute(placements=want)
-        return leaf.to_local()
+            return leaf.redistribute(placements=want).to_local()
+        return leaf._local_tensor
     if not layout.used_axes():
         return leaf  # replicated: the whole tensor is this rank's piece
     return local_shard(leaf, layout, axes)
 
 
-def to_dtensor(local: torch.Tensor, layout: Layout, mesh: Mesh) -> Any:
-    return DTensor.from_local(local, mesh.device_mesh, placements(layout, mesh.abstract),
-                              run_check=False)
+def to_dtensor(local: torch.Tensor, layout: Layout, mesh: Mesh, like: Any = None) -> Any:
+    """A DTensor of this rank's piece `local` laid out as `layout`. With `like` (the
+    parameter a gradient is of) on the same device mesh, whose placements, local shape,
+    strides, dtype and device `local` shares, it shares `like`'s spec: built directly, not
+    by `DTensor.from_local` (an autograd function that works the global shape out again:
+    18 us a call here, 0.9 ms a step of GPT small's 52 gradients against 0.1), and with
+    `like`'s global shape where a dim is split unevenly, which `from_local` cannot know
+    without communicating."""
+    want = placements(layout, mesh.abstract)
+    if (is_dtensor(like) and like.device_mesh is mesh.device_mesh and not local.requires_grad
+            and list(like.placements) == want):
+        mine = like._local_tensor
+        if (mine.shape == local.shape and mine.stride() == local.stride()
+                and mine.dtype == local.dtype and mine.device == local.device):
+            return DTensor(local, like._spec, requires_grad=False)
+    return DTensor.from_local(local, mesh.device_mesh, want, run_check=False)
 
 
 def wrap_output(local: Any, value: Any, mesh: Mesh) -> Any:

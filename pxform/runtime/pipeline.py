@@ -765,7 +765,7 @@ def run_pipeline(program: PipelineProgram, out_tree: Any, actions: Sequence[Acti
         grad_layout = gradient_layout(layout)
         # DTensor arguments get DTensor gradients with their placements (as run_spmd)
         if mesh is not None and (grad_layout.used_axes() or is_dtensor(leaves[j])):
-            g = to_dtensor(g, grad_layout, mesh)
+            g = to_dtensor(g, grad_layout, mesh, leaves[j])
         flat.append(g)
     return value, regroup_grads(args, grad_argnums, flat)
 

@@ -203,6 +203,6 @@ def run_spmd(program: Program, out_tree: Any, layouts: Sequence[Layout], args: t
         # like the arguments: DTensors (as `distribute` makes them) get DTensors with
         # the same placements, so `p.grad = g` and torch.optim work on them directly;
         # of full tensors, replicated ones get full tensors, sharded ones DTensors
-        wrapped.append(to_dtensor(g, grad_layout, mesh)
+        wrapped.append(to_dtensor(g, grad_layout, mesh, tensor_leaves[index][0])
                        if given[index] or grad_layout.used_axes() else g)
     return SpmdResult(value, regroup_grads(args, grad_argnums, wrapped), buckets.stats)
