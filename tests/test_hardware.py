@@ -968,9 +968,11 @@ def measure_runtime_costs() -> tuple[float, ...]:
 
     # (5 repeats, not the 9 `pxform calibrate` takes: the suite's time; the checks are on
     # signs and magnitudes)
-    hw = runtime_costs(calibrate(sizes=SIZES, repeats=1), repeats=5)
-    return (hw.param_overhead_s, hw.step_overhead_s, hw.action_overhead_s,
-            hw.collective_overhead_s, hw.param_action_overhead_s, hw.weight_op_overhead_s,
+    base = calibrate(sizes=SIZES, repeats=1)
+    hw = runtime_costs(base, repeats=5)
+    return (base.sync_wait, hw.sync_wait, hw.param_overhead_s, hw.step_overhead_s,
+            hw.action_overhead_s, hw.collective_overhead_s, hw.param_action_overhead_s,
+            hw.weight_op_overhead_s,
             hw.op_time_scale, hw.op_step_overhead_s, hw.op_action_overhead_s,
             hw.recompute_overhead_s, hw.relayout_overhead_s, hw.autograd_op_overhead_s,
             hw.autograd_share, hw.receive_stall_s, hw.send_overhead_s,
@@ -980,7 +982,8 @@ def measure_runtime_costs() -> tuple[float, ...]:
 
 
 def test_runtime_costs_are_measured_on_real_programs(world):
-    """`pxform.tools.runtime_costs` times data-parallel steps over 4 and 64 parameters, a
+    """`pxform.tools.runtime_costs` times data-parallel steps over 4 and 64 parameters and
+    the reference transformer's against one device (`sync_wait`'s point at its backward), a
     2-stage pipeline at 2 and 8 microbatches, a tensor-parallel chain at 2 and 26
     layers, the reference transformer's 1F1B pipelines at 2 and 16 microbatches, its
     zero-bubble and interleaved ones (their actions recorded), a reference
@@ -993,10 +996,18 @@ def test_runtime_costs_are_measured_on_real_programs(world):
     asked per weight op: microseconds to a millisecond here, not seconds)."""
     results = world.run(measure_runtime_costs)
     assert results[0] == results[1]
-    per_param, per_step, per_action, per_collective, per_param_action, per_weight_op, \
-        scale, per_op, per_op_action, per_region, per_run, per_node, share, \
+    calibrated_wait, sync_wait, per_param, per_step, per_action, per_collective, \
+        per_param_action, per_weight_op, scale, per_op, per_op_action, per_region, per_run, \
+        per_node, share, \
         per_stall, per_send, per_receive, per_transfer, wait_share, a2a_share, \
         forward_scale, backward_scale, split_share = results[0]
+    # the reference's data-parallel step (32 sequences a rank: a backward of ~25 ms here)
+    # adds where its last gradient bucket meets the peers to the sync-wait curve
+    # `calibrate` measured up to 8 ms: one point beyond the last, the curve still
+    # non-decreasing, and a wait of milliseconds, not a step's worth
+    assert sync_wait[:-1] == calibrated_wait and len(sync_wait) == len(calibrated_wait) + 1
+    (last_gap, last_wait), (gap, wait) = calibrated_wait[-1], sync_wait[-1]
+    assert last_gap < gap < 0.1 and last_wait <= wait < 0.02
     # a reference transformer step at two sizes against its ops timed alone: measured,
     # not the defaults (its ops run somewhat slower in a step, not several times; and
     # microseconds more per op, not milliseconds)

@@ -392,7 +392,9 @@ class Hardware:
             calibration to the next). Piecewise linear in the gap, 0 at and below the
             first point, beyond the last growing as the square root of the gap (a drift
             of independent noise); non-decreasing (`sync_wait_s`; `pxform.runtime.
-            calibrate` measures it; empty: not measured).
+            calibrate` measures it on chains of matmuls up to 8 ms of compute, and
+            `pxform.tools.runtime_costs` adds a point where a data-parallel step's last
+            gradient bucket meets its peers after its backward; empty: not measured).
         recompute_overhead_s: seconds each recompute region costs per microbatch beyond
             the ops it runs again (torch's non-reentrant checkpoint: its frame, the saved
             tensors' hooks, the RNG state, the stop of the recompute, and the region's

@@ -20,10 +20,19 @@ world and returns the profile with them set (`runtime_costs` lists them below):
   parameters read by one `stack` (so the ops do not grow with K), at K = 4 and K = 64: the
   difference over 60. The parameters are laid out by `distribute` (DTensors), as `init`
   and `distribute` give them to `auto`'s users: unwrapping each and wrapping its gradient
-  is most of this cost (until 2026-11-27 plain tensors, and data-parallel plans came out
-  5-15 % under).
+  was most of this cost (until 2026-11-27 plain tensors, and data-parallel plans came out
+  5-15 % under; since the fifty-fifth session, 2026-12-05, the runtime takes a DTensor's
+  local tensor as it is and builds each gradient's DTensor on its parameter's spec,
+  `pxform.runtime.boundary`: GPT small's data-parallel step 4-5 % faster).
 * `step_overhead_s`, per step: the K = 4 step less its 4 parameters, less what the cost
   model prices its ops and its all-reduce at.
+* one more point of `sync_wait` (which `calibrate` measures up to 8 ms of compute on
+  chains of matmuls), where a data-parallel step's last gradient bucket meets its peers
+  after the whole backward: the reference transformer (below) data parallel at
+  `_GRADIENT_WAIT_ROWS` times its largest size per rank, paired with one rank's share on
+  one device per rank; the sharded step, scaled by the one device's price over its
+  measured time, less the model's price, is added to the curve's wait at that step's
+  backward (`_gradient_wait`; since the fifty-fifth session, 2026-12-05).
 * `action_overhead_s` and `op_action_overhead_s`, per pipeline action (one stage's
   forward or backward of one microbatch: the executor, autograd building and walking the
   stage's graph anew each time) and per op of the stage per action, `send_overhead_s`
@@ -263,6 +272,9 @@ def runtime_costs(hw: Hardware, repeats: int = 9) -> Hardware:
     if n > 1:
         ops += model.bucketed_all_reduce(few * _WIDTH * 4.0 * 2 * (n - 1) / n, "dp", axes)
     per_step = max(0.0, t_few - few * per_param - ops)
+    hw = dataclasses.replace(hw, sync_wait=_gradient_wait(
+        dataclasses.replace(hw, param_overhead_s=per_param, step_overhead_s=per_step,
+                            collective_overhead_s=per_collective), gen, repeats))
 
     per_param_action = 0.0
     if n >= 2 and n % 2 == 0:
@@ -666,6 +678,83 @@ _REFERENCE_CUDA = (2, 1024, 8192, 512)
 # third with it.
 _SIZES = ((1, 4), (1, 64), (2, 64), (4, 64), (8, 64))
 _SIZES_CUDA = ((1, 4), (1, 512), (4, 512), (8, 512), (16, 512))
+
+
+_GRADIENT_WAIT_ROWS = 4
+"""The data-parallel reference step of `_gradient_wait` runs this many times the largest
+size's sequences of `_sizes` per rank: 32 of 64 tokens on a CPU, a backward of about 25
+ms here, well beyond `calibrate`'s last sync-wait point (8 ms) and about GPT small's
+data-parallel backward (20 ms). At 16 sequences (12-13 ms) the points came out 1.6-3.7
+ms, steep beyond the 8 ms point's 0.3-1.4 ms, and a faster host would have put the
+backward at or below that point, adding nothing."""
+
+
+def _gradient_wait(hw: Hardware, gen: torch.Generator, repeats: int
+                   ) -> tuple[tuple[float, float], ...]:
+    """`hw.sync_wait` with one more point, where a data-parallel step's last gradient
+    bucket meets its peers: the reference transformer data parallel over the world at
+    `_GRADIENT_WAIT_ROWS` times the largest size of `_sizes` per rank, paired with one
+    rank's share on one device per rank (every rank at once); the sharded step, scaled by
+    the one device's price over its measured time (the machine's speed as the op times
+    were fitted, as `_relayout_costs` scales), less `hw`'s price, is what the wait at the
+    end of its backward costs beyond `hw.sync_wait_s` of that backward. The point is
+    `(backward, sync_wait_s(backward) + residue)`, at least the last point's wait (the
+    curve does not fall), and only beyond the last point; the slowest rank's residue (a
+    step lasts until its slowest rank is done, as `pxform.measure` reports it). Unchanged
+    on one rank, or where the backward is not beyond the last point (a fast device).
+
+    Why: `calibrate` measures the wait on chains of matmuls up to 8 ms of compute, and
+    beyond, the curve grows as the square root of the gap (`Hardware.sync_wait_s`). A
+    training step's backward is longer and not a chain of equal matmuls: GPT small's
+    data-parallel step on 2 gloo ranks was priced 6.8-9.0 % under in the last five plain
+    runs of `benchmarks/accuracy.py` on an Intel host, with the reference program priced
+    1.0-4.4 % under beside it (the fifty-fifth session, 2026-12-05: the reference's
+    data-parallel step at 16 sequences measured 2.3-2.6 ms beyond its price, GPT
+    small's 1.8-2.2 ms, against 0.3-0.5 ms of wait priced from the curve).
+
+    Example (every rank):
+        >>> hw = dataclasses.replace(hw, sync_wait=_gradient_wait(hw, gen, 9))
+    """
+    points = hw.sync_wait
+    n = world.size() if world.initialized() else 1
+    if n < 2 or not points:
+        return points
+    device = default_device()
+    _, _, vocab, _ = _reference_shape(device)
+    rows, seq = max(_sizes(device))
+    rows *= _GRADIENT_WAIT_ROWS
+    params = _reference_params(gen, device)
+    tokens = _on(torch.randint(0, vocab, (rows * n, seq), generator=gen), device)
+    mesh = abstract_mesh(n)
+    try:
+        blocks = len(auto(_reference, mesh=mesh, hardware=hw).plan(params, tokens).blocks)
+        pin = Pin(stages=1, outer=n, inner=1, microbatches=1,
+                  block_options=(Option((("outer", "dp"),), False),) * blocks)
+
+        def priced(curve: tuple[tuple[float, float], ...]) -> float:
+            return auto(_reference, mesh=mesh, memory_margin=0.0, plan=pin,
+                        hardware=dataclasses.replace(hw, sync_wait=curve, calibrations=())
+                        ).plan(params, tokens).step_time_s
+
+        price = priced(points)
+        # the backward's compute the bucket meets the peers after: the price's growth
+        # with a wait equal to the gap (the plan's only wait: data parallel, nothing
+        # converted between blocks)
+        backward = priced(((0.0, 0.0), (1e3, 1e3))) - priced(())
+    except SearchError:  # (every rank alike: planning is deterministic)
+        return points
+    if backward <= points[-1][0]:
+        return points
+    step = auto(_reference, mesh=n, hardware=hw, memory_margin=0.0, plan=pin)
+    sharded = functools.partial(value_and_grad(step), *step.distribute(params, tokens))
+    one_device = functools.partial(value_and_grad(_reference), params, tokens[:rows])
+    alone = program_price(hw, _reference, params, tokens[:rows])
+    measured_alone, longer = _paired(one_device, sharded, 3 * repeats)
+    scaled = (measured_alone + longer) * alone / measured_alone if measured_alone > 0 \
+        else measured_alone + longer
+    residue = max(world.gather_objects(scaled - price)) if n > 1 else scaled - price
+    wait = max(points[-1][1], hw.sync_wait_s(backward) + residue)
+    return (*points, (round(backward, 9), round(wait, 9)))
 
 
 def _per_collective(hw: Hardware, gen: torch.Generator, repeats: int) -> float:
