@@ -708,9 +708,10 @@ def _gradient_wait(hw: Hardware, gen: torch.Generator, repeats: int
     training step's backward is longer and not a chain of equal matmuls: GPT small's
     data-parallel step on 2 gloo ranks was priced 6.8-9.0 % under in the last five plain
     runs of `benchmarks/accuracy.py` on an Intel host, with the reference program priced
-    1.0-4.4 % under beside it (the fifty-fifth session, 2026-12-05: the reference's
-    data-parallel step at 16 sequences measured 2.3-2.6 ms beyond its price, GPT
-    small's 1.8-2.2 ms, against 0.3-0.5 ms of wait priced from the curve).
+    -4.4 to +0.7 % beside it (the fifty-fifth session, 2026-12-05: the reference's
+    data-parallel step at 16 sequences a rank measured 0.6-2.6 ms beyond its price in one
+    calibration, GPT small's 1.8-2.2 ms; at 32 sequences ten calibrations put the point
+    at 1.6-3.5 ms, where the curve had extrapolated 0-2.9 ms from its 8 ms point).
 
     Example (every rank):
         >>> hw = dataclasses.replace(hw, sync_wait=_gradient_wait(hw, gen, 9))
