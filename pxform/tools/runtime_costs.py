@@ -729,8 +729,7 @@ def _gradient_wait(hw: Hardware, gen: torch.Generator, repeats: int
     mesh = abstract_mesh(n)
     try:
         blocks = len(auto(_reference, mesh=mesh, hardware=hw).plan(params, tokens).blocks)
-        pin = Pin(stages=1, outer=n, inner=1, microbatches=1,
-                  block_options=(Option((("outer", "dp"),), False),) * blocks)
+        pin = _dp_pin(n, blocks)
 
         def priced(curve: tuple[tuple[float, float], ...]) -> float:
             return auto(_reference, mesh=mesh, memory_margin=0.0, plan=pin,
@@ -750,12 +749,36 @@ def _gradient_wait(hw: Hardware, gen: torch.Generator, repeats: int
     sharded = functools.partial(value_and_grad(step), *step.distribute(params, tokens))
     one_device = functools.partial(value_and_grad(_reference), params, tokens[:rows])
     alone = program_price(hw, _reference, params, tokens[:rows])
-    measured_alone, longer = _paired(one_device, sharded, 3 * repeats)
-    scaled = (measured_alone + longer) * alone / measured_alone if measured_alone > 0 \
-        else measured_alone + longer
+    scaled = _at_fitted_speed(*_paired(one_device, sharded, 3 * repeats), alone)
     residue = max(world.gather_objects(scaled - price)) if n > 1 else scaled - price
     wait = max(points[-1][1], hw.sync_wait_s(backward) + residue)
     return (*points, (round(backward, 9), round(wait, 9)))
+
+
+def _dp_pin(n: int, blocks: int) -> Pin:
+    """Every one of `blocks` blocks data parallel over all `n` ranks, in one stage.
+
+    Example:
+        >>> _dp_pin(2, 3).block_options[0].roles
+        (('outer', 'dp'),)
+    """
+    return Pin(stages=1, outer=n, inner=1, microbatches=1,
+               block_options=(Option((("outer", "dp"),), False),) * blocks)
+
+
+def _at_fitted_speed(measured_alone: float, longer: float, alone: float) -> float:
+    """A sharded step that took `longer` seconds more than a one-device step timed beside
+    it (`measured_alone` seconds, priced `alone`), at the speed the profile's op times were
+    fitted at: scaled by the one device's price over its measured time (how far the
+    machine has moved since; unscaled when nothing was measured).
+
+    Example:
+        >>> _at_fitted_speed(0.011, 0.004, 0.010)  # the machine 10 % slower than fitted
+        0.013636...
+    """
+    if measured_alone <= 0:
+        return measured_alone + longer
+    return (measured_alone + longer) * alone / measured_alone
 
 
 def _per_collective(hw: Hardware, gen: torch.Generator, repeats: int) -> float:
@@ -1227,8 +1250,7 @@ def _action_costs(hw: Hardware, gen: torch.Generator, repeats: int
         # pins both cut the same blocks)
         dp_blocks = len(auto(_reference, mesh=abstract_mesh(n), hardware=bare,
                              plan=Pin(stages=1)).plan(params, tokens).blocks)
-        dp_pin = Pin(stages=1, outer=n, inner=1, microbatches=1,
-                     block_options=(Option((("outer", "dp"),), False),) * dp_blocks)
+        dp_pin = _dp_pin(n, dp_blocks)
         int_pin, int_call = _interleaved(params, tokens, n, hw, dp_blocks)
         t_dp, t_pipe, t_int = _whole_calls([dp_call, calls[1], int_call], repeats)
         anchors.append((params, (pins[1], int_pin), dp_pin, (t_pipe / t_dp, t_int / t_dp)))
@@ -1746,16 +1768,13 @@ def _relayout_costs(hw: Hardware, gen: torch.Generator, repeats: int
         step = auto(_reference, mesh=n, hardware=bare, memory_margin=0.0, plan=pin)
         sharded = functools.partial(value_and_grad(step), *step.distribute(params, tokens))
         # a run costs about a millisecond, noisy from one pair to the next: thrice the
-        # repeats
-        measured_alone, longer = _paired(one_device, sharded, 3 * repeats)
-        # the sharded step at the speed the profile's op times were fitted at: the one
-        # device's step, timed beside it, says how far the machine has moved since. The
-        # difference of the two steps, as until the thirty-second session, took a drift
-        # for a conversion cost: 6 fits in a row on one profile (2026-11-30) gave 0, 0, 0,
-        # 0.29, 0.46 and 0.18, the last three where the one device ran 25-30 % over its
-        # price; scaled, all six were 0
-        scaled = (measured_alone + longer) * alone / measured_alone if measured_alone > 0 \
-            else measured_alone + longer
+        # repeats. The sharded step at the speed the profile's op times were fitted at:
+        # the one device's step, timed beside it, says how far the machine has moved
+        # since. The difference of the two steps, as until the thirty-second session,
+        # took a drift for a conversion cost: 6 fits in a row on one profile (2026-11-30)
+        # gave 0, 0, 0, 0.29, 0.46 and 0.18, the last three where the one device ran
+        # 25-30 % over its price; scaled, all six were 0
+        scaled = _at_fitted_speed(*_paired(one_device, sharded, 3 * repeats), alone)
         residues.append(scaled - base)
     # each step's compute as the share weighs it with the steps' mean compute before a
     # run in place (`Hardware.relayout_wait_s`)
