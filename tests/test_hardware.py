@@ -1004,10 +1004,12 @@ def test_runtime_costs_are_measured_on_real_programs(world):
     # the reference's data-parallel step (32 sequences a rank: a backward of ~25 ms here)
     # adds where its last gradient bucket meets the peers to the sync-wait curve
     # `calibrate` measured up to 8 ms: one point beyond the last, the curve still
-    # non-decreasing, and a wait of milliseconds, not a step's worth
+    # non-decreasing, and a wait of a share of that backward, not a step's worth. (Bounds
+    # relative to the backward: it ran 23-28 ms on an Intel host, 109 ms on a slower AMD
+    # EPYC one under load, where a bound of 0.1 s failed CI, the fifty-sixth session.)
     assert sync_wait[:-1] == calibrated_wait and len(sync_wait) == len(calibrated_wait) + 1
     (last_gap, last_wait), (gap, wait) = calibrated_wait[-1], sync_wait[-1]
-    assert last_gap < gap < 0.1 and last_wait <= wait < 0.02
+    assert last_gap < gap < 2.0 and last_wait <= wait < 0.5 * gap
     # a reference transformer step at two sizes against its ops timed alone: measured,
     # not the defaults (its ops run somewhat slower in a step, not several times; and
     # microseconds more per op, not milliseconds)
