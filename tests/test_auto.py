@@ -256,6 +256,7 @@ def test_predicted_memory_matches_the_meter(world2, name, the_pin, limit):
 ], ids=["wide-zero3", "wide-zero3-kept", "wide-tp", "wide-tp-recompute", "wide-pp2-m2",
         "wide-pp2-m8-interleaved", "vocab-zero3", "vocab-pp2-m8", "vocab-pp2-m8-shifted",
         "short-pp2-m2", "short-tp-recompute"])
+@pytest.mark.heavy
 def test_predicted_memory_matches_the_meter_on_held_out_shapes(world2, name, shape, the_pin):
     errors = world2.run(W.run_memory_accuracy, the_pin, shape)
     worst = max((e for rank in errors for e in rank), key=abs)

@@ -53,6 +53,7 @@ def test_tensor_parallel_on_2_ranks(world2, name):
 
 
 @pytest.mark.parametrize("name", MODELS)
+@pytest.mark.heavy
 def test_searched_plan_on_4_ranks(world4, name):
     _check(world4.run(H.run_hf, name, None))
 
@@ -130,6 +131,7 @@ def test_zero3_is_priced_per_gather_group_the_runtime_makes(world2):
 
 
 @pytest.mark.parametrize("frozen", ["prefix", "matrices", "stage"])
+@pytest.mark.heavy
 def test_a_frozen_llamas_predicted_peak_is_its_metered_one(world2, frozen):
     """Frozen parameters (`requires_grad=False`) hold no gradient and no optimizer state,
     and a frozen prefix runs no backward. Counted as trained, HF Llama with its embedding

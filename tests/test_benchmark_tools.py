@@ -36,6 +36,7 @@ def accuracy():
     yield from _benchmark("accuracy")
 
 
+@pytest.mark.heavy
 def test_reprice_gives_a_saved_runs_errors_back_and_moves_them_with_the_profile(accuracy,
                                                                                 capsys):
     """A run whose representative calibration already priced the tensor-parallel pairs
@@ -102,6 +103,7 @@ def test_reprice_gives_a_saved_runs_errors_back_and_moves_them_with_the_profile(
             "key") in out
 
 
+@pytest.mark.heavy
 def test_reprice_prices_each_plan_at_the_median_of_the_runs_calibrations(accuracy):
     """By default a saved run's plans are priced with its representative carrying all its
     calibrations (`Hardware.calibrations`): each plan's error is then the median
@@ -187,6 +189,7 @@ def test_the_measured_steps_band_is_the_spread_of_its_median_over_resampled_roun
     assert low > 0.08  # the slow rank's steps (0.08-0.16 s), not the other's
 
 
+@pytest.mark.heavy
 def test_reprice_takes_the_fit_to_the_model_out_of_a_fit_model_run(accuracy, capsys):
     """A `--fit-model` run of the held-out shape (each calibration's op times rescaled to
     the GPT's own step, factors 0.78-0.95): repriced as run, its plans sit within 10 %;
@@ -243,6 +246,7 @@ def test_the_accuracy_benchmarks_memory_only_mode_meters_the_pinned_plans(tmp_pa
     assert not list(tmp_path.iterdir())  # --quick writes nothing
 
 
+@pytest.mark.heavy
 def test_the_accuracy_benchmarks_memory_only_mode_meters_a_hugging_face_model(tmp_path):
     """`--memory-only --hf llama` meters an HF Llama's pinned plans the same way (the
     first two, `--quick`): a model the memory model was never fitted on, within the

@@ -38,6 +38,7 @@ def test_the_zoo_covers_every_family_with_30_models():
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("mode", ["dp", "auto"])
+@pytest.mark.heavy
 def test_every_model_matches_one_process(world2, mode):
     """One test per mode over all models (a failing model is named with its error), so the
     world starts once and a sweep is not 80 separate tests' overhead."""
@@ -62,6 +63,7 @@ def test_every_model_matches_one_process(world2, mode):
 
 
 @pytest.mark.timeout(600)
+@pytest.mark.heavy
 def test_every_plan_lowers_for_64_devices():
     """`auto` lowers its plan on the abstract mesh before returning it (issue 20, item 7),
     so a plan coming back at all is the check; a batch of 64 gives 64 devices room. Every

@@ -31,6 +31,7 @@ def _torchrun(*args: str) -> subprocess.CompletedProcess:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("model", ["gpt2", "bert", "llama"])
+@pytest.mark.heavy
 def test_example_trains_and_matches_one_process(model):
     result = _torchrun("--model", model, "--steps", str(STEPS), "--check",
                        "--dtype", "float64")

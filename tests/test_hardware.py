@@ -373,9 +373,11 @@ def test_calibrate_on_two_gloo_ranks(world, tmp_path):
     assert 1.0 <= hw.overlap_slowdown <= 2.0
     assert "op class" in summary(hw) and "overlap slowdown" in summary(hw)
     # what a blocking all-reduce waits after compute: from 0 right after another, at
-    # gaps up to about 8 ms, non-decreasing, and milliseconds at most, not seconds
+    # gaps up to about 8 ms, non-decreasing, and milliseconds at most, not seconds (the
+    # first gap is one 256-square matmul at least: 0.1 ms on an idle Intel core, 1.6 ms
+    # on a loaded AMD EPYC one in CI, so it is bounded by the last gap, not in seconds)
     gaps, waits = zip(*hw.sync_wait)
-    assert len(gaps) >= 2 and waits[0] == 0.0 and gaps[0] < 1e-3 < gaps[-1]
+    assert len(gaps) >= 2 and waits[0] == 0.0 and gaps[0] < 0.5 * gaps[-1] and gaps[-1] > 1e-3
     assert list(gaps) == sorted(gaps) and list(waits) == sorted(waits) and waits[-1] < 0.02
     assert "sync wait" in summary(hw)
     assert hw.links[0].latency_s > 0 and 0 < hw.links[0].bandwidth < math.inf
@@ -477,6 +479,7 @@ def test_calibrate_checks_its_arguments():
         calibrate(kinds=("bcast",))
 
 
+@pytest.mark.heavy
 def test_main_writes_a_profile(tmp_path, monkeypatch, capsys):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     parser = argparse.ArgumentParser(prog="pxform calibrate")
@@ -546,6 +549,7 @@ def test_median_profile_keeps_the_median_of_every_measured_number():
         median_profile([a, other])
 
 
+@pytest.mark.heavy
 def test_representative_profile_keeps_the_middle_calibration_whole():
     """`representative_profile` (what `pxform calibrate --runs N` writes): each profile
     prices the reference transformer's data-parallel, tensor-parallel and pipelined steps
@@ -601,6 +605,7 @@ def test_representative_profile_keeps_the_middle_calibration_whole():
         representative_profile([fast, one])
 
 
+@pytest.mark.heavy
 def test_the_representative_prices_tensor_parallelism_at_the_calibrations_median():
     """`representative_profile` keeps the middle calibration but for its cost per run of a
     conversion's collectives (`relayout_overhead_s`, which flips between calibrations
@@ -644,6 +649,7 @@ def test_the_representative_prices_tensor_parallelism_at_the_calibrations_median
     assert alone.relayout_overhead_s in {p.relayout_overhead_s for p in ones}
 
 
+@pytest.mark.heavy
 def test_the_representative_moves_the_share_where_the_calibrations_measured_one():
     """Calibrations that measured the conversions' cost per second of compute
     (`relayout_wait_share`, since 2026-11-29) have that share moved, not the cost per run,
@@ -665,6 +671,7 @@ def test_the_representative_moves_the_share_where_the_calibrations_measured_one(
     assert _representative_steps(chosen)[1] == pytest.approx(sorted(pairs)[1], rel=1e-3)
 
 
+@pytest.mark.heavy
 def test_the_representative_costs_an_all_to_all_at_the_calibrations_median():
     """`all_to_all_share` is the noisiest number of a calibration (0 in some, and then the
     search takes all-to-alls for free): the representative's all-to-all cost (its share
@@ -981,6 +988,7 @@ def measure_runtime_costs() -> tuple[float, ...]:
             hw.split_backward_share)
 
 
+@pytest.mark.heavy
 def test_runtime_costs_are_measured_on_real_programs(world):
     """`pxform.tools.runtime_costs` times data-parallel steps over 4 and 64 parameters and
     the reference transformer's against one device (`sync_wait`'s point at its backward), a

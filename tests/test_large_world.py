@@ -20,6 +20,7 @@ def _in_fresh_process(fn, *args):
         return ex.submit(fn, *args).result(timeout=600)
 
 
+@pytest.mark.heavy
 def test_gpt_lowers_for_1024_ranks():
     import large_world
 

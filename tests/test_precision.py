@@ -31,6 +31,7 @@ def reference():
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("mode", ["dp", "zero3", "tp", "pipeline"])
+@pytest.mark.heavy
 def test_bf16_policy_trains_like_float32_and_keeps_float32_state(world2, reference, mode):
     for r in world2.run(W.train, mode):
         # 20 Adam steps: the loss falls by about 1.0 and stays within bf16's rounding of

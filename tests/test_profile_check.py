@@ -241,6 +241,7 @@ def test_the_calibrations_spread_is_each_ones_price_and_past_10_percent_a_warnin
         calibration_spread(hw, tolerance=0)
 
 
+@pytest.mark.heavy
 def test_the_command_finds_a_stale_profile_and_refreshes_it_under_torchrun(tmp_path):
     """`torchrun --nproc-per-node 2 -m pxform check-profile PROFILE`: the ranks exit 3
     (torchrun itself then exits 1, naming the exit code) and rank 0 alone prints the

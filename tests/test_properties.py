@@ -46,6 +46,7 @@ def test_every_op_family_is_drawn():
 @settings(max_examples=2, deadline=None, suppress_health_check=list(HealthCheck),
           phases=[Phase.explicit, Phase.reuse, Phase.generate])
 @given(batch=st.lists(cases(), min_size=CASES_PER_BATCH, max_size=CASES_PER_BATCH))
+@pytest.mark.heavy
 def test_random_chains_match_the_reference(world4, batch):
     results = world4.run(chains.run_cases, batch)
     failures = [(rank, err, desc) for rank, per_rank in enumerate(results)

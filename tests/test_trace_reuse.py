@@ -72,6 +72,7 @@ def _loss(model: torch.nn.Module):
 # ---------------------------------------------------------------- real models
 
 @pytest.mark.timeout(300)
+@pytest.mark.heavy
 def test_every_zoo_model_traces_the_same_ir_with_calls_copied():
     pytest.importorskip("transformers")
     from tests import hf_zoo
