@@ -231,6 +231,7 @@ SHORT = {"num_layers": 2, "d_model": 256, "num_heads": 8, "seq_len": 128}
     ("pp2 m4 shifted", W.pin(2, 1, 1, 4, None, schedule=ScheduleChoice("shifted")), 0.05),
 ], ids=["dp", "zero3", "zero3-kept", "dp+recompute", "tp", "sp", "pp2-m2", "pp2-m8", "pp2-m4-zb",
         "pp2-m8-zb", "pp2-m4-interleaved", "pp2-m8-interleaved", "pp2-m4-shifted"])
+@pytest.mark.heavy
 def test_predicted_memory_matches_the_meter(world2, name, the_pin, limit):
     errors = world2.run(W.run_memory_accuracy, the_pin)
     worst = max((e for rank in errors for e in rank), key=abs)

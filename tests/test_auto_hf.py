@@ -39,6 +39,7 @@ def _check(results: list[dict]) -> dict:
 
 
 @pytest.mark.parametrize("name", MODELS)
+@pytest.mark.heavy
 def test_searched_plan_on_2_ranks(world2, name):
     _check(world2.run(H.run_hf, name, None))
 
@@ -115,6 +116,7 @@ def test_a_pipeline_frees_each_gradient_it_sent_once_it_arrived(world2):
         assert all(abs(e) <= 0.05 for e in worst.values()), (name, worst)
 
 
+@pytest.mark.heavy
 def test_zero3_is_priced_per_gather_group_the_runtime_makes(world2):
     """ZeRO-3's runtime gathers and reduce-scatters per model block (a numbered layer's
     parameters, or those outside any list: `pxform.core.ir.block_name`), one ahead. The

@@ -224,6 +224,7 @@ def test_the_accuracy_benchmark_takes_a_held_out_shape_and_says_what_is_wrong_wi
         accuracy.gpt_config("small:d_model=130")
 
 
+@pytest.mark.heavy
 def test_the_accuracy_benchmarks_memory_only_mode_meters_the_pinned_plans(tmp_path):
     """`--memory-only` plans the pinned cases, meters each once on 2 gloo ranks and prints
     each rank's predicted and measured peak (`--quick`: the first two cases, nothing

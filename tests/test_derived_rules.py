@@ -77,6 +77,7 @@ def model_family_ops(x, grid, counts, points):
 
 @settings(max_examples=4, deadline=None)
 @given(st.sampled_from([(4, 4, 4, 4), (8, 4, 4, 8)]))
+@pytest.mark.heavy
 def test_model_family_rules_are_exact_under_every_strategy(shape):
     x = f64(*shape, seed=7)
     grid = torch.tanh(f64(shape[0], 4, 2, 2, seed=8))

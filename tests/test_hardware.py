@@ -423,6 +423,7 @@ def count_collective_runs() -> dict[str, int]:
     return runs
 
 
+@pytest.mark.heavy
 def test_collectives_are_timed_15_times_at_least(world):
     """`calibrate` times each collective and size at least `_COMM_REPEATS` (15) times,
     whatever `repeats` says: over 5 runs the lower quartile of a bimodal collective landed

@@ -73,6 +73,7 @@ def _run(how: str, **env: str) -> dict:
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("how", ["call", "mesh", "calibrate"])
+@pytest.mark.heavy
 def test_freed_pages_are_reused(how):
     got = _run(how)
     assert got["kept"] is True, got

@@ -22,6 +22,7 @@ def world4():
 
 
 @pytest.mark.parametrize("plan", ["dp", "zero3", "tp", "pp_dp", "pp_zero3"])
+@pytest.mark.heavy
 def test_init_is_bitwise_the_one_process_init_under_every_layout(world4, plan):
     results = world4.run(W.init_matches, plan, 4)
     for rank, r in enumerate(results):

@@ -403,6 +403,7 @@ def world4():
         yield world
 
 
+@pytest.mark.heavy
 def test_variants_on_a_two_by_two_mesh(world4):
     variants = ["nothing", "matmuls", "coshard_heads", "coshard_loss", "overlap"]
     for got in world4.run(R.run_sharded, variants, {"dp": 2, "tp": 2}, "dp", True):

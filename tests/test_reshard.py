@@ -31,6 +31,7 @@ def test_gathered_weights_are_not_kept_for_backward_and_gradients_are_exact(worl
         assert a["peak"] < b["peak"]
 
 
+@pytest.mark.heavy
 def test_zero3_peak_is_the_shards_plus_two_gathered_blocks_on_four_ranks():
     """FSDP2's memory: a step's peak is each rank's parameter and gradient shards, two
     blocks of gathered weights (the one at work and the next, prefetched), the batch and

@@ -267,6 +267,7 @@ def test_checkpoint_saved_on_two_ranks_loads_on_four_with_another_layout(world2,
         assert torch.equal(a, b)
 
 
+@pytest.mark.heavy
 def test_dp_by_tp_on_four_ranks():
     with World(4) as w4:
         params, batch = W.big_mlp_args(batch=8)

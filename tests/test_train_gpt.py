@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from pxform.tools.testing import torchrun as run_torchrun
@@ -70,6 +71,7 @@ def test_check_fails_when_training_differs(tmp_path):
     assert train_gpt.check(cfg, args, torch.float64, logged, moved) == 1
 
 
+@pytest.mark.heavy
 def test_resume_after_a_rank_is_killed(tmp_path):
     # a 2-stage pipeline: each rank checkpoints only the stage it owns
     common = ["--size", "tiny", "--steps", "8", "--ckpt-every", "3", "--log-every", "100",

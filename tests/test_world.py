@@ -116,6 +116,7 @@ def test_a_crashed_rank_is_named_with_its_signal_and_prints_its_stack(capfd):
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.heavy
 def test_a_hung_rank_prints_every_threads_stack_before_it_is_killed(capfd):
     with World(2) as w:
         w.timeout = 5  # started with the default (the process group's rendezvous)
