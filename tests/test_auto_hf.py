@@ -116,6 +116,24 @@ def test_a_pipeline_frees_each_gradient_it_sent_once_it_arrived(world2):
         assert all(abs(e) <= 0.05 for e in worst.values()), (name, worst)
 
 
+def test_a_recomputed_blocks_backward_holds_the_gradients_waiting_for_their_maker(world2):
+    """A recomputed block's backward reaches each op holding, beside what the recompute
+    saved, the gradients made by the ops after it that wait for an op before it: the
+    residual stream's (one storage for all the inputs an add hands its gradient to), and
+    in the first microbatch the block's own parameters' (`blockcost._pending_gradients`).
+    Without them HF RegNet's and OPT's recomputed data-parallel steps came out 9.6 and
+    5.9 % under the meter; counted with the residual add's inputs apart, GPT-NeoX's
+    parallel residual 6.1 % over; and a pipeline stage's input taken for one made again
+    (split over a data axis of one device), RegNet's recomputed pipeline 9.5 % over (the
+    fifty-eighth session; RegNet's pipeline is held to 5 % in the test above). Within 5 %
+    now, on the real meter."""
+    pins = {"dp+recompute": (1, (("outer", "dp"),), True)}
+    for name in ("regnet", "opt", "gpt_neox"):
+        errors = world2.run(H.run_zoo_memory, name, pins)[0]
+        worst = {pin: max(e, key=abs) for pin, e in errors.items()}
+        assert all(abs(e) <= 0.05 for e in worst.values()), (name, worst)
+
+
 @pytest.mark.heavy
 def test_zero3_is_priced_per_gather_group_the_runtime_makes(world2):
     """ZeRO-3's runtime gathers and reduce-scatters per model block (a numbered layer's

@@ -673,7 +673,8 @@ def backward_extra(activations: Sequence[float], grads: Sequence[float],
                    workspaces: Sequence[float], in_flight: int, microbatches: int,
                    packed: float, ends: Sequence[float | None] | None = None,
                    accumulating: Sequence[float] | None = None,
-                   frees: bool = True) -> float:
+                   frees: bool = True,
+                   firsts: Sequence[float] | None = None) -> float:
     """Bytes a stage needs on top of its blocks' summed `peak_bytes` while backward runs,
     per block (in forward order) its activations, parameter gradients and workspace.
 
@@ -698,7 +699,10 @@ def backward_extra(activations: Sequence[float], grads: Sequence[float],
     holds beside the gradients while its backward runs (`accumulation_bytes`), a
     workspace of its own. `frees`: a block's backward of one microbatch comes after the
     blocks after it in the stage freed that microbatch's activations (False where a split
-    backward keeps every graph for its W actions, zero-bubble).
+    backward keeps every graph for its W actions, zero-bubble). `firsts`, per block: its
+    workspace in the first microbatch's backward where that differs (a recomputed block
+    there also holds the gradients of its parameters made so far, which later microbatches
+    find among all the gradients); counted where every microbatch is in flight.
 
     Example:
         >>> # the last block's large workspace comes before the first block's gradients
@@ -707,6 +711,10 @@ def backward_extra(activations: Sequence[float], grads: Sequence[float],
         >>> # a recomputed first block: its 40 bytes of recompute before its own gradients
         >>> backward_extra([10, 10], [30, 30], [40, 5], 1, 1, packed=0, ends=[5, None])
         20.0
+        >>> # ... which in the first microbatch also holds 8 bytes of its own gradients
+        >>> backward_extra([10, 10], [30, 30], [40, 5], 1, 1, packed=0, ends=[5, None],
+        ...                firsts=[48, 5])
+        28.0
         >>> # 2 of 8 microbatches in flight: the first block's 25 bytes come after the
         >>> # second freed its 10 of the microbatch going back
         >>> backward_extra([10, 10], [30, 30], [25, 5], 2, 8, packed=0)
@@ -743,7 +751,7 @@ def backward_extra(activations: Sequence[float], grads: Sequence[float],
     extra = 0.0 if not activations else -math.inf
     freed = sum(over_grad)  # what the max counted beyond every block's gradients
     ahead, behind = 0.0, freed
-    for k, work in enumerate(workspaces):
+    for k, work in enumerate(workspaces if firsts is None else firsts):
         behind -= over_grad[k]
         end = ends[k] if ends is not None else None
         first = work if end is None else max(work - over_act[k], end)

@@ -171,6 +171,10 @@ class WalkCost:
                               # graph as it goes has freed by its largest op (what the
                               # ops after it saved)
     kept_freed_bytes: float = 0.0  # the same without the gathers (ZeRO-3 keeping them)
+    redo_first_bytes: float = 0.0  # `redo_bytes` in the first microbatch's backward:
+                                   # with the gradients of the block's parameters that
+                                   # the ops after the one at work have made (later
+                                   # microbatches' exist anyway, in `grad_bytes`)
 
 
 def _floating(v: Value) -> bool:
@@ -390,6 +394,15 @@ def walk(a: Analysis, block: BlockInfo, strats: list[Strategy], outside: Mapping
     # trace's strides copies them (`SavedBytes.restrides`)
     restrided = any(a.op_saved[k].restrides for k in range(block.start, block.stop))
     kernel_made: set[str] = set()
+    # a recomputed block's backward also holds, at each op, the gradients that wait for
+    # their maker: of values an op after it read and it or an op before it made (the
+    # residual stream's), and in the first microbatch the block's parameters' that the ops
+    # after it made (`_pending_gradients`): value -> (the op making it, -1 for one from
+    # outside the block; its local bytes), and per op what it and the ops before it
+    # hold in a recompute (its `redo` without them)
+    waiting: dict[str, tuple[int, float]] = {}
+    trained: dict[str, float] = {}  # parameter -> its gradient's local bytes where read
+    redo_at: list[float] = []
     for k, s in zip(range(block.start, block.stop), strats):
         op = graph.ops[k]
         ways = _ways(s, axes)
@@ -572,7 +585,14 @@ def walk(a: Analysis, block: BlockInfo, strats: list[Strategy], outside: Mapping
                     uncounted[shared[i]] = storages[i]
                     continue
                 saved += storages[i]
-                if v.name in reads and outside.get(v.name) == s.inputs[i]:
+                # (the input as it came, or a view of it: split over an axis of one
+                # device, a pipeline stage's input on a data axis of 1 is the same tensor;
+                # counted as made again, HF RegNet's recomputed 2-stage pipeline came out
+                # a layer input over the meter on its last stage, +9.5 %)
+                came = outside.get(v.name)
+                if v.name in reads and came is not None and not (
+                        came != s.inputs[i] and (cache.collectives(v, came, s.inputs[i])
+                                                 or cache.copies_storage(v, came, s.inputs[i]))):
                     inputs_saved += storages[i]
             elif shared[i] in uncounted and not (copies and copies[i] is not None):
                 saved += uncounted.pop(shared[i])
@@ -603,8 +623,20 @@ def walk(a: Analysis, block: BlockInfo, strats: list[Strategy], outside: Mapping
         # Its inputs are not made again: `kept` counts them (counted here too, a recomputed
         # tensor-parallel GPT 3 layers of width 192 came out 5.6 % over the meter, its
         # replicated layer input twice: the forty-second session)
-        redo = max(redo, saved - inputs_saved + here)
+        redo_at.append(saved - inputs_saved + here)
         saved_upto.append(saved)
+        for v, lay in zip(op.inputs, s.inputs):
+            if v.name in a.params:
+                if v.name in a.trainable and _floating(v):
+                    trained[v.name] = v.type.nbytes * _local_fraction(v, lay, cache)
+            elif v.name in grads and v.name not in waiting and _floating(v):
+                vs = scale if v.name in batch_values else 1.0
+                have = outside.get(v.name) or Layout.replicated(v.type.rank)
+                waiting[v.name] = (-1, v.type.nbytes * vs * _local_fraction(v, have, cache))
+        for v, lay in zip(op.outputs, s.outputs):
+            if v.name in grads and _floating(v):
+                waiting[v.name] = (k - block.start,
+                                   v.type.nbytes * sc * _local_fraction(v, lay, cache))
         if copies:
             for out, src in zip(op.outputs, aliases):
                 base = copies[src] if src >= 0 else None
@@ -773,6 +805,10 @@ def walk(a: Analysis, block: BlockInfo, strats: list[Strategy], outside: Mapping
                 best = max(best, acts[group.first] + 2 * group.grads + shard)
         return best
 
+    pending, pending_params = _pending_gradients(a, block, waiting, trained, outputs)
+    redo = max((r + p for r, p in zip(redo_at, pending)), default=0.0)
+    redo_first = max((r + p + q for r, p, q in zip(redo_at, pending, pending_params)),
+                     default=0.0)
     plain = transient
     transient = largest(heres, True)
     freed = transient - largest(freed_by, True)
@@ -790,7 +826,100 @@ def walk(a: Analysis, block: BlockInfo, strats: list[Strategy], outside: Mapping
                     weight_compute, weight_out, gather_time if any_backward else 0.0,
                     weight_ops, gathered_saved,
                     weight_held, redo_until + gather_time, largest_grad,
-                    transient - plain, freed, kept_freed)
+                    transient - plain, freed, kept_freed, redo_first + gathered)
+
+
+def _pending_gradients(a: Analysis, block: BlockInfo, waiting: Mapping[str, tuple[int, float]],
+                       trained: Mapping[str, float], outputs: Mapping[str, Layout]
+                       ) -> tuple[list[float], list[float]]:
+    """Per op of `block`, the gradients its backward finds waiting beside its own inputs'
+    and outputs': (1) of the values in `waiting` (value -> the op making it, relative to
+    the block, -1 for one from outside it; its local bytes) that an op after it reads (or
+    a later block: `outputs`) and it or an op before it made, which wait from their last
+    reader's backward to their maker's; (2) of the parameters in `trained` (their
+    gradients' local bytes) that an op after it reads, made in the first microbatch's
+    backward there. A probe of HF OPT's recomputed step had the residual stream's 64 KiB
+    and the second projection's 33 KiB gradient alive at its peak, uncounted (the
+    fifty-sixth session); RegNet's recomputed data-parallel step came out 9.6 % under
+    the meter without them. (x from outside the block read by ops 0 and 2, y made by op 0
+    and read by op 2: at op 1 both x's and y's gradients wait, made by op 2's backward.)
+
+    An add hands its output's gradient to its inputs as it is (`GRAD_PASSTHROUGH`): the
+    inputs whose only reader still to come is that add wait on one storage, counted once
+    (HF GPT-NeoX's parallel residual, x + attention + MLP, came out 6 % over the meter
+    with its layer input's and its attention output's gradients counted apart while its
+    MLP's backward ran); an input with a reader still to come of another kind waits on a
+    sum of its own.
+    """
+    num = block.stop - block.start
+    ops = a.graph.ops
+    readers: dict[str, list[int]] = {}
+    for k in range(block.start, block.stop):
+        for name in {v.name for v in ops[k].inputs}:
+            readers.setdefault(name, []).append(k - block.start)
+    for name in outputs:
+        readers.setdefault(name, []).append(num)
+
+    def passes(i: int, name: str) -> bool:  # does op i hand `name` its output's gradient?
+        op = ops[block.start + i]
+        return op.target in GRAD_PASSTHROUGH and any(
+            v.name == name and v.type == op.outputs[0].type for v in op.inputs)
+
+    def storage(i: int) -> int:
+        # the add whose output's gradient add i's is: its own, or that of the add its
+        # output goes to alone (x + attention + MLP is two adds and one gradient)
+        out = ops[block.start + i].outputs[0].name
+        at = readers.get(out, [])
+        while len(at) == 1 and at[0] < num and passes(at[0], out):
+            i = at[0]
+            out = ops[block.start + i].outputs[0].name
+            at = readers.get(out, [])
+        return i
+
+    diff = [0.0] * (num + 1)
+    # per add (its index), the spans its inputs wait on its output's gradient, its bytes,
+    # and the ops whose outputs' gradient it is too: their own, counted in their transient
+    shared: dict[int, tuple[list[tuple[int, int]], float, set[int]]] = {}
+    for name, (made, nbytes) in waiting.items():
+        at = readers.get(name, [])
+        if not at:
+            continue
+        end = at[-1]
+        if end < num and passes(end, name):
+            before = at[-2] if len(at) > 1 else made
+            spans, _, makers = shared.setdefault(storage(end), ([], nbytes, set()))
+            spans.append((before, end))
+            if len(at) == 1:
+                makers.add(made)
+            end = before
+        # its own storage between its maker and that reader, less at the readers between
+        # (an input's gradient there is the op's own, counted in its transient)
+        if end - made >= 2:
+            diff[made + 1] += nbytes
+            diff[end] -= nbytes
+            for r in at:
+                if made < r < end:
+                    diff[r] -= nbytes
+                    diff[r + 1] += nbytes
+    for spans, nbytes, makers in shared.values():
+        covered: set[int] = set()
+        for lo, hi in spans:
+            covered.update(range(lo + 1, hi))
+        for r in covered - makers:
+            diff[r] += nbytes
+            diff[r + 1] -= nbytes
+    params = [0.0] * (num + 1)
+    for name, nbytes in trained.items():
+        params[0] += nbytes
+        params[max(readers.get(name, [0]))] -= nbytes
+    pending, pending_params = [], []
+    run = run_params = 0.0
+    for i in range(num):
+        run += diff[i]
+        run_params += params[i]
+        pending.append(run)
+        pending_params.append(run_params)
+    return pending, pending_params
 
 
 def sync_waits(sequence: list[tuple[float, int]], wait: Callable[[float], float]) -> float:

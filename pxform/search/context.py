@@ -69,6 +69,8 @@ class OptionCost:
     largest_grad: float = 0.0  # its largest parameter's gradient (`WalkCost`)
     freed: float = 0.0  # of `transient`, what a backward that frees its graph as it goes
                         # has freed by then (`WalkCost.freed_bytes`; not zero-bubble's B)
+    redo_first: float | None = None  # `redo` in the first microbatch's backward
+                                     # (`WalkCost.redo_first_bytes`)
 
     def step_time(self, m: int) -> float:
         return m * (self.forward + self.backward) + self.step_extra
@@ -88,12 +90,15 @@ class OptionCost:
             return 0.0
         return waits * self.weight_out + in_flight * self.weight_held
 
-    def workspace(self, recompute: bool, frees: bool = True) -> float:
+    def workspace(self, recompute: bool, frees: bool = True, first: bool = False) -> float:
         """Bytes alive only while this block's backward runs
         (`pxform.cost.model.workspace_bytes`); `frees`: its backward frees the graph as
-        it goes (False for zero-bubble's B, which keeps it for W)."""
+        it goes (False for zero-bubble's B, which keeps it for W); `first`: in the first
+        microbatch's backward, where a recompute also holds the gradients of the block's
+        parameters made so far (`redo_first`)."""
         transient = self.transient - (self.freed if frees else 0.0)
-        return workspace_bytes(transient, self.saved, recompute, self.redo)
+        redo = self.redo_first if first and self.redo_first is not None else self.redo
+        return workspace_bytes(transient, self.saved, recompute, redo)
 
 
 

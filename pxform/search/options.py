@@ -145,7 +145,7 @@ def _fields(w: WalkCost) -> tuple[float, ...]:
             w.packed_inner, w.redo_bytes, w.bwd_compute, w.weight_compute,
             w.weight_out_bytes, w.gather_s, w.weight_ops, w.gathered_saved_bytes,
             w.weight_held_bytes, w.redo_fwd, w.largest_grad_bytes,
-            w.gather_transient_bytes, w.freed_bytes, w.kept_freed_bytes)
+            w.gather_transient_bytes, w.freed_bytes, w.kept_freed_bytes, w.redo_first_bytes)
 
 
 def _walk_at(ctx: SearchContext, block: BlockInfo, config: Config, option: Option,
@@ -214,7 +214,7 @@ def option_cost(ctx: SearchContext, block: BlockInfo, config: Config, option: Op
                       transient, w.packed_bytes, w.redo_bytes, w.packed_outer,
                       w.packed_inner, w.weight_compute, w.weight_out_bytes,
                       round(w.weight_ops), w.weight_held_bytes, w.largest_grad_bytes,
-                      freed)
+                      freed, w.redo_first_bytes)
 
 
 

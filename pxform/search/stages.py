@@ -213,7 +213,9 @@ def _extra(tables: Sequence[OptionTable], idx: list[int], choices: Sequence[int]
                            flight, m,
                            sum(c.packed for c in costs),
                            [c.transient if r else None for c, r in zip(costs, redo)],
-                           summing, frees=not waits)
+                           summing, frees=not waits,
+                           firsts=[c.workspace(r, not waits, first=True)
+                                   for c, r in zip(costs, redo)])
     if not waits:
         return extra
     return max(extra, weight_pool_bytes([c.grads for c in costs] + list(lent),
