@@ -590,9 +590,9 @@ def walk(a: Analysis, block: BlockInfo, strats: list[Strategy], outside: Mapping
                 # counted as made again, HF RegNet's recomputed 2-stage pipeline came out
                 # a layer input over the meter on its last stage, +9.5 %)
                 came = outside.get(v.name)
-                if v.name in reads and came is not None and not (
-                        came != s.inputs[i] and (cache.collectives(v, came, s.inputs[i])
-                                                 or cache.copies_storage(v, came, s.inputs[i]))):
+                if v.name in reads and came is not None \
+                        and not cache.collectives(v, came, s.inputs[i]) \
+                        and not cache.copies_storage(v, came, s.inputs[i]):
                     inputs_saved += storages[i]
             elif shared[i] in uncounted and not (copies and copies[i] is not None):
                 saved += uncounted.pop(shared[i])
