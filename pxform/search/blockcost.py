@@ -139,7 +139,8 @@ class WalkCost:
     packed_outer: float = 0.0  # of which sent over the outer axis (ring volume), and
     packed_inner: float = 0.0  # over the inner: priced per step (`bucketed_all_reduce`)
     redo_bytes: float = 0.0  # the peak of its backward when recomputed: what its ops up
-                             # to the one at work save, plus that op's transient
+                             # to the one at work save, plus that op's transient and the
+                             # gradients waiting for their maker (`_pending_gradients`)
     bwd_compute: float = 0.0  # the backward of its ops (`CostModel.op_times`)
     weight_compute: float = 0.0  # of which the weight gradients: what a zero-bubble
                                  # schedule's W action runs (ops reading a weight and an
@@ -359,7 +360,7 @@ def walk(a: Analysis, block: BlockInfo, strats: list[Strategy], outside: Mapping
     # activation collectives on the critical path (`sync_waits`): ranks meet at each
     fwd_seq: list[tuple[float, int]] = []  # per op: its inputs' collectives, then its compute
     bwd_seq: list[tuple[float, int]] = []  # per op: its backward, then its inputs' gradients'
-    redo = bwd_compute = weight_compute = weight_out = weight_ops = weight_held = 0.0
+    bwd_compute = weight_compute = weight_out = weight_ops = weight_held = 0.0
     # the forward so far, and up to where a recompute must run (`WalkCost.redo_fwd`)
     ran = redo_until = 0.0
     redo_runs = 0  # the forward's `fwd_seq` up to there: its collectives meet again
@@ -402,6 +403,7 @@ def walk(a: Analysis, block: BlockInfo, strats: list[Strategy], outside: Mapping
     # hold in a recompute (its `redo` without them)
     waiting: dict[str, tuple[int, float]] = {}
     trained: dict[str, float] = {}  # parameter -> its gradient's local bytes where read
+    readers: dict[str, list[int]] = {}  # value -> the ops reading it, relative to the block
     redo_at: list[float] = []
     for k, s in zip(range(block.start, block.stop), strats):
         op = graph.ops[k]
@@ -625,6 +627,8 @@ def walk(a: Analysis, block: BlockInfo, strats: list[Strategy], outside: Mapping
         # replicated layer input twice: the forty-second session)
         redo_at.append(saved - inputs_saved + here)
         saved_upto.append(saved)
+        for name in {v.name for v in op.inputs}:
+            readers.setdefault(name, []).append(k - block.start)
         for v, lay in zip(op.inputs, s.inputs):
             if v.name in a.params:
                 if v.name in a.trainable and _floating(v):
@@ -805,7 +809,9 @@ def walk(a: Analysis, block: BlockInfo, strats: list[Strategy], outside: Mapping
                 best = max(best, acts[group.first] + 2 * group.grads + shard)
         return best
 
-    pending, pending_params = _pending_gradients(a, block, waiting, trained, outputs)
+    for name in outputs:  # (read after the block)
+        readers.setdefault(name, []).append(block.stop - block.start)
+    pending, pending_params = _pending_gradients(a, block, waiting, trained, readers)
     redo = max((r + p for r, p in zip(redo_at, pending)), default=0.0)
     redo_first = max((r + p + q for r, p, q in zip(redo_at, pending, pending_params)),
                      default=0.0)
@@ -830,13 +836,14 @@ def walk(a: Analysis, block: BlockInfo, strats: list[Strategy], outside: Mapping
 
 
 def _pending_gradients(a: Analysis, block: BlockInfo, waiting: Mapping[str, tuple[int, float]],
-                       trained: Mapping[str, float], outputs: Mapping[str, Layout]
+                       trained: Mapping[str, float], readers: Mapping[str, list[int]]
                        ) -> tuple[list[float], list[float]]:
     """Per op of `block`, the gradients its backward finds waiting beside its own inputs'
     and outputs': (1) of the values in `waiting` (value -> the op making it, relative to
-    the block, -1 for one from outside it; its local bytes) that an op after it reads (or
-    a later block: `outputs`) and it or an op before it made, which wait from their last
-    reader's backward to their maker's; (2) of the parameters in `trained` (their
+    the block, -1 for one from outside it; its local bytes) that an op after it reads
+    (`readers`: per value the ops of the block reading it in order, relative to the block,
+    and the block's length for a later block) and it or an op before it made, which wait
+    from their last reader's backward to their maker's; (2) of the parameters in `trained` (their
     gradients' local bytes) that an op after it reads, made in the first microbatch's
     backward there. A probe of HF OPT's recomputed step had the residual stream's 64 KiB
     and the second projection's 33 KiB gradient alive at its peak, uncounted (the
@@ -853,12 +860,6 @@ def _pending_gradients(a: Analysis, block: BlockInfo, waiting: Mapping[str, tupl
     """
     num = block.stop - block.start
     ops = a.graph.ops
-    readers: dict[str, list[int]] = {}
-    for k in range(block.start, block.stop):
-        for name in {v.name for v in ops[k].inputs}:
-            readers.setdefault(name, []).append(k - block.start)
-    for name in outputs:
-        readers.setdefault(name, []).append(num)
 
     def passes(i: int, name: str) -> bool:  # does op i hand `name` its output's gradient?
         op = ops[block.start + i]
